@@ -1,0 +1,23 @@
+"""The ``specplay`` entry point: the desktop app without arguments, the headless CLI with a command.
+
+Kept free of Qt imports at module level so headless commands never load Qt.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] not in ("--gui",):
+        from core.cli import main as cli_main
+
+        return cli_main(argv)
+    from app.main import run_app
+
+    return run_app(argv[1:] if argv else [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

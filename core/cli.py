@@ -1,0 +1,322 @@
+"""The headless command line: ``specplay run | compare | models | ...``.
+
+Expected failures (a missing model, a bad option) print one line on stderr and exit 1;
+nothing here imports Qt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import typing
+from pathlib import Path
+
+from core.errors import SpecPlayError
+
+log = logging.getLogger("specplay")
+
+
+# --------------------------------------------------------------------------- helpers
+class _Progress:
+    """Conversion/loading progress on stderr: one updating line on a terminal, else one line per stage."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.stage = None
+        self.shown = -1
+
+    def __call__(self, stage: str, fraction: float | None) -> None:
+        if self.tty:
+            pct = "" if fraction is None else f" {fraction:5.1%}"
+            self.stream.write(f"\r\033[K{stage}{pct}")
+            if fraction is not None and fraction >= 1.0:
+                self.stream.write("\n")
+            self.stream.flush()
+            return
+        decile = -1 if fraction is None else int(fraction * 10)
+        if stage != self.stage or decile != self.shown and decile in (0, 5, 10):
+            pct = "" if fraction is None else f" {fraction:.0%}"
+            print(f"{stage}{pct}", file=self.stream, flush=True)
+            self.stage, self.shown = stage, decile
+
+
+def _field_type(cls, f: dataclasses.Field):
+    hints = typing.get_type_hints(cls)
+    t = hints.get(f.name, str)
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    return args[0] if args else t
+
+
+def method_options() -> dict[str, dict]:
+    """Every method option across methods: flag -> {dest, type, help, fields: [(method, field)]}."""
+    from core.methods import METHODS
+
+    opts: dict[str, dict] = {}
+    for spec in METHODS.values():
+        for f in dataclasses.fields(spec.config_class):
+            flag = f.metadata.get("cli") or "--" + f.name.replace("_", "-")
+            typ = _field_type(spec.config_class, f)
+            entry = opts.setdefault(flag, {"dest": "m_" + flag[2:].replace("-", "_"), "type": typ, "helps": [],
+                                           "fields": []})
+            if entry["type"] is not typ:
+                raise TypeError(f"option {flag} has different types across methods")
+            entry["helps"].append(f"{spec.name}: {f.metadata.get('help', '')} (default {f.default})")
+            entry["fields"].append((spec.name, f.name))
+    return opts
+
+
+def add_method_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("method options (each applies to the methods that have it)")
+    for flag, o in method_options().items():
+        help_text = "; ".join(o["helps"]).replace("%", "%%")
+        if o["type"] is bool:
+            group.add_argument(flag, dest=o["dest"], action="store_const", const=True, default=None, help=help_text)
+        else:
+            group.add_argument(flag, dest=o["dest"], type=o["type"], default=None, help=help_text)
+
+
+def config_for(method: str, args: argparse.Namespace):
+    """Build ``method``'s typed configuration from the command-line options that apply to it."""
+    from core.methods import get_spec
+
+    spec = get_spec(method)
+    values = {}
+    for o in method_options().values():
+        value = getattr(args, o["dest"], None)
+        for m, field_name in o["fields"]:
+            if m == method and value is not None:
+                values[field_name] = value
+    return spec.config_class(**values)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog id, folder, .gguf file or cached hub id (default {DEFAULT_TARGET})")
+    g.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for 'speculative' (default {DEFAULT_DRAFT})")
+    g.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16, float64, int8 (CPU)")
+    g.add_argument("--backend", default="auto", choices=["auto", "native", "transformers"], help=argparse.SUPPRESS)
+
+
+def _add_generation_args(p: argparse.ArgumentParser, prompt_required: bool = True) -> None:
+    g = p.add_argument_group("generation")
+    src = g.add_mutually_exclusive_group(required=prompt_required)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--log", type=Path, help="append the run record(s) as JSON lines to this file")
+
+
+def _prompt_text(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        return args.prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecPlayError(f"{args.prompt_file} is not valid UTF-8 (byte {exc.start})") from None
+    except OSError as exc:
+        raise SpecPlayError(f"cannot read {args.prompt_file}: {exc.strerror}") from None
+
+
+def _generation_config(args):
+    from core.types import GenerationConfig, SamplingConfig
+
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
+                            sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+
+
+def _load_models(args, need_draft: bool):
+    from core.models.loader import check_draft_compatible, load_model
+
+    progress = _Progress()
+    target = load_model(args.target, args.device, args.dtype, backend=args.backend, progress=progress)
+    for note in target.notes:
+        print(f"note: {target.spec}: {note}", file=sys.stderr)
+    draft = None
+    if need_draft:
+        draft = load_model(args.draft, args.device, args.dtype, backend=args.backend, progress=progress)
+        for note in draft.notes:
+            print(f"note: {draft.spec}: {note}", file=sys.stderr)
+        for warning in check_draft_compatible(target, draft):
+            print(f"warning: {warning}", file=sys.stderr)
+    return target, draft
+
+
+def _methods_from(text: str) -> list[str]:
+    from core.methods import get_spec
+
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise SpecPlayError("no methods given")
+    for n in names:
+        get_spec(n)
+    return names
+
+
+# --------------------------------------------------------------------------- commands
+def cmd_run(args) -> int:
+    from core.engine import drain, generate
+    from core.methods import build_method, get_spec
+    from core.runlog import append_jsonl, dumps, run_record
+    from core.text import encode_prompt
+
+    spec = get_spec(args.method)
+    method_config = config_for(args.method, args)
+    gen_config = _generation_config(args)
+    prompt = _prompt_text(args)
+    if not prompt.strip():
+        raise SpecPlayError("the prompt is empty")
+    target, draft = _load_models(args, spec.needs_draft)
+    ids = encode_prompt(target.tokenizer, prompt, chat_template=not args.no_chat_template)
+    method = build_method(args.method, method_config, target, draft)
+
+    def stream(event):
+        if not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+
+    result = drain(generate(target.model, target.tokenizer, method, ids, gen_config), stream)
+    record = run_record(result, target=target, draft=draft, prompt=prompt)
+    if args.json:
+        print(dumps(record))
+    else:
+        m = result.metrics
+        print(file=sys.stdout)
+        print(f"[{result.method}] {m.new_tokens} tokens in {m.wall_time:.2f} s = {m.tokens_per_s:.2f} tok/s, "
+              f"τ {m.mean_accepted:.2f}, {m.steps} steps, stop: {result.stop_reason.value}", file=sys.stderr)
+    if args.log:
+        append_jsonl(args.log, [run_record(result, target=target, draft=draft, prompt=prompt, include_events=True)])
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from core.compare import compare_methods, format_table
+    from core.methods import get_spec
+    from core.runlog import append_jsonl, dumps
+    from core.text import encode_prompt
+
+    names = _methods_from(args.methods)
+    if "autoregressive" not in names:
+        names.insert(0, "autoregressive")
+    configs = {n: config_for(n, args) for n in names}
+    gen_config = _generation_config(args)
+    prompt = _prompt_text(args)
+    if not prompt.strip():
+        raise SpecPlayError("the prompt is empty")
+    target, draft = _load_models(args, any(get_spec(n).needs_draft for n in names))
+    ids = encode_prompt(target.tokenizer, prompt, chat_template=not args.no_chat_template)
+
+    def progress(name, result):
+        if not args.json:
+            print(f"{name}: {result.metrics.tokens_per_s:.2f} tok/s", file=sys.stderr)
+
+    comparison = compare_methods(target, draft, names, configs, ids, gen_config, prompt=prompt,
+                                 warmup_tokens=args.warmup_tokens, on_run=progress)
+    if args.json:
+        print(dumps({"runs": comparison.records, "baseline": "autoregressive"}))
+    else:
+        print(format_table(comparison.records))
+    if args.log:
+        append_jsonl(args.log, comparison.records_with_events)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from core.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
+    from core.models.convert import converted_dir_for, is_converted, prepare_catalog_model
+
+    if args.models_command == "list":
+        for e in CATALOG.values():
+            role = " (default target)" if e.id == DEFAULT_TARGET else " (default draft)" if e.id == DEFAULT_DRAFT else ""
+            state = "ready" if is_converted(converted_dir_for(e.id)) else ("installed" if e.installed() else "not installed")
+            print(f"{e.id:32s} {state:14s} {e.title}{role}")
+            if state == "not installed":
+                print(f"{'':32s} install: {e.install_hint}")
+        return 0
+    ids = args.ids or [DEFAULT_TARGET, DEFAULT_DRAFT]
+    for model_id in ids:
+        path = prepare_catalog_model(get_entry(model_id), _Progress())
+        print(f"{model_id}: {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from core.methods import METHODS
+
+    parser = argparse.ArgumentParser(
+        prog="specplay",
+        description="SpecPlay: lossless LLM inference acceleration, compared and shown. "
+                    "Without a command, the desktop app opens.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="generate with one method and stream the text")
+    p.add_argument("--method", default="autoregressive", choices=list(METHODS))
+    _add_generation_args(p)
+    _add_model_args(p)
+    add_method_options(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("compare", help="run several methods on the same prompt and compare them")
+    p.add_argument("--methods", required=True, help=f"comma-separated, from: {', '.join(METHODS)}")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation per method (0 = none)")
+    _add_generation_args(p)
+    _add_model_args(p)
+    add_method_options(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("models", help="list or prepare the built-in models")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="the catalog and what is installed")
+    pp = msub.add_parser("prepare", help="assemble, verify and convert catalog models ahead of time")
+    pp.add_argument("ids", nargs="*", help="catalog ids (default: the default target and draft)")
+    p.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        _quiet_libraries()
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except SpecPlayError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _quiet_libraries() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass

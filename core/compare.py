@@ -1,0 +1,70 @@
+"""Run several methods on the same prompt, seed and settings, one after another, and compare.
+
+Speedup is tokens/s over the ``autoregressive`` baseline's in the same run; at temperature
+0 every output must equal the baseline's token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from core.engine import drain, generate
+from core.methods import build_method
+from core.runlog import run_record
+from core.types import GenerationConfig, RunResult
+
+
+@dataclass
+class Comparison:
+    results: dict[str, RunResult] = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
+    records_with_events: list[dict] = field(default_factory=list)
+
+
+def annotate(records: list[dict], greedy: bool, baseline: str = "autoregressive") -> None:
+    """Add ``speedup`` and ``identical_to_baseline`` to each record, in place."""
+    base = next((r for r in records if r["method"] == baseline), None)
+    for r in records:
+        if base is None:
+            r["speedup"], r["identical_to_baseline"] = None, None
+            continue
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+        r["identical_to_baseline"] = (r["token_ids"] == base["token_ids"]) if greedy else None
+
+
+def compare_methods(target, draft, names: list[str], configs: dict, prompt_ids: list[int], config: GenerationConfig,
+                    *, prompt: str | None = None, warmup_tokens: int = 8,
+                    on_run: Callable[[str, RunResult], None] | None = None,
+                    should_stop: Callable[[], bool] | None = None) -> Comparison:
+    out = Comparison()
+    for name in names:
+        method = build_method(name, configs.get(name), target, draft)
+        if warmup_tokens > 0:
+            warm = GenerationConfig(max_new_tokens=warmup_tokens, sampling=config.sampling)
+            drain(generate(target.model, target.tokenizer, method, prompt_ids, warm))
+        result = drain(generate(target.model, target.tokenizer, method, prompt_ids, config, should_stop))
+        out.results[name] = result
+        out.records.append(run_record(result, target=target, draft=draft, prompt=prompt))
+        out.records_with_events.append(run_record(result, target=target, draft=draft, prompt=prompt,
+                                                  include_events=True))
+        if on_run:
+            on_run(name, result)
+        if result.cancelled:
+            break
+    annotate(out.records, config.sampling.greedy)
+    annotate(out.records_with_events, config.sampling.greedy)
+    return out
+
+
+def format_table(records: list[dict]) -> str:
+    head = f"{'method':16s} {'tok/s':>8s} {'speedup':>8s} {'τ':>6s} {'accept':>7s} {'tokens':>7s}  identical"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
+        acc = "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.0%}"
+        ident = {True: "✓", False: "✗ DIFFERENT", None: "-"}[r.get("identical_to_baseline")]
+        lossy = " (lossy)" if r.get("lossy") else ""
+        lines.append(f"{r['method'] + lossy:16s} {r['tokens_per_s']:8.2f} {sp:>8s} {r['mean_accepted']:6.2f} "
+                     f"{acc:>7s} {r['new_tokens']:7d}  {ident}")
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""The decoding loop every method plugs into: propose -> verify -> commit -> observe.
+
+:func:`generate` is a generator of :class:`~core.types.StepEvent`; its return value (the
+``StopIteration`` value, or :func:`drain`'s result) is the :class:`~core.types.RunResult`.
+It checks ``should_stop`` between steps, so a cancelled run returns what it produced.
+
+Invariant: the target's KV cache holds every token of the sequence except the last one,
+which is the root of the next draft. A step runs [root, draft nodes..., aux tokens...] in
+one forward pass, so the root's logits judge the first draft token and the logits of an
+accepted node judge its children.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Generator
+
+import torch
+
+from core.errors import ConfigError
+from core.methods.base import Method, RunContext, StepOutcome
+from core.metrics import MetricsRecorder
+from core.models.base import CausalLM
+from core.text import Detokenizer
+from core.tree import ancestor_mask
+from core.types import (Draft, Fate, GenerationConfig, RunResult, StepEvent, StepTiming, StopReason, TokenEvent,
+                        Verdict)
+from core.verification import verify
+
+
+def _forward_inputs(draft: Draft, root: int, base: int):
+    """Tokens, positions and mask for [root, draft nodes, aux tokens] (None = plain causal chain)."""
+    tokens = [root] + draft.tokens + draft.aux_tokens
+    if draft.is_chain and not draft.aux_tokens:
+        return tokens, None, None
+    depths = draft.depths()
+    positions = [base] + [base + d for d in depths] + list(draft.aux_positions)
+    n = len(draft) + 1
+    m = len(draft.aux_tokens)
+    mask = torch.zeros(n + m, n + m, dtype=torch.bool)
+    mask[:n, :n] = ancestor_mask(draft.parents)
+    if m:
+        mask[n:] = draft.aux_mask
+    return tokens, torch.tensor(positions), mask
+
+
+def _token_events(draft: Draft, verdict: Verdict, committed: list[int], pieces: list[str],
+                  detok: Detokenizer) -> list[TokenEvent]:
+    """Committed tokens in order, with the rejected candidates tried at a position placed before it."""
+    depths = draft.depths()
+    q_tok = draft.q_token or [None] * len(draft)
+    path = verdict.accepted
+    last = path[-1] if path else -1
+    tried_at_end = [i for i, p in enumerate(draft.parents) if p == last and verdict.fates[i] is Fate.REJECTED]
+    if draft.is_chain:
+        tried_at_end = [i for i in range(len(draft)) if verdict.fates[i] is Fate.REJECTED]
+
+    def node_event(i: int, text: str) -> TokenEvent:
+        return TokenEvent(token_id=draft.tokens[i], text=text, fate=verdict.fates[i], depth=depths[i], node=i,
+                          p=verdict.p[i], q=q_tok[i], u=verdict.u[i], accept_prob=verdict.accept_prob[i])
+
+    events = []
+    for k, tok in enumerate(committed):
+        if k < len(path):
+            events.append(node_event(path[k], pieces[k]))
+            continue
+        for i in tried_at_end:
+            events.append(node_event(i, detok.piece(draft.tokens[i])))
+        events.append(TokenEvent(token_id=tok, text=pieces[k], fate=verdict.next_fate, depth=0, node=-1,
+                                 p=verdict.next_p))
+    return events
+
+
+def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int], config: GenerationConfig,
+             should_stop: Callable[[], bool] | None = None) -> Generator[StepEvent, None, RunResult]:
+    """Decode ``prompt_ids`` with ``method``; yield one event per step, return the run."""
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty")
+    needed = len(prompt_ids) + config.max_new_tokens + method.max_draft_nodes + 1
+    if needed > target.info.max_positions:
+        raise ConfigError(
+            f"prompt ({len(prompt_ids)} tokens) + max new tokens ({config.max_new_tokens}) exceeds the model's "
+            f"context of {target.info.max_positions} tokens"
+        )
+    should_stop = should_stop or (lambda: False)
+    eos = set(target.info.eos_token_ids) if config.stop_at_eos else set()
+    seed = config.sampling.seed
+    verify_gen = torch.Generator().manual_seed(seed)
+    ctx = RunContext(target=target, tokens=list(prompt_ids), prompt_len=len(prompt_ids), config=config,
+                     draft_generator=torch.Generator().manual_seed(seed + 1), eos_token_ids=tuple(eos))
+    metrics = MetricsRecorder()
+    detok = Detokenizer(tokenizer)
+    events: list[StepEvent] = []
+    max_stop = max((len(s) for s in config.stop_strings), default=0)
+
+    t_start = time.perf_counter()
+    target.reset()
+    if len(prompt_ids) > 1:
+        target.forward_chain(prompt_ids[:-1])
+    method.start(ctx)
+    prefill_time = time.perf_counter() - t_start
+
+    stop: StopReason | None = None
+    text = ""
+    step = 0
+    while stop is None:
+        if should_stop():
+            stop = StopReason.CANCELLED
+            break
+        remaining = config.max_new_tokens - ctx.new_tokens
+        t0 = time.perf_counter()
+        draft = method.propose(ctx, remaining - 1)
+        t1 = time.perf_counter()
+        tokens, positions, mask = _forward_inputs(draft, ctx.tokens[-1], target.cache_len)
+        out = target.forward(tokens, positions, mask, hidden=method.needs_hidden)
+        verdict = verify(draft, out.logits, config.sampling, verify_gen)
+        t2 = time.perf_counter()
+
+        kept_rows = [0] + [i + 1 for i in verdict.accepted]
+        target.commit(kept_rows)
+        new = [draft.tokens[i] for i in verdict.accepted] + [verdict.next_token]
+        for k, tok in enumerate(new):
+            if tok in eos:
+                new, stop = new[: k + 1], StopReason.EOS
+                break
+        if len(new) >= remaining:
+            new = new[:remaining]
+            stop = stop or StopReason.MAX_TOKENS
+        ctx.tokens.extend(new)
+        pieces = detok.add(new)
+        step_text = "".join(pieces)
+        if max_stop:
+            # A stop string may straddle steps; the text streamed so far may then already show
+            # its first characters, but the run's text ends right before it.
+            tail_from = max(0, len(text) - max_stop + 1)
+            window = text[tail_from:] + step_text
+            hits = [window.find(s) for s in config.stop_strings if s in window]
+            if hits:
+                cut = tail_from + min(hits)
+                step_text = step_text[: max(0, cut - len(text))]
+                text = text[:cut]
+                stop = StopReason.STOP_STRING
+        text += step_text
+        t3 = time.perf_counter()
+        if stop is None:
+            method.observe(ctx, StepOutcome(draft=draft, verdict=verdict, target_out=out, kept_rows=kept_rows,
+                                            new_tokens=new))
+        t4 = time.perf_counter()
+
+        accepted_len = min(len(verdict.accepted), len(new))
+        timing = StepTiming(draft_s=(t1 - t0) + (t4 - t3), verify_s=t2 - t1, other_s=t3 - t2)
+        depth = max(draft.depths(), default=0)
+        metrics.add_step(len(new), len(draft), accepted_len, depth, timing.draft_s, timing.verify_s, timing.other_s)
+        event = StepEvent(
+            step=step, tokens=_token_events(draft, verdict, new, pieces, detok), committed=new, text=step_text,
+            num_drafted=len(draft), num_accepted=accepted_len, timing=timing,
+            elapsed_s=time.perf_counter() - t_start, total_new_tokens=ctx.new_tokens,
+            tree={"tokens": draft.tokens, "parents": draft.parents, "fates": [f.value for f in verdict.fates],
+                  "accepted": verdict.accepted} if len(draft) else {},
+            internals=draft.info,
+        )
+        events.append(event)
+        step += 1
+        yield event
+
+    wall = time.perf_counter() - t_start
+    return RunResult(
+        method=method.name, method_params=method.describe(), lossy=method.lossy, prompt_ids=list(prompt_ids),
+        token_ids=ctx.tokens[ctx.prompt_len:], text=text, stop_reason=stop,
+        metrics=metrics.finish(wall, prefill_time), config=config, events=events,
+    )
+
+
+def drain(run: Generator[StepEvent, None, RunResult], on_event: Callable[[StepEvent], None] | None = None) -> RunResult:
+    """Iterate a run to its end, passing each event to ``on_event``; return the result."""
+    while True:
+        try:
+            event = next(run)
+        except StopIteration as done:
+            return done.value
+        if on_event is not None:
+            on_event(event)

@@ -1,0 +1,55 @@
+"""The decoding methods and how to build them by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from core.errors import ConfigError
+from core.methods.autoregressive import Autoregressive, AutoregressiveConfig
+from core.methods.base import Method, MethodConfig
+from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
+from core.methods.speculative import Speculative, SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    title: str
+    config_class: type
+    needs_draft: bool
+    build: Callable  # (config, target: LoadedModel, draft: LoadedModel | None) -> Method
+    summary: str
+
+
+METHODS: dict[str, MethodSpec] = {
+    s.name: s
+    for s in (
+        MethodSpec("autoregressive", "Autoregressive", AutoregressiveConfig, False,
+                   lambda c, t, d: Autoregressive(c), "Plain decoding, one target token per step (the baseline)."),
+        MethodSpec("speculative", "Speculative (draft model)", SpeculativeConfig, True,
+                   lambda c, t, d: Speculative(c, d.model),
+                   "A small draft model proposes γ tokens; the target verifies them in one pass."),
+        MethodSpec("prompt_lookup", "Prompt lookup", PromptLookupConfig, False,
+                   lambda c, t, d: PromptLookup(c),
+                   "Copies what followed an earlier occurrence of the last n tokens; no extra model."),
+    )
+}
+
+
+def get_spec(name: str) -> MethodSpec:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ConfigError(f"unknown method '{name}' (choose from {', '.join(METHODS)})") from None
+
+
+def build_method(name: str, config: MethodConfig | None, target, draft=None) -> Method:
+    spec = get_spec(name)
+    config = config if config is not None else spec.config_class()
+    if spec.needs_draft and draft is None:
+        raise ConfigError(f"method '{name}' needs a draft model")
+    return spec.build(config, target, draft)
+
+
+__all__ = ["METHODS", "Method", "MethodConfig", "MethodSpec", "build_method", "get_spec"]

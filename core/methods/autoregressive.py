@@ -1,0 +1,20 @@
+"""Plain decoding: one target token per step, the baseline every method is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.methods.base import Method, MethodConfig
+from core.types import Draft
+
+
+@dataclass(frozen=True)
+class AutoregressiveConfig(MethodConfig):
+    pass
+
+
+class Autoregressive(Method):
+    name = "autoregressive"
+
+    def propose(self, ctx, budget: int) -> Draft:
+        return Draft()

@@ -1,0 +1,122 @@
+"""What a decoding method is: a proposer with its own drafting state.
+
+A method never accepts tokens. Each step it *proposes* a :class:`~core.types.Draft` (a
+chain or a tree, with draft probabilities when it has them); the engine runs the target,
+the verifier decides, the target cache commits the accepted path, and the method
+*observes* the outcome to update its own state (draft caches, n-gram pools, γ).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from core.models.base import CausalLM, ForwardOutput
+from core.types import Draft, GenerationConfig, Verdict
+
+
+@dataclass
+class RunContext:
+    """The run as a method sees it.
+
+    ``tokens`` is prompt + committed output. The target's cache holds all of them but the
+    last, which is the root of the next draft.
+    """
+
+    target: CausalLM
+    tokens: list[int]
+    prompt_len: int
+    config: GenerationConfig
+    draft_generator: torch.Generator
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class StepOutcome:
+    """What the method learns after verification and the target's commit.
+
+    ``kept_rows``: forward rows committed to the target cache (row 0 = root, then the
+    accepted path). ``target_out``: the target's forward output (logits, and hidden states
+    when the method asked for them). ``new_tokens``: tokens appended to ``ctx.tokens``.
+    """
+
+    draft: Draft
+    verdict: Verdict
+    target_out: ForwardOutput
+    kept_rows: list[int]
+    new_tokens: list[int]
+
+
+def param(default, help: str, *, label: str | None = None, minimum=None, maximum=None, choices=None,
+          lossy: bool = False, kind: str | None = None, cli: str | None = None):
+    """A method-configuration field with what forms and the command line need to show it.
+
+    ``kind`` refines the type for forms (``"file"``: a path picker); ``cli`` overrides the
+    command-line flag (default ``--field-name``); ``lossy`` marks an option that gives up
+    the target's exact distribution.
+    """
+    meta = {"help": help, "label": label, "min": minimum, "max": maximum, "choices": choices, "lossy": lossy,
+            "kind": kind, "cli": cli}
+    return field(default=default, metadata=meta)
+
+
+class MethodConfig:
+    """Base for the typed, validated configuration dataclass of each method."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def _check_ranges(self) -> None:
+        from core.errors import ConfigError
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            meta = f.metadata
+            label = meta.get("label") or f.name
+            lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
+            if isinstance(value, bool) or value is None:
+                continue
+            if choices is not None and value not in choices:
+                raise ConfigError(f"{label} must be one of {', '.join(map(str, choices))}, got {value!r}")
+            if isinstance(value, (int, float)):
+                if lo is not None and value < lo:
+                    raise ConfigError(f"{label} must be >= {lo}, got {value}")
+                if hi is not None and value > hi:
+                    raise ConfigError(f"{label} must be <= {hi}, got {value}")
+
+    def __post_init__(self):
+        self._check_ranges()
+
+
+class Method(ABC):
+    name: ClassVar[str]
+    #: Ask the target for final hidden states in every step (feature-level drafters).
+    needs_hidden: ClassVar[bool] = False
+    #: Largest number of draft nodes a step may propose (sizes the KV cache).
+    max_draft_nodes: int = 0
+    #: The method's output may differ from the target's distribution (Medusa typical acceptance).
+    lossy: bool = False
+
+    def __init__(self, config: MethodConfig):
+        self.config = config
+
+    def start(self, ctx: RunContext) -> None:
+        """Called once after the target has prefilled the prompt (all tokens but the last)."""
+
+    @abstractmethod
+    def propose(self, ctx: RunContext, budget: int) -> Draft:
+        """Propose at most ``budget`` draft tokens along any path (``budget`` may be 0)."""
+
+    def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
+        """Update drafting state after the verdict (the target has already committed)."""
+
+    def describe(self) -> dict[str, Any]:
+        """Method parameters for run logs."""
+        return self.config.to_dict()

@@ -1,0 +1,74 @@
+"""Prompt lookup decoding: draft by copying what followed an earlier occurrence of the last n tokens.
+
+No draft model: the text so far (prompt included) is the draft source. An index from every
+n-gram (n = 1..max) to the position after its most recent occurrence is updated as tokens
+are committed, so a lookup costs O(max n) instead of a scan. The longest matching n wins;
+its continuation (up to ``num_tokens``) is proposed as a deterministic chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.errors import ConfigError
+from core.methods.base import Method, MethodConfig, RunContext, param
+from core.types import Draft
+
+
+@dataclass(frozen=True)
+class PromptLookupConfig(MethodConfig):
+    max_ngram: int = param(3, "Longest n-gram to match (tried first)", label="max n", minimum=1, maximum=16)
+    min_ngram: int = param(1, "Shortest n-gram to match", label="min n", minimum=1, maximum=16)
+    num_tokens: int = param(10, "Tokens proposed after a match", label="tokens", minimum=1, maximum=64)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(f"min n ({self.min_ngram}) must be <= max n ({self.max_ngram})")
+
+
+class NgramIndex:
+    """Most recent end position of every n-gram (n <= max_n) in a growing token list."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending at positions <= indexed are in the table
+
+    def extend_to(self, tokens: list[int], end: int) -> None:
+        for e in range(self.indexed + 1, end + 1):
+            for n in range(1, min(self.max_n, e) + 1):
+                self.last_end[tuple(tokens[e - n:e])] = e
+        self.indexed = max(self.indexed, end)
+
+    def lookup(self, tokens: list[int], min_n: int) -> tuple[int, int] | None:
+        """(n, end of the earlier occurrence) of the longest suffix seen before, or None."""
+        for n in range(min(self.max_n, len(tokens) - 1), min_n - 1, -1):
+            e = self.last_end.get(tuple(tokens[-n:]))
+            if e is not None:
+                return n, e
+        return None
+
+
+class PromptLookup(Method):
+    name = "prompt_lookup"
+
+    def __init__(self, config: PromptLookupConfig):
+        super().__init__(config)
+        self.max_draft_nodes = config.num_tokens
+        self.index = NgramIndex(config.max_ngram)
+
+    def start(self, ctx: RunContext) -> None:
+        self.index = NgramIndex(self.config.max_ngram)
+
+    def propose(self, ctx: RunContext, budget: int) -> Draft:
+        tokens = ctx.tokens
+        # Index every n-gram that ends before the current one, so a match is an *earlier* occurrence.
+        self.index.extend_to(tokens, len(tokens) - 1)
+        k = min(self.config.num_tokens, budget)
+        hit = self.index.lookup(tokens, self.config.min_ngram) if k > 0 else None
+        if hit is None:
+            return Draft(info={"match": None})
+        n, end = hit
+        proposal = tokens[end:end + k]
+        return Draft.chain(proposal, info={"match": {"ngram": n, "at": end, "proposed": len(proposal)}})

@@ -1,0 +1,112 @@
+"""Linear layers for the native decoder: plain floating point, and row-exact int8.
+
+Why a custom int8 layer. On a CPU, decoding is bound by reading weights, so int8 storage is
+about 4x faster than float32 per token, and its integer GEMM makes verifying 8 tokens cost
+little more than 1 (see ``docs/benchmarks.md``). The fast x86 kernel (fbgemm's dynamic
+quantized linear) quantizes the *whole* input block with one scale taken from its min and
+max, so a token's logits would depend on which other tokens share its forward pass: a
+verified token could then differ from the one plain decoding emits.
+
+The fix keeps the kernel and removes the dependence. Each row is divided by its own
+max-abs ``s`` so that it lies in [-1, 1], and two constant input columns (+1, -1), multiplied
+by zero weight columns, pin the block's min and max to exactly -1 and +1 whatever the other
+rows hold. The kernel's scale and zero point are therefore the same for every block, each
+row is quantized on its own, the int32 accumulation is exact, and multiplying the output
+row by ``s`` is elementwise: the result for a row is bit-identical whether it is computed
+alone or in a block of 64 (``tests/test_linear.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from core.errors import ConfigError
+
+
+class FloatLinear:
+    """``y = x W^T + b`` in the weight's floating dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+@functools.lru_cache(maxsize=1)
+def int8_supported() -> bool:
+    """Whether this machine has torch's x86 quantized engine (fbgemm)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@functools.lru_cache(maxsize=1)
+def _has_vnni() -> bool:
+    """AVX-512 VNNI multiplies u8 x s8 into int32 without 16-bit saturation."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+class Int8RowExactLinear:
+    """Per-output-channel int8 weights, per-row int8 activations, bit-exact across batch sizes."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if not int8_supported():
+            raise ConfigError("int8 storage needs torch's x86 quantized engine (fbgemm), absent on this machine")
+        w = weight.detach().to(torch.float32)
+        n, k = w.shape
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        # Two zero weight columns for the two pinning input columns (+1, -1).
+        w_aug = torch.cat([w, torch.zeros(n, 2)], dim=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(
+                w_aug, scale.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8
+            )
+            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else bias.detach().to(torch.float32)
+        self._out = n
+        self._nbytes = n * (k + 2) + n * 4
+        # Without VNNI the AVX2 kernel sums pairs of u8*s8 products in 16 bits; 7-bit
+        # activations keep those sums from saturating.
+        self._reduce_range = not _has_vnni()
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.float32)
+        s = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        ones = torch.ones_like(s)
+        pinned = torch.cat([x2 / s, ones, -ones], dim=1)
+        y = torch.ops.quantized.linear_dynamic(pinned, self._packed, self._reduce_range) * s
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self._out)
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, storage: str):
+    """Build the linear layer for a storage kind: ``float`` (the weight's dtype) or ``int8``."""
+    if storage == "int8":
+        return Int8RowExactLinear(weight, bias)
+    return FloatLinear(weight, bias)

@@ -1,0 +1,257 @@
+"""Resolve what the user named (catalog id, folder, ``.gguf`` file, cached hub id) and load it.
+
+The native decoder is used for the architectures it implements; anything else runs through
+``transformers`` behind the same interface, and the load notes say so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from core.errors import ConfigError, ModelError, TokenizerMismatchError
+from core.models.base import CausalLM
+from core.models.catalog import CATALOG, get_entry
+from core.models.convert import Progress, ShouldCancel, _never, _noop_progress, prepare_catalog_model, prepare_gguf_file
+from core.models.linear import int8_supported
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64", "int8")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+BACKENDS = ("auto", "native", "transformers")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to decode, with its tokenizer and how it was loaded."""
+
+    model: CausalLM
+    tokenizer: object
+    spec: str
+    path: Path
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec
+
+
+def pick_device(device: str = "auto") -> str:
+    """``auto`` picks CUDA, then Apple MPS, then the CPU."""
+    if device not in DEVICES and not device.startswith("cuda:"):
+        raise ConfigError(f"unknown device '{device}' (choose from {', '.join(DEVICES)})")
+    if device == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return "mps"
+        return "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but no CUDA GPU is available")
+    if device == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError("device 'mps' was asked for but Apple MPS is not available")
+    return device
+
+
+def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, str]:
+    """Return (compute dtype, weight storage). ``auto``: bfloat16 on a GPU, float32 on a CPU."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+    if dtype == "auto":
+        return (torch.float32, "float") if device == "cpu" else (torch.bfloat16, "float")
+    if dtype == "int8":
+        if device != "cpu":
+            raise ConfigError("int8 storage is a CPU option; on a GPU use bfloat16 or float16")
+        if not int8_supported():
+            raise ConfigError("int8 storage needs torch's x86 quantized engine (fbgemm), absent on this machine")
+        return torch.float32, "int8"
+    return getattr(torch, dtype), "float"
+
+
+def resolve(spec: str, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> Path:
+    """Return a local Hugging Face-style directory for ``spec``, preparing it if needed."""
+    if not spec or not spec.strip():
+        raise ModelError("no model given")
+    if spec in CATALOG:
+        return prepare_catalog_model(get_entry(spec), progress, should_cancel)
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return prepare_gguf_file(path, progress, should_cancel)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is not a model folder (no config.json)")
+        return path
+    if path.exists():
+        raise ModelError(f"{path} is neither a model folder nor a .gguf file")
+    if "/" in spec and not spec.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(repo_id=spec, local_files_only=True))
+        except Exception:
+            raise ModelError(
+                f"'{spec}' is not in the local Hugging Face cache, and SpecPlay does not download; "
+                "copy the model folder here and pass its path"
+            ) from None
+    raise ModelError(f"unknown model '{spec}': not a catalog id ({', '.join(CATALOG)}), folder, .gguf file or cached hub id")
+
+
+class _SafetensorsReader:
+    """Fetch tensors by name from one or several safetensors files, one at a time."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(folder.glob("*.safetensors"))]
+        if not files:
+            raise FileNotFoundError("no .safetensors weights")
+        self._handles = []
+        self._where = {}
+        for name in files:
+            try:
+                handle = safe_open(str(folder / name), framework="pt")
+            except Exception as exc:
+                raise ModelError(f"weights file {folder / name} is unreadable or truncated: {exc}") from exc
+            self._handles.append(handle)
+            for key in handle.keys():
+                self._where[key] = handle
+
+    def get(self, key: str):
+        handle = self._where.get(key)
+        if handle is None:
+            return None
+        try:
+            return handle.get_tensor(key)
+        except Exception as exc:
+            raise ModelError(f"weight '{key}' cannot be read (file truncated or corrupt?): {exc}") from exc
+
+
+def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(v):
+        if v is None:
+            return
+        for i in (v if isinstance(v, (list, tuple)) else [v]):
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(getattr(config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(ids)
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto",
+               progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> LoadedModel:
+    """Load ``spec`` for decoding on ``device`` with ``dtype`` (see :func:`pick_dtype`)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    dev = pick_device(device)
+    compute_dtype, storage = pick_dtype(dtype, dev)
+    path = resolve(spec, progress, should_cancel)
+    progress(f"Loading {spec}", None)
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ModelError(f"cannot read the config or tokenizer of {spec} at {path}: {exc}") from exc
+    eos = _eos_ids(path, config, tokenizer)
+    notes: list[str] = []
+
+    from core.models.native import DecoderConfig, NativeDecoder, unsupported_reason
+
+    reason = unsupported_reason(config)
+    use_native = backend == "native" or (backend == "auto" and reason is None)
+    if backend == "native" and reason:
+        raise ModelError(f"{spec}: {reason}")
+    if use_native:
+        try:
+            reader = _SafetensorsReader(path)
+        except FileNotFoundError:
+            if backend == "native":
+                raise ModelError(f"{spec}: the native path needs .safetensors weights") from None
+            use_native = False
+            reason = "no .safetensors weights"
+    if use_native:
+        try:
+            model: CausalLM = NativeDecoder(DecoderConfig.from_hf(config), reader.get, name=spec, device=dev,
+                                            dtype=compute_dtype, storage=storage, eos_token_ids=eos)
+        except KeyError as exc:
+            raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
+    else:
+        notes.append(f"native path unavailable ({reason}); using transformers")
+        log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
+        model = _load_hf(path, spec, dev, compute_dtype, storage, eos)
+    progress(f"{spec} loaded", 1.0)
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
+
+
+def _load_hf(path: Path, spec: str, device: str, dtype: torch.dtype, storage: str, eos) -> CausalLM:
+    from transformers import AutoModelForCausalLM
+
+    from core.models.hf_backend import HFCausalLM
+
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
+    except Exception as exc:
+        raise ModelError(f"cannot load {spec} with transformers: {exc}") from exc
+    hf.to(device)
+    if storage == "int8":
+        quantize_hf_linears(hf)
+    return HFCausalLM(hf, name=spec, eos_token_ids=eos)
+
+
+def quantize_hf_linears(hf_model) -> None:
+    """Swap a transformers model's ``nn.Linear`` layers for SpecPlay's row-exact int8 layers.
+
+    This gives the ``transformers`` peers in benchmarks the same weights and kernels as the
+    native path, so comparisons measure the decoding method, not the storage.
+    """
+    from core.models.linear import Int8RowExactLinear
+
+    class _Int8(torch.nn.Module):
+        def __init__(self, linear: torch.nn.Linear):
+            super().__init__()
+            self.inner = Int8RowExactLinear(linear.weight.data, None if linear.bias is None else linear.bias.data)
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+
+        def forward(self, x):
+            return self.inner(x).to(x.dtype)
+
+    for parent in list(hf_model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, _Int8(child))
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> list[str]:
+    """Raise if the draft's tokenizer maps text to ids differently; return warnings."""
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        only_t = len(set(tv.items()) - set(dv.items()))
+        raise TokenizerMismatchError(
+            f"draft '{draft.spec}' does not share the tokenizer of target '{target.spec}' "
+            f"({len(dv)} vs {len(tv)} tokens, {only_t} target entries differ); "
+            "speculative decoding needs the same vocabulary"
+        )
+    warnings = []
+    if draft.model.info.num_parameters >= target.model.info.num_parameters:
+        warnings.append(
+            f"draft '{draft.spec}' ({draft.model.info.num_parameters / 1e9:.2f}B parameters) is not smaller than "
+            f"target '{target.spec}' ({target.model.info.num_parameters / 1e9:.2f}B): drafting will cost more than it saves"
+        )
+    return warnings

@@ -1,0 +1,351 @@
+"""A compact native implementation of the Llama / Qwen2 decoder family.
+
+It loads the same weights as ``transformers`` and is tested against it, but owns what
+speculation needs: a preallocated KV cache written by slot, explicit positions and masks,
+commit of any subset of a block (chain prefix or tree path), and the choice of weight
+storage (float, or row-exact int8 on x86 CPUs; see :mod:`core.models.linear`).
+
+Batch invariance. Lossless speculation at temperature 0 needs a token's logits to be the
+same whether the token is decoded alone or verified inside a block. Float kernels choose
+their blocking by shape, so a block changes the last bits of attention (about 1e-7
+relative). In float storage that is harmless; with int8 activations it is not, because a
+last-bit change can move a value across a quantization step and shift logits by ~0.05,
+enough to flip near-ties. With int8 storage, attention therefore runs in float64 (keys and
+values cached in float64): its shape-dependent rounding then almost never survives the
+cast back to float32, and every other operation is row-wise or exact.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
+from core.models.linear import FloatLinear, make_linear
+
+log = logging.getLogger(__name__)
+
+#: ``model_type`` values the native path implements.
+NATIVE_ARCHITECTURES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_positions: int
+    inv_freq: tuple[float, ...]
+    rope_scaling: float
+
+    @staticmethod
+    def from_hf(cfg) -> "DecoderConfig":
+        """Build from a ``transformers`` config; raise ``NotImplementedError`` with the reason if unsupported."""
+        reason = unsupported_reason(cfg)
+        if reason:
+            raise NotImplementedError(reason)
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        inv_freq, scaling = rope_frequencies(cfg, head_dim)
+        if cfg.model_type == "qwen2":
+            qkv_bias, o_bias, mlp_bias = True, False, False
+        else:
+            qkv_bias = o_bias = bool(getattr(cfg, "attention_bias", False))
+            mlp_bias = bool(getattr(cfg, "mlp_bias", False))
+        return DecoderConfig(
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_positions=getattr(cfg, "max_position_embeddings", 32768),
+            inv_freq=tuple(inv_freq.tolist()),
+            rope_scaling=scaling,
+        )
+
+
+def _rope_parameters(cfg) -> dict:
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    return {"rope_type": scaling.get("rope_type", "default"), "rope_theta": getattr(cfg, "rope_theta", 10000.0), **scaling}
+
+
+def unsupported_reason(cfg) -> str | None:
+    """Why the native path cannot run this config, or None if it can."""
+    mt = getattr(cfg, "model_type", "?")
+    if mt not in NATIVE_ARCHITECTURES:
+        return f"architecture '{mt}' is not implemented natively (native: {', '.join(NATIVE_ARCHITECTURES)})"
+    if mt == "qwen2" and getattr(cfg, "use_sliding_window", False):
+        return "Qwen2 with sliding-window attention is not implemented natively"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation '{cfg.hidden_act}' is not implemented natively"
+    params = _rope_parameters(cfg)
+    if params.get("rope_type", "default") not in ("default", "linear", "llama3"):
+        return f"RoPE type '{params.get('rope_type')}' is not implemented natively"
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        return "partial rotary embeddings are not implemented natively"
+    return None
+
+
+def rope_frequencies(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies ``[head_dim/2]`` and the cos/sin scaling factor."""
+    params = _rope_parameters(cfg)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' RMSNorm: normalise in float32, then scale.
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    def __init__(self, qkv, o, gate_up, down, ln_in, ln_post):
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.ln_in, self.ln_post = ln_in, ln_post
+
+
+class NativeDecoder(CausalLM):
+    """Llama/Qwen2 decoder with a preallocated, slot-addressed KV cache (batch size 1)."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        get_tensor: Callable[[str], torch.Tensor | None],
+        *,
+        name: str,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        storage: str = "float",
+        eos_token_ids: Sequence[int] = (),
+    ):
+        """Build from weights fetched one at a time by ``get_tensor(hf_name)`` (None if absent).
+
+        ``dtype`` is the compute and cache dtype; ``storage`` is ``"float"`` (weights in
+        ``dtype``) or ``"int8"`` (linear weights int8, computed in float32).
+        """
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.storage = storage
+
+        def tensor(key: str, required: bool = True) -> torch.Tensor | None:
+            t = get_tensor(key)
+            if t is None:
+                if required:
+                    raise KeyError(f"weight '{key}' missing from the checkpoint")
+                return None
+            return t.to(device=self.device, dtype=dtype)
+
+        def linear(prefixes: Sequence[str], bias: bool):
+            weight = torch.cat([tensor(p + ".weight") for p in prefixes], dim=0)
+            b = torch.cat([tensor(p + ".bias") for p in prefixes], dim=0) if bias else None
+            return make_linear(weight, b, storage)
+
+        self.embed_weight = tensor("model.embed_tokens.weight")
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}"
+            attn = f"{p}.self_attn"
+            self.layers.append(
+                _Layer(
+                    qkv=linear([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], cfg.qkv_bias),
+                    o=linear([f"{attn}.o_proj"], cfg.o_bias),
+                    gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias),
+                    down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias),
+                    ln_in=tensor(f"{p}.input_layernorm.weight"),
+                    ln_post=tensor(f"{p}.post_attention_layernorm.weight"),
+                )
+            )
+        self.norm_weight = tensor("model.norm.weight")
+        head = None if cfg.tie_word_embeddings else tensor("lm_head.weight", required=False)
+        self._head = make_linear(self.embed_weight if head is None else head, None, storage)
+        self._inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=self.device)
+
+        self._kv = torch.empty(0)
+        self._capacity = 0
+        self._len = 0
+        self._pending = 0
+        self.reset()
+
+        n_params = self.embed_weight.numel() + (0 if head is None else head.numel())
+        n_params += sum(
+            (l.qkv.out_features * cfg.hidden_size + l.o.out_features * cfg.num_heads * cfg.head_dim
+             + l.gate_up.out_features * cfg.hidden_size + l.down.out_features * cfg.intermediate_size)
+            for l in self.layers
+        )
+        self.info = ModelInfo(
+            name=name,
+            architecture=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_parameters=n_params,
+            device=str(self.device),
+            dtype="int8" if storage == "int8" else str(dtype).removeprefix("torch."),
+            backend="native",
+            eos_token_ids=tuple(eos_token_ids),
+            max_positions=cfg.max_positions,
+        )
+
+    # ----------------------------------------------------------------- cache
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    def reset(self) -> None:
+        self._len = 0
+        self._pending = 0
+        if self._capacity == 0:
+            self._grow(256)
+
+    def _grow(self, needed: int) -> None:
+        cap = max(needed, 2 * self._capacity, 256)
+        c = self.cfg
+        kv = torch.zeros(c.num_layers, 2, c.num_kv_heads, cap, c.head_dim, dtype=self._cache_dtype, device=self.device)
+        if self._capacity:
+            kv[:, :, :, : self._capacity] = self._kv
+        self._kv, self._capacity = kv, cap
+
+    @property
+    def _cache_dtype(self) -> torch.dtype:
+        # int8 storage: attention runs in float64 (see forward), so the cache is kept in float64.
+        return torch.float64 if self.storage == "int8" else self.dtype
+
+    def commit(self, keep) -> None:
+        idx = keep_indices(keep, self._pending)
+        if idx != list(range(len(idx))):
+            base = self._len
+            src = torch.tensor(idx, device=self.device) + base
+            dst = torch.arange(len(idx), device=self.device) + base
+            # Advanced indexing on the right makes a copy, so overlapping slots are safe.
+            self._kv[:, :, :, dst] = self._kv[:, :, :, src]
+        self._len += len(idx)
+        self._pending = 0
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= self._len:
+            raise ValueError(f"cannot crop a cache of {self._len} tokens to {length}")
+        self._len = length
+        self._pending = 0
+
+    # --------------------------------------------------------------- compute
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens.to(self.device), self.embed_weight).to(self._compute_dtype)
+
+    @property
+    def _compute_dtype(self) -> torch.dtype:
+        return torch.float32 if self.storage == "int8" else self.dtype
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head(hidden).float()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output embedding as a float32 ``[vocab, hidden]`` tensor (dequantized for int8)."""
+        if isinstance(self._head, FloatLinear):
+            return self._head.weight.float()
+        with torch.no_grad():
+            qweight, _ = torch.ops.quantized.linear_unpack(self._head._packed)
+            return qweight.dequantize()[:, :-2].contiguous()
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.norm_weight, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=()) -> ForwardOutput:
+        c = self.cfg
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
+        n = tokens.numel()
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        base = self._len
+        if positions is None:
+            positions = torch.arange(base, base + n, device=self.device)
+        else:
+            positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        if base + n > self._capacity:
+            self._grow(base + n)
+        # One token attending to everything needs no mask; SDPA is faster without one.
+        mask = None if (n == 1 and attn_mask is None) else expand_mask(attn_mask, n, base, self.device)
+        if mask is not None and bool(mask.all()):
+            mask = None
+        mask4 = None if mask is None else mask[None, None]
+
+        freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dt = self._compute_dtype
+        cos = (emb.cos() * c.rope_scaling).to(dt)[None]  # [1, n, d]
+        sin = (emb.sin() * c.rope_scaling).to(dt)[None]
+
+        x = F.embedding(tokens, self.embed_weight).to(dt)
+        q_size = c.num_heads * c.head_dim
+        kv_size = c.num_kv_heads * c.head_dim
+        end = base + n
+        wanted = set(layers)
+        layer_out: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.ln_in, c.rms_norm_eps)
+            qkv = layer.qkv(h).to(dt)
+            q = qkv[:, :q_size].view(n, c.num_heads, c.head_dim).transpose(0, 1)
+            k = qkv[:, q_size : q_size + kv_size].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            v = qkv[:, q_size + kv_size :].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self._kv[i, 0, :, base:end] = k
+            self._kv[i, 1, :, base:end] = v
+            attn = F.scaled_dot_product_attention(
+                q[None].to(self._kv.dtype),
+                self._kv[i, 0, :, :end][None],
+                self._kv[i, 1, :, :end][None],
+                attn_mask=mask4,
+                enable_gqa=c.num_kv_heads != c.num_heads,
+            )
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, q_size).to(dt)).to(dt)
+            h = _rms_norm(x, layer.ln_post, c.rms_norm_eps)
+            gu = layer.gate_up(h).to(dt)
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up).to(dt)
+            if i in wanted:
+                layer_out[i] = x
+        self._pending = n
+        normed = self.final_norm(x)
+        logits = self._head(normed).float()
+        return ForwardOutput(logits=logits, hidden=normed if hidden else None, layers=layer_out)

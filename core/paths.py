@@ -1,0 +1,27 @@
+"""Where SpecPlay keeps things: the user cache (converted models), user data (run history)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+
+def cache_dir() -> Path:
+    """Converted models live here; ``SPECPLAY_CACHE_DIR`` overrides (tests, CI, portable installs)."""
+    env = os.environ.get("SPECPLAY_CACHE_DIR")
+    return Path(env) if env else Path(platformdirs.user_cache_dir("specplay"))
+
+
+def data_dir() -> Path:
+    """The run history lives here; ``SPECPLAY_DATA_DIR`` overrides."""
+    env = os.environ.get("SPECPLAY_DATA_DIR")
+    return Path(env) if env else Path(platformdirs.user_data_dir("specplay"))
+
+
+def assets_dir() -> Path:
+    """The shipped assets (trained heads, prompt sets, icons)."""
+    import assets
+
+    return Path(assets.__file__).resolve().parent

@@ -1,0 +1,165 @@
+"""Run logs: one JSON object per run, a superset of the Spec-Bench answer record.
+
+Spec-Bench's tools read ``question_id``, ``model_id`` and ``choices[i]`` with per-turn
+``turns``, ``new_tokens``, ``wall_time``, ``accept_lengths`` and ``decoding_steps``; vLLM-style
+readers find ``mean_acceptance_length`` and ``draft_acceptance_rate``. The flat fields carry
+the rest: models, method and parameters, prompt, output, metrics and environment. With
+``events`` the record also keeps every token's fate and numbers, so a run can be reopened
+and shown exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+from core.types import Fate, RunResult, StepEvent, StepTiming, TokenEvent
+
+
+def environment(model=None) -> dict:
+    import torch
+    import transformers
+
+    from core import __version__
+
+    env = {
+        "specplay": __version__, "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+    }
+    if model is not None:
+        env["device"], env["dtype"] = model.info.device, model.info.dtype
+    return env
+
+
+def _model_entry(loaded) -> dict | None:
+    if loaded is None:
+        return None
+    info = loaded.model.info
+    return {"id": loaded.spec, "architecture": info.architecture, "backend": info.backend, "device": info.device,
+            "dtype": info.dtype, "parameters": info.num_parameters, "notes": list(loaded.notes)}
+
+
+def event_to_dict(e: StepEvent) -> dict:
+    return {
+        "step": e.step,
+        "tokens": [[t.token_id, t.text, t.fate.value, t.depth, t.node, t.p, t.q, t.u, t.accept_prob] for t in e.tokens],
+        "committed": e.committed, "drafted": e.num_drafted, "accepted": e.num_accepted,
+        "timing": [e.timing.draft_s, e.timing.verify_s, e.timing.other_s], "elapsed": e.elapsed_s,
+        "tree": e.tree, "internals": e.internals,
+    }
+
+
+def event_from_dict(d: dict, total_before: int = 0) -> StepEvent:
+    tokens = [TokenEvent(token_id=t[0], text=t[1], fate=Fate(t[2]), depth=t[3], node=t[4], p=t[5], q=t[6], u=t[7],
+                         accept_prob=t[8]) for t in d["tokens"]]
+    committed = list(d["committed"])
+    return StepEvent(step=d["step"], tokens=tokens, committed=committed,
+                     text="".join(t.text for t in tokens if t.fate is not Fate.REJECTED),
+                     num_drafted=d["drafted"], num_accepted=d["accepted"], timing=StepTiming(*d["timing"]),
+                     elapsed_s=d["elapsed"], total_new_tokens=total_before + len(committed), tree=d.get("tree", {}),
+                     internals=d.get("internals", {}))
+
+
+def run_record(result: RunResult, *, target, draft=None, prompt: str | None = None, question_id=None,
+               include_events: bool = False, extra: dict | None = None) -> dict:
+    m = result.metrics
+    s = result.config.sampling
+    record = {
+        "question_id": question_id,
+        "answer_id": uuid.uuid4().hex,
+        "model_id": target.spec if target is not None else None,
+        "tstamp": time.time(),
+        "method": result.method,
+        "params": result.method_params,
+        "lossy": result.lossy,
+        "target": _model_entry(target),
+        "draft": _model_entry(draft),
+        "prompt": prompt,
+        "prompt_tokens": len(result.prompt_ids),
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "stop_reason": result.stop_reason.value,
+        "cancelled": result.cancelled,
+        "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
+        "max_new_tokens": result.config.max_new_tokens,
+        # Spec-Bench answer fields (one turn)
+        "new_tokens": m.new_tokens,
+        "wall_time": m.wall_time,
+        "accept_lengths": m.accept_lengths,
+        "choices": [{"index": 0, "turns": [result.text], "decoding_steps": [m.steps], "new_tokens": [m.new_tokens],
+                     "wall_time": [m.wall_time], "accept_lengths": [m.accept_lengths]}],
+        # metrics
+        "steps": m.steps,
+        "tokens_per_s": m.tokens_per_s,
+        "prefill_time": m.prefill_time,
+        "mean_accepted": m.mean_accepted,
+        "mean_acceptance_length": m.mean_accepted,
+        "acceptance_rate": m.acceptance_rate,
+        "draft_acceptance_rate": m.acceptance_rate,
+        "drafted": m.drafted,
+        "accepted": m.accepted,
+        "acceptance_by_position": m.acceptance_by_position,
+        "acceptance_histogram": {str(k): v for k, v in sorted(Counter(m.accept_lengths).items())},
+        "time_split": {"draft": m.draft_s, "verify": m.verify_s, "other": m.other_s},
+        "environment": environment(target.model if target is not None else None),
+    }
+    if include_events:
+        record["events"] = [event_to_dict(e) for e in result.events]
+    if extra:
+        record.update(extra)
+    return record
+
+
+def dumps(record: dict) -> str:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+
+
+def append_jsonl(path: Path, records: Iterable[dict]) -> None:
+    """Append records as JSON lines and flush them to disk before returning."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for r in records:
+            f.write(dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
+    """Write records to ``path`` through a temporary file, replacing it only when complete."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(dumps(r) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Read run records; a malformed line raises ValueError naming the line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: line {n} is not valid JSON ({exc.msg})") from None
+    return out
+
+

@@ -1,0 +1,220 @@
+"""The engine's vocabulary: generation settings, drafts, verdicts, step events and run results.
+
+Everything the GUI and the run logs show comes from these objects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from core.errors import ConfigError
+
+
+class Fate(str, Enum):
+    """What happened to a token in a step."""
+
+    ACCEPTED = "accepted"  # a draft token the verifier accepted
+    REJECTED = "rejected"  # a draft token the verifier rejected, or never reached after a rejection
+    RESAMPLED = "resampled"  # the target's own token in place of a rejected draft token
+    BONUS = "bonus"  # the target's extra token after a fully accepted draft
+    TARGET = "target"  # the target's token in a step that drafted nothing (plain decoding)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Temperature 0 is greedy decoding; top-p is applied to target and draft alike."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ConfigError(f"temperature must be a number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_strings: tuple[str, ...] = ()
+    stop_at_eos: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max new tokens must be a positive integer, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ConfigError("stop strings must not be empty")
+
+
+@dataclass
+class Draft:
+    """What a method proposes: a tree of draft tokens hanging off the last committed token.
+
+    Node ``i`` holds ``tokens[i]``; ``parents[i]`` is its parent node, or -1 for the root (the
+    last committed token, whose KV is not cached yet). A chain has ``parents == [-1, 0, 1, ...]``.
+    Parents always come before their children.
+
+    ``sampled`` says how a node's token was chosen. True: drawn from the draft distribution
+    ``q[i]`` (``[n, vocab]``, the distribution at node i's parent, after the same temperature
+    and top-p as the target), siblings i.i.d.; the verifier accepts with min(1, p/q).
+    False: chosen deterministically (n-grams, top-k of heads); the verifier treats each
+    candidate as a one-hot q, which is lossless. ``q_token`` is the draft's probability of each
+    node's token, for display only.
+
+    ``aux_*`` are extra tokens run in the same forward pass but never committed (lookahead's
+    Jacobi window); ``aux_mask`` is ``[m, 1 + n + m]`` over (root, nodes, aux).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    sampled: bool = False
+    q: torch.Tensor | None = None
+    q_token: list[float | None] | None = None
+    aux_tokens: list[int] = field(default_factory=list)
+    aux_positions: list[int] = field(default_factory=list)
+    aux_mask: torch.Tensor | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("a draft needs one parent per token")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"draft node {i} has parent {p}; parents must precede their children")
+        if self.sampled and (self.q is None or self.q.shape[0] != len(self.tokens)):
+            raise ValueError("a sampled draft needs one q distribution per token")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @staticmethod
+    def chain(tokens: list[int], **kw) -> "Draft":
+        return Draft(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), **kw)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def depths(self) -> list[int]:
+        """Depth of each node: 1 for children of the root."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+
+@dataclass
+class Verdict:
+    """The verifier's decision on a draft.
+
+    ``accepted``: the accepted root-to-node path, as draft node indices. ``next_token``: the
+    target's own token after that path (bonus, resampled, or plain). Per draft node:
+    ``fates``, the target probability ``p`` of its token (where it was evaluated), the draw
+    ``u`` and the acceptance probability that decided it.
+    """
+
+    accepted: list[int]
+    next_token: int
+    next_fate: Fate
+    next_p: float | None
+    fates: list[Fate]
+    p: list[float | None]
+    u: list[float | None]
+    accept_prob: list[float | None]
+
+
+@dataclass
+class TokenEvent:
+    """One token of a step as the views show it (the X-ray's numbers)."""
+
+    token_id: int
+    text: str
+    fate: Fate
+    depth: int  # position in the draft (1 = first drafted token); 0 for the target's own token
+    node: int  # draft node index, -1 for the target's own token
+    p: float | None = None
+    q: float | None = None
+    u: float | None = None
+    accept_prob: float | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "token_id": self.token_id, "text": self.text, "fate": self.fate.value, "depth": self.depth,
+            "node": self.node, "p": self.p, "q": self.q, "u": self.u, "accept_prob": self.accept_prob,
+        }
+
+
+@dataclass
+class StepTiming:
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.draft_s + self.verify_s + self.other_s
+
+
+@dataclass
+class StepEvent:
+    """Everything that happened in one propose -> verify -> commit -> observe step.
+
+    ``tokens`` lists, in reading order, the committed tokens with rejected candidates placed
+    just before the token that took their place. ``committed`` holds the ids added to the
+    output; ``text`` the text they added. ``tree`` describes the whole draft for tree views.
+    """
+
+    step: int
+    tokens: list[TokenEvent]
+    committed: list[int]
+    text: str
+    num_drafted: int
+    num_accepted: int
+    timing: StepTiming
+    elapsed_s: float
+    total_new_tokens: int
+    tree: dict[str, Any] = field(default_factory=dict)
+    internals: dict[str, Any] = field(default_factory=dict)
+
+
+class StopReason(str, Enum):
+    MAX_TOKENS = "max_tokens"
+    EOS = "eos"
+    STOP_STRING = "stop_string"
+    CANCELLED = "cancelled"
+    CONTEXT_FULL = "context_full"
+
+
+@dataclass
+class RunResult:
+    """A finished (or cancelled) run: what was generated, why it stopped, how fast."""
+
+    method: str
+    method_params: dict[str, Any]
+    lossy: bool
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    stop_reason: StopReason
+    metrics: "RunMetrics"
+    config: GenerationConfig
+    events: list[StepEvent] = field(default_factory=list)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stop_reason is StopReason.CANCELLED
+
+
+from core.metrics import RunMetrics  # noqa: E402  (type used in annotations above)

