@@ -112,7 +112,11 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         draft = method.propose(ctx, remaining - 1)
         t1 = time.perf_counter()
         tokens, positions, mask = _forward_inputs(draft, ctx.tokens[-1], target.cache_len)
-        out = target.forward(tokens, positions, mask, hidden=method.needs_hidden)
+        logit_rows = None
+        if draft.aux_tokens and draft.aux_logit_rows is not None:
+            n_verify = len(draft) + 1
+            logit_rows = list(range(n_verify)) + [n_verify + a for a in draft.aux_logit_rows]
+        out = target.forward(tokens, positions, mask, hidden=method.needs_hidden, logit_rows=logit_rows)
         verdict = verify(draft, out.logits, config.sampling, verify_gen)
         t2 = time.perf_counter()
 

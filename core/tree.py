@@ -90,3 +90,26 @@ class TreeSpec:
     @property
     def max_depth(self) -> int:
         return max(self.depth_of)
+
+
+def build_trie(sequences: Sequence[Sequence[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """Merge token sequences that hang off the same root into a tree (shared prefixes once).
+
+    Returns (tokens, parents, nodes of each sequence); parents precede children.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    paths = []
+    for seq in sequences:
+        node, path = -1, []
+        for tok in seq:
+            key = (node, int(tok))
+            if key not in index:
+                index[key] = len(tokens)
+                tokens.append(int(tok))
+                parents.append(node)
+            node = index[key]
+            path.append(node)
+        paths.append(path)
+    return tokens, parents, paths

@@ -74,7 +74,9 @@ class Draft:
     node's token, for display only.
 
     ``aux_*`` are extra tokens run in the same forward pass but never committed (lookahead's
-    Jacobi window); ``aux_mask`` is ``[m, 1 + n + m]`` over (root, nodes, aux).
+    Jacobi window); ``aux_mask`` is ``[m, 1 + n + m]`` over (root, nodes, aux), and
+    ``aux_logit_rows`` lists the aux tokens whose logits the method needs (None: all).
+    The method finds those logits after the ``n + 1`` verification rows of the output.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -85,6 +87,7 @@ class Draft:
     aux_tokens: list[int] = field(default_factory=list)
     aux_positions: list[int] = field(default_factory=list)
     aux_mask: torch.Tensor | None = None
+    aux_logit_rows: list[int] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):

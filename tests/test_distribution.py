@@ -10,6 +10,7 @@ import torch
 
 from core.engine import drain, generate
 from core.methods import build_method
+from core.methods.lookahead import LookaheadConfig
 from core.methods.prompt_lookup import PromptLookupConfig
 from core.methods.speculative import SpeculativeConfig
 from core.sampling import probabilities
@@ -56,6 +57,7 @@ def sample_pairs(target, method) -> list:
     ("speculative", "near", SpeculativeConfig(gamma=3)),
     ("speculative", "bad", SpeculativeConfig(gamma=2)),
     ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3)),
+    ("lookahead", None, LookaheadConfig(window=3, ngram=3, guesses=3)),
 ])
 def test_method_samples_the_target_distribution(target_model, name, draft_kind, config):
     target = loaded(native_from_hf(target_model))

@@ -8,6 +8,7 @@ from typing import Callable
 from core.errors import ConfigError
 from core.methods.autoregressive import Autoregressive, AutoregressiveConfig
 from core.methods.base import Method, MethodConfig
+from core.methods.lookahead import Lookahead, LookaheadConfig
 from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 from core.methods.speculative import Speculative, SpeculativeConfig
 
@@ -33,6 +34,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("prompt_lookup", "Prompt lookup", PromptLookupConfig, False,
                    lambda c, t, d: PromptLookup(c),
                    "Copies what followed an earlier occurrence of the last n tokens; no extra model."),
+        MethodSpec("lookahead", "Lookahead", LookaheadConfig, False, lambda c, t, d: Lookahead(c),
+                   "Jacobi iteration over a window collects n-grams; matching ones are verified in the same pass."),
     )
 }
 

@@ -72,6 +72,7 @@ class CausalLM(ABC):
         *,
         hidden: bool = False,
         layers: Sequence[int] = (),
+        logit_rows: Sequence[int] | None = None,
     ) -> ForwardOutput:
         """Run ``n`` new tokens after the committed cache.
 
@@ -81,8 +82,10 @@ class CausalLM(ABC):
             attn_mask: boolean, True = may attend. ``[n, n]`` over the new tokens (every new
                 token sees the whole committed cache) or ``[n, cache_len + n]`` over
                 (cache + new). Default: causal over the new block.
-            hidden: also return the final-norm hidden states.
+            hidden: also return the final-norm hidden states (all ``n`` rows).
             layers: also return these decoder layers' outputs (0-based).
+            logit_rows: compute logits only for these rows, in this order (the LM head
+                is the costliest layer per row on a CPU). Default: all rows.
         """
 
     @abstractmethod

@@ -64,7 +64,8 @@ class HFCausalLM(CausalLM):
             self._pending = 0
 
     @torch.inference_mode()
-    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=()) -> ForwardOutput:
+    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(),
+                logit_rows=None) -> ForwardOutput:
         self._trim_pending()
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)
         n = tokens.shape[1]
@@ -84,7 +85,8 @@ class HFCausalLM(CausalLM):
             **{self._cache_kwarg: self._cache},
         )
         self._pending = n
-        result = ForwardOutput(logits=out.logits[0].float())
+        logits = out.logits[0] if logit_rows is None else out.logits[0][torch.as_tensor(logit_rows, dtype=torch.long)]
+        result = ForwardOutput(logits=logits.float())
         if want_states:
             # hidden_states[0] is the embedding output, [i + 1] is layer i's output and the last
             # entry has the final norm applied.

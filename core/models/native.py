@@ -290,7 +290,8 @@ class NativeDecoder(CausalLM):
         return _rms_norm(x, self.norm_weight, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
-    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=()) -> ForwardOutput:
+    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(),
+                logit_rows=None) -> ForwardOutput:
         c = self.cfg
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
         n = tokens.numel()
@@ -347,5 +348,6 @@ class NativeDecoder(CausalLM):
                 layer_out[i] = x
         self._pending = n
         normed = self.final_norm(x)
-        logits = self._head(normed).float()
+        head_in = normed if logit_rows is None else normed[torch.as_tensor(logit_rows, dtype=torch.long)]
+        logits = self._head(head_in).float()
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layers=layer_out)

@@ -1,0 +1,159 @@
+"""Lookahead decoding (Fu et al. 2024): Jacobi iteration over a window plus an n-gram pool.
+
+No draft model and no training. Each step runs one forward pass over three parts that
+share the committed prefix and one attention mask:
+
+* the root (the last committed token);
+* the **verification branch**: up to G n-grams from the pool that start with the root,
+  merged into a trie and checked by the shared verifier (deterministic drafts, so lossless);
+* the **lookahead branch**: a 2-D window of N-1 levels x W columns. Level j, column i sits
+  at position root + i + j + 1 and attends to the root, level 0's columns 0..i and, above
+  them, column i of levels 1..j: one token per position, a plausible context along which
+  the Jacobi iteration runs. The last level's predictions become the next level; each
+  column then yields an N-gram (level 0..N-2 of the column, then the new prediction),
+  which enters the pool keyed by its first token. The oldest level is dropped.
+
+The window tokens are never committed; their logits are computed only for the last level.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from core.tree import build_trie
+from core.types import Draft
+
+
+@dataclass(frozen=True)
+class LookaheadConfig(MethodConfig):
+    window: int = param(5, "Window size W: future positions the Jacobi iteration works on", label="W",
+                        minimum=1, maximum=64, cli="--window")
+    ngram: int = param(4, "N-gram size N: the window keeps N-1 levels, the pool holds N-grams", label="N",
+                       minimum=2, maximum=16, cli="--ngram")
+    guesses: int = param(5, "G: most pool n-grams verified per step", label="G", minimum=1, maximum=64,
+                         cli="--guesses")
+    pool_from_prompt: bool = param(True, "Seed the n-gram pool with the prompt's n-grams", label="pool from prompt",
+                                   cli="--pool-from-prompt")
+    max_pool: int = param(20000, "Most n-grams kept in the pool (oldest keys evicted first)", label="pool size",
+                          minimum=1, maximum=10_000_000, cli="--max-pool")
+
+
+class NgramPool:
+    """N-gram continuations keyed by their first token; the most recent first, bounded per key and in total."""
+
+    def __init__(self, per_key: int, max_total: int):
+        self.per_key = per_key
+        self.max_total = max_total
+        self._by_key: OrderedDict[int, OrderedDict[tuple[int, ...], None]] = OrderedDict()
+        self.size = 0
+
+    def add(self, ngram: tuple[int, ...]) -> None:
+        key, cont = ngram[0], tuple(ngram[1:])
+        bucket = self._by_key.get(key)
+        if bucket is None:
+            bucket = self._by_key[key] = OrderedDict()
+        self._by_key.move_to_end(key)
+        if cont in bucket:
+            bucket.move_to_end(cont)
+            return
+        bucket[cont] = None
+        self.size += 1
+        if len(bucket) > self.per_key:
+            bucket.popitem(last=False)
+            self.size -= 1
+        while self.size > self.max_total:
+            _, oldest = self._by_key.popitem(last=False)
+            self.size -= len(oldest)
+
+    def candidates(self, key: int, limit: int) -> list[tuple[int, ...]]:
+        bucket = self._by_key.get(key)
+        if not bucket:
+            return []
+        return list(reversed(bucket))[:limit]
+
+
+class Lookahead(Method):
+    name = "lookahead"
+
+    def __init__(self, config: LookaheadConfig):
+        super().__init__(config)
+        c = config
+        self.levels_needed = c.ngram - 1
+        self.max_draft_nodes = c.guesses * (c.ngram - 1) + c.window * (c.ngram - 1)
+        self.pool = NgramPool(per_key=c.guesses, max_total=c.max_pool)
+        self.levels: list[list[int]] = []
+        self.hits = 0
+        self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
+
+    def start(self, ctx: RunContext) -> None:
+        c = self.config
+        self.pool = NgramPool(per_key=c.guesses, max_total=c.max_pool)
+        self.hits = 0
+        prompt = ctx.tokens
+        if c.pool_from_prompt:
+            for i in range(len(prompt) - c.ngram + 1):
+                self.pool.add(tuple(prompt[i:i + c.ngram]))
+        # The Jacobi window starts from tokens of the prompt (a better guess than random ids),
+        # drawn with the run's seed so runs are reproducible.
+        rng = random.Random(ctx.config.sampling.seed)
+        self.levels = [[rng.choice(prompt) for _ in range(c.window)]]
+
+    def _window_mask(self, n_verify: int) -> torch.Tensor:
+        """Aux mask rows ``[levels * W, n_verify + levels * W]``: root, no trie node, the window's diagonal."""
+        w, levels = self.config.window, len(self.levels)
+        key = (n_verify, levels)
+        cached = self._mask_cache.get(key)
+        if cached is not None:
+            return cached
+        m = levels * w
+        mask = torch.zeros(m, n_verify + m, dtype=torch.bool)
+        mask[:, 0] = True  # the root
+        for j in range(levels):
+            for i in range(w):
+                row = j * w + i
+                mask[row, n_verify: n_verify + i + 1] = True  # level 0, columns 0..i
+                for jj in range(1, j + 1):
+                    mask[row, n_verify + jj * w + i] = True  # column i of the levels above
+        self._mask_cache[key] = mask
+        return mask
+
+    def propose(self, ctx: RunContext, budget: int) -> Draft:
+        c = self.config
+        root = ctx.tokens[-1]
+        depth = min(c.ngram - 1, budget)
+        cands = [g[:depth] for g in self.pool.candidates(root, c.guesses)] if depth > 0 else []
+        tokens, parents, _ = build_trie(cands)
+        base = len(ctx.tokens) - 1
+        w = c.window
+        aux = [t for level in self.levels for t in level]
+        positions = [base + 1 + i + j for j in range(len(self.levels)) for i in range(w)]
+        last = len(self.levels) - 1
+        return Draft(
+            tokens=tokens, parents=parents, aux_tokens=aux, aux_positions=positions,
+            aux_mask=self._window_mask(len(tokens) + 1), aux_logit_rows=[last * w + i for i in range(w)],
+            info={"window": [list(l) for l in self.levels], "pool_size": self.pool.size,
+                  "candidates": [list(g) for g in cands], "won": None, "hits": self.hits},
+        )
+
+    def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
+        c = self.config
+        draft = outcome.draft
+        n_verify = len(draft) + 1
+        new_level = outcome.target_out.logits[n_verify:n_verify + c.window].argmax(-1).tolist()
+        if len(self.levels) == self.levels_needed:
+            for i in range(c.window):
+                self.pool.add(tuple(level[i] for level in self.levels) + (new_level[i],))
+            self.levels = self.levels[1:]
+        self.levels.append(new_level)
+        accepted = outcome.verdict.accepted
+        if accepted:
+            self.hits += 1
+            cands = draft.info["candidates"]
+            path = [draft.tokens[i] for i in accepted]
+            draft.info["won"] = next(k for k, g in enumerate(cands) if list(g[:len(path)]) == path)
+        draft.info["hits"] = self.hits

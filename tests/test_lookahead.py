@@ -1,0 +1,107 @@
+"""Lookahead decoding: exactness, the one-pass mask against running each context alone, bad input."""
+
+import pytest
+import torch
+
+from core.engine import _forward_inputs, drain, generate
+from core.errors import ConfigError
+from core.methods import build_method
+from core.methods.base import RunContext
+from core.methods.lookahead import Lookahead, LookaheadConfig, NgramPool
+from core.tree import path_to
+from core.types import GenerationConfig
+from tiny import loaded, native_from_hf, tiny_hf_model
+
+PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)))
+
+
+def run(target, config, n=80):
+    gen = GenerationConfig(max_new_tokens=n, stop_at_eos=False)
+    return drain(generate(target.model, target.tokenizer, build_method("lookahead", config, target), PROMPT, gen))
+
+
+@pytest.mark.parametrize("w,n,g", [(1, 2, 1), (5, 4, 5), (7, 5, 7), (3, 3, 2), (12, 2, 12), (2, 8, 1), (4, 3, 64)])
+def test_greedy_lookahead_equals_autoregressive(target, w, n, g):
+    gen = GenerationConfig(max_new_tokens=80, stop_at_eos=False)
+    base = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), PROMPT, gen))
+    res = run(target, LookaheadConfig(window=w, ngram=n, guesses=g))
+    assert res.token_ids == base.token_ids
+    assert target.model.cache_len == len(PROMPT) + 80 - 1  # window tokens never stay in the cache
+
+
+def test_lookahead_accepts_guesses_and_reports_internals(target):
+    res = run(target, LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False))
+    assert res.metrics.mean_accepted > 1.2
+    last = res.events[-1].internals
+    assert len(last["window"]) == 3 and all(len(r) == 5 for r in last["window"])
+    assert last["pool_size"] > 0 and last["hits"] > 0
+    won = [e.internals for e in res.events if e.internals.get("won") is not None]
+    assert won and all(0 <= i["won"] < len(i["candidates"]) for i in won)
+
+
+@pytest.mark.parametrize("w,n,g", [(3, 3, 3), (4, 4, 2), (2, 2, 4)])
+def test_one_pass_mask_equals_running_each_context_alone(target, w, n, g):
+    """Every row of the combined forward (trie nodes and window tokens) gives the logits of its own context."""
+    model = target.model
+    method = Lookahead(LookaheadConfig(window=w, ngram=n, guesses=g))
+    seq = PROMPT + [5, 6, 3, 7, 8]
+    ctx = RunContext(target=model, tokens=list(seq), prompt_len=len(PROMPT), config=GenerationConfig(),
+                     draft_generator=torch.Generator())
+    method.start(ctx)
+    method.levels = [[(3 * j + i) % 60 + 3 for i in range(w)] for j in range(n - 1)]  # a full window
+    method.pool.add((seq[-1], 9, 10, 11, 12)[:n])
+    method.pool.add((seq[-1], 9, 13, 14, 15)[:n])
+    draft = method.propose(ctx, budget=10)
+    draft.aux_logit_rows = None  # all rows, for the check
+    assert len(draft) > 0
+    model.reset()
+    model.forward_chain(seq[:-1])
+    tokens, positions, mask = _forward_inputs(draft, seq[-1], model.cache_len)
+    logits = model.forward(tokens, positions, mask).logits
+
+    def alone(context):
+        fresh = native_from_hf_copy(model)
+        return fresh.forward(torch.tensor(seq + context)).logits[-1]
+
+    for node in range(len(draft)):
+        ctx_tokens = [draft.tokens[k] for k in path_to(draft.parents, node)]
+        assert torch.allclose(logits[node + 1], alone(ctx_tokens), atol=1e-9)
+    n_verify = len(draft) + 1
+    for j in range(n - 1):
+        for i in range(w):
+            diagonal = method.levels[0][: i + 1] + [method.levels[jj][i] for jj in range(1, j + 1)]
+            assert torch.allclose(logits[n_verify + j * w + i], alone(diagonal), atol=1e-9), (j, i)
+
+
+def native_from_hf_copy(model):
+    import copy
+
+    other = copy.copy(model)
+    other._kv, other._capacity = torch.empty(0), 0
+    other.reset()
+    return other
+
+
+def test_pool_is_bounded_per_key_and_in_total():
+    pool = NgramPool(per_key=2, max_total=5)
+    for k in range(3):
+        for c in range(4):
+            pool.add((k, c, c))
+    assert pool.candidates(2, 10) == [(3, 3), (2, 2)]
+    assert pool.size <= 5
+    pool.add((2, 2, 2))  # re-adding refreshes, does not duplicate
+    assert pool.candidates(2, 10) == [(2, 2), (3, 3)]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(window=0), "W must be >= 1"), (dict(ngram=1), "N must be >= 2"), (dict(guesses=0), "G must be >= 1"),
+    (dict(window=1000), "W must be <= 64"),
+])
+def test_out_of_range_parameters_are_clear_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LookaheadConfig(**kwargs)
