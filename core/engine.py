@@ -96,7 +96,7 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
     t_start = time.perf_counter()
     target.reset()
     if len(prompt_ids) > 1:
-        target.forward_chain(prompt_ids[:-1])
+        ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden)
     method.start(ctx)
     prefill_time = time.perf_counter() - t_start
 
@@ -117,7 +117,7 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
             n_verify = len(draft) + 1
             logit_rows = list(range(n_verify)) + [n_verify + a for a in draft.aux_logit_rows]
         out = target.forward(tokens, positions, mask, hidden=method.needs_hidden, logit_rows=logit_rows)
-        verdict = verify(draft, out.logits, config.sampling, verify_gen)
+        verdict = verify(draft, out.logits, config.sampling, verify_gen, typical=method.typical)
         t2 = time.perf_counter()
 
         kept_rows = [0] + [i + 1 for i in verdict.accepted]

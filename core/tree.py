@@ -113,3 +113,30 @@ def build_trie(sequences: Sequence[Sequence[int]]) -> tuple[list[int], list[int]
             path.append(node)
         paths.append(path)
     return tokens, parents, paths
+
+
+def choose_tree(accuracy: Sequence[Sequence[float]], budget: int) -> list[tuple[int, ...]]:
+    """The static tree of at most ``budget`` nodes with the largest expected accepted length.
+
+    ``accuracy[d][r]`` is the measured probability that the rank-``r`` candidate at depth
+    ``d + 1`` is the right token. Treating depths as independent, a node's chance of being
+    on the accepted path is the product of its ranks' accuracies, and the expected number
+    of accepted tokens is the sum of that over nodes. A node's value never exceeds its
+    parent's, so taking the ``budget`` most valuable paths (best-first from the root) is
+    optimal and always yields a tree closed under parents.
+    """
+    import heapq
+
+    chosen: list[tuple[int, ...]] = []
+    heap = [(-float(accuracy[0][r]), (r,)) for r in range(len(accuracy[0]))]
+    heapq.heapify(heap)
+    while heap and len(chosen) < budget:
+        neg, path = heapq.heappop(heap)
+        if -neg <= 0:
+            break
+        chosen.append(path)
+        depth = len(path)
+        if depth < len(accuracy):
+            for r in range(len(accuracy[depth])):
+                heapq.heappush(heap, (neg * float(accuracy[depth][r]), path + (r,)))
+    return chosen

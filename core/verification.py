@@ -27,6 +27,8 @@ distribution is the target's (``tests/test_verification.py`` checks it with chi-
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from core.sampling import probabilities, sample, token_probability, uniform
@@ -41,14 +43,21 @@ def _children(draft: Draft) -> dict[int, list[int]]:
 
 
 def verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
-           generator: torch.Generator | None = None) -> Verdict:
-    """Decide which draft tokens to accept, and the target's next token."""
+           generator: torch.Generator | None = None, typical: tuple[float, float] | None = None) -> Verdict:
+    """Decide which draft tokens to accept, and the target's next token.
+
+    ``typical`` = (threshold, alpha) switches sampling to Medusa's typical acceptance,
+    which is faster but does not preserve the target distribution (see
+    :func:`verify_typical`). At temperature 0 verification is always exact.
+    """
     if target_logits.shape[0] < len(draft) + 1:
         raise ValueError("target logits need one row for the root and one per draft node")
     if sampling.greedy:
         return verify_greedy(draft, target_logits)
     if generator is None:
         raise ValueError("sampling verification needs a random generator")
+    if typical is not None:
+        return verify_typical(draft, target_logits, sampling, generator, *typical)
     return verify_sampling(draft, target_logits, sampling, generator)
 
 
@@ -134,3 +143,42 @@ def verify_sampling(draft: Draft, target_logits: torch.Tensor, sampling: Samplin
         next_fate = Fate.BONUS
     return Verdict(accepted=path, next_token=next_token, next_fate=next_fate, next_p=float(p_first[next_token]),
                    fates=fates, p=p_out, u=u_out, accept_prob=a_out)
+
+
+def verify_typical(draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator,
+                   threshold: float, alpha: float) -> Verdict:
+    """Medusa's typical acceptance. LOSSY: the output no longer follows the target distribution.
+
+    At each node, the first child (in candidate order) whose target probability exceeds
+    min(threshold, alpha * exp(-H(p))) is accepted, H being the entropy of the target's
+    distribution there: confident positions demand a likely token, uncertain ones accept
+    any plausible token. The next token is then sampled from p at the last accepted node.
+    """
+    n = len(draft)
+    kids = _children(draft)
+    fates = [Fate.REJECTED] * n
+    p_out: list[float | None] = [None] * n
+    a_out: list[float | None] = [None] * n
+    path: list[int] = []
+    node = -1
+    while True:
+        p = probabilities(target_logits[node + 1].cpu(), sampling.temperature, sampling.top_p)
+        entropy = float(-(p * torch.log(p.clamp_min(1e-30))).sum())
+        bar = min(threshold, alpha * math.exp(-entropy))
+        accepted = None
+        for c in kids.get(node, []):
+            p_x = float(p[draft.tokens[c]])
+            p_out[c] = p_x
+            a_out[c] = 1.0 if p_x > bar else 0.0
+            if p_x > bar:
+                accepted = c
+                break
+        if accepted is None:
+            next_token = sample(p, generator)
+            break
+        fates[accepted] = Fate.ACCEPTED
+        path.append(accepted)
+        node = accepted
+    next_fate = Fate.TARGET if n == 0 else (Fate.RESAMPLED if kids.get(node) else Fate.BONUS)
+    return Verdict(accepted=path, next_token=next_token, next_fate=next_fate, next_p=float(p[next_token]),
+                   fates=fates, p=p_out, u=[None] * n, accept_prob=a_out)

@@ -9,6 +9,7 @@ from core.errors import ConfigError
 from core.methods.autoregressive import Autoregressive, AutoregressiveConfig
 from core.methods.base import Method, MethodConfig
 from core.methods.lookahead import Lookahead, LookaheadConfig
+from core.methods.medusa import Medusa, MedusaConfig
 from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 from core.methods.speculative import Speculative, SpeculativeConfig
 
@@ -36,6 +37,8 @@ METHODS: dict[str, MethodSpec] = {
                    "Copies what followed an earlier occurrence of the last n tokens; no extra model."),
         MethodSpec("lookahead", "Lookahead", LookaheadConfig, False, lambda c, t, d: Lookahead(c),
                    "Jacobi iteration over a window collects n-grams; matching ones are verified in the same pass."),
+        MethodSpec("medusa", "Medusa", MedusaConfig, False, lambda c, t, d: Medusa(c, t.model, t.spec),
+                   "Extra heads on the target's last hidden state propose a tree of candidates."),
     )
 }
 

@@ -32,6 +32,9 @@ class RunContext:
     config: GenerationConfig
     draft_generator: torch.Generator
     eos_token_ids: tuple[int, ...] = ()
+    #: The target's output over the prompt (all tokens but the last); hidden states included
+    #: when the method ``needs_hidden``. None for a one-token prompt.
+    prefill: ForwardOutput | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -101,8 +104,13 @@ class Method(ABC):
     needs_hidden: ClassVar[bool] = False
     #: Largest number of draft nodes a step may propose (sizes the KV cache).
     max_draft_nodes: int = 0
-    #: The method's output may differ from the target's distribution (Medusa typical acceptance).
-    lossy: bool = False
+    #: (threshold, alpha) of Medusa's typical acceptance, or None for exact verification.
+    typical: tuple[float, float] | None = None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the output may differ from the target's distribution (only typical acceptance)."""
+        return self.typical is not None
 
     def __init__(self, config: MethodConfig):
         self.config = config

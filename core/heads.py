@@ -1,0 +1,73 @@
+"""Saving and loading trained draft heads (Medusa, EAGLE): safetensors plus a JSON manifest.
+
+A heads file holds the trainable weights in float16 and, in its metadata, the manifest:
+which target it was trained for (hidden size, vocabulary size), how (command, data,
+steps) and how well (measured accuracies). Loading checks the file against the target and
+says clearly what does not match.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from core.errors import ModelError
+from core.paths import assets_dir
+
+
+def shipped_path(kind: str, target_spec: str) -> Path:
+    return assets_dir() / "heads" / f"{kind}-{Path(target_spec).name}.safetensors"
+
+
+def save_heads(path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stored = {k: (v.to(torch.float16) if v.is_floating_point() else v.to(torch.int32)).contiguous()
+              for k, v in tensors.items()}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(stored, str(tmp), metadata={"specplay": json.dumps(manifest)})
+    tmp.replace(path)
+    path.with_suffix(".json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def load_heads(path: Path, kind: str, target) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a heads file of ``kind`` ("medusa" or "eagle") and check it fits ``target`` (a CausalLM)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{kind} heads file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:
+        raise ModelError(f"{path} is not a readable heads file (corrupt or truncated?): {exc}") from None
+    try:
+        manifest = json.loads(meta["specplay"])
+    except (KeyError, json.JSONDecodeError):
+        raise ModelError(f"{path} has no SpecPlay manifest; is it a {kind} heads file trained by SpecPlay?") from None
+    if manifest.get("kind") != kind:
+        raise ModelError(f"{path} holds {manifest.get('kind', 'unknown')} heads, not {kind} heads")
+    info = target.info
+    if manifest.get("hidden_size") != info.hidden_size:
+        raise ModelError(f"{path} was trained for hidden size {manifest.get('hidden_size')} "
+                         f"({manifest.get('target')}), but the target '{info.name}' has {info.hidden_size}")
+    if manifest.get("vocab_size") != info.vocab_size:
+        raise ModelError(f"{path} was trained for a {manifest.get('vocab_size')}-token vocabulary "
+                         f"({manifest.get('target')}), but the target '{info.name}' has {info.vocab_size}")
+    return {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}, manifest
+
+
+def resolve_heads_path(given: str, kind: str, target_spec: str) -> Path:
+    if given:
+        return Path(given).expanduser()
+    path = shipped_path(kind, target_spec)
+    if not path.is_file():
+        raise ModelError(f"no {kind} heads ship for '{target_spec}'; train them with `specplay train {kind} "
+                         f"--target {target_spec}` and pass the file")
+    return path

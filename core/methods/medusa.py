@@ -1,0 +1,149 @@
+"""Medusa (Cai et al. 2024): extra decoding heads on the target's last hidden state.
+
+Head k (1-based) reads the final-norm hidden state h_t of the last accepted position and
+predicts the token k + 1 positions ahead (the target's own LM head gives the next one).
+Each head is a residual block (h + SiLU(W h + b)) followed by the target's frozen LM head.
+
+Output layer: shared and frozen, restricted to a draft vocabulary. A head with its own
+output layer over 151,936 tokens would carry 233 M parameters (1,536 x 151,936), i.e. a
+second target-sized LM head per head; sharing the target's (frozen) and restricting it to
+the most frequent tokens the target predicts (the heads file lists them) keeps the heads
+small (2.4 M parameters each) and makes drafting and training cheap on a CPU. Tokens
+outside the draft vocabulary are never drafted; the target still produces them.
+
+Candidates: each depth's top-k tokens from its head form a static tree declared as paths
+of ranks (:class:`core.tree.TreeSpec`); the default tree is chosen from the heads'
+measured accuracies under a size budget. The target verifies the tree in one pass;
+candidates are deterministic, so verification is exact (and lossless at temperature > 0).
+Medusa's typical acceptance is available as an option and is labelled lossy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core.errors import ConfigError, ModelError
+from core.heads import load_heads, resolve_heads_path
+from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from core.models.linear import make_linear
+from core.tree import TreeSpec, choose_tree
+from core.types import Draft
+
+NAMED_TREES = {"chain": "top-1 of every head", "default": "chosen from measured accuracy, 16 nodes",
+               "small": "chosen, 8 nodes", "large": "chosen, 32 nodes"}
+_BUDGETS = {"default": 16, "small": 8, "large": 32}
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)  # starts as the identity: each head begins as the LM head
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x):
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks; logits come from the frozen LM head rows of the draft vocabulary."""
+
+    def __init__(self, hidden: int, num_heads: int):
+        super().__init__()
+        self.blocks = nn.ModuleList([ResBlock(hidden) for _ in range(num_heads)])  # K distinct modules
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """``[B, hidden]`` -> ``[K, B, hidden]``."""
+        return torch.stack([b(h) for b in self.blocks])
+
+
+@dataclass(frozen=True)
+class MedusaConfig(MethodConfig):
+    heads: str = param("", "Medusa heads file (.safetensors); empty = the heads shipped for the target",
+                       label="heads file", kind="file", cli="--heads")
+    tree: str = param("default", "Candidate tree: default, small, large, chain, or a JSON file with a list of "
+                      "rank paths", label="tree", cli="--tree")
+    top_k: int = param(10, "Candidates considered per head when choosing a tree", label="top-k", minimum=1,
+                       maximum=64, cli="--medusa-top-k")
+    typical: bool = param(False, "Medusa's typical acceptance at temperature > 0 (LOSSY: output no longer follows "
+                          "the target distribution)", label="typical acceptance", lossy=True, cli="--typical")
+    posterior_threshold: float = param(0.09, "Typical acceptance: probability threshold", label="threshold",
+                                       minimum=0.0, maximum=1.0, lossy=True, cli="--posterior-threshold")
+    posterior_alpha: float = param(0.3, "Typical acceptance: entropy factor (about sqrt(threshold))", label="alpha",
+                                   minimum=0.0, maximum=1.0, lossy=True, cli="--posterior-alpha")
+
+
+def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int) -> TreeSpec:
+    if tree == "chain":
+        return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
+    if tree in _BUDGETS:
+        return TreeSpec.from_paths(choose_tree(accuracy, _BUDGETS[tree]))
+    path = Path(tree).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"unknown tree '{tree}': use {', '.join(NAMED_TREES)} or a JSON file of rank paths")
+    try:
+        paths = json.loads(path.read_text(encoding="utf-8"))
+        spec = TreeSpec.from_paths(paths)
+    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a valid tree (a JSON list of rank paths like [[0], [1], [0, 0]]): {exc}") \
+            from None
+    if spec.max_depth > num_heads:
+        raise ConfigError(f"tree {path} is {spec.max_depth} deep but the heads predict {num_heads} positions")
+    return spec
+
+
+class Medusa(Method):
+    name = "medusa"
+    needs_hidden = True
+
+    def __init__(self, config: MedusaConfig, target, target_spec: str):
+        super().__init__(config)
+        path = resolve_heads_path(config.heads, "medusa", target_spec)
+        tensors, manifest = load_heads(path, "medusa", target)
+        self.manifest = manifest
+        num_heads = manifest["num_heads"]
+        self.heads = MedusaHeads(target.info.hidden_size, num_heads)
+        try:
+            self.heads.load_state_dict({k: v for k, v in tensors.items() if k.startswith("blocks.")})
+        except RuntimeError as exc:
+            raise ModelError(f"{path}: weights do not fit {num_heads} Medusa heads: {exc}") from None
+        self.heads.eval()
+        self.vocab_ids = tensors["vocab_ids"]
+        if int(self.vocab_ids.max()) >= target.info.vocab_size:
+            raise ModelError(f"{path}: draft vocabulary has ids beyond the target's {target.info.vocab_size} tokens")
+        storage = "int8" if target.info.dtype == "int8" else "float"
+        self.lm_rows = make_linear(target.lm_head_weight()[self.vocab_ids], None, storage)
+        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads)
+        self.max_draft_nodes = len(self.tree)
+        if config.typical:
+            self.typical = (config.posterior_threshold, config.posterior_alpha)
+        self._by_depth = [sum(1 for d in self.tree.depth_of if d <= k) for k in range(self.tree.max_depth + 1)]
+        self.last_hidden: torch.Tensor | None = None
+
+    def start(self, ctx: RunContext) -> None:
+        self.last_hidden = None if ctx.prefill is None else ctx.prefill.hidden[-1]
+
+    @torch.inference_mode()
+    def propose(self, ctx: RunContext, budget: int) -> Draft:
+        if self.last_hidden is None or budget <= 0:
+            return Draft()
+        depth = min(budget, self.tree.max_depth)
+        n = self._by_depth[depth]
+        states = self.heads(self.last_hidden.float()[None])[:, 0]  # [K, hidden]
+        logits = self.lm_rows(states[:depth]).float()  # [depth, V']
+        probs = torch.softmax(logits, dim=-1)
+        max_rank = max(self.tree.ranks[:n]) + 1
+        top_p, top_i = probs.topk(max_rank, dim=-1)
+        ids = self.vocab_ids[top_i]
+        tokens = [int(ids[d - 1, r]) for d, r in zip(self.tree.depth_of[:n], self.tree.ranks[:n])]
+        q_token = [float(top_p[d - 1, r]) for d, r in zip(self.tree.depth_of[:n], self.tree.ranks[:n])]
+        return Draft(tokens=tokens, parents=list(self.tree.parents[:n]), q_token=q_token,
+                     info={"tree_nodes": n, "heads": self.heads.blocks.__len__()})
+
+    def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
+        self.last_hidden = outcome.target_out.hidden[outcome.kept_rows[-1]]

@@ -1,0 +1,1 @@
+"""Training draft heads (Medusa, EAGLE) on the target's own features: self-distillation on CPU."""

@@ -1,0 +1,142 @@
+"""What the Medusa and EAGLE trainers share: settings, progress, checkpoints, evaluation split."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from core.errors import Cancelled, ConfigError
+from core.training.data import FeatureSet
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 2000
+    batch_size: int = 128
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: int = 50
+    eval_fraction: float = 0.05
+    eval_every: int = 250
+    checkpoint_every: int = 100
+    seed: int = 0
+    bf16: bool = False  # autocast matmuls to bfloat16 (fast on CPUs with bf16 units)
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1:
+            raise ConfigError("steps and batch size must be >= 1")
+        if not 0 < self.lr < 1:
+            raise ConfigError(f"learning rate must be in (0, 1), got {self.lr}")
+        if not 0 < self.eval_fraction < 0.5:
+            raise ConfigError("the evaluation fraction must be in (0, 0.5)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainProgress:
+    """One progress report: ``metrics`` has ``loss`` and per-head ``top1``/``top5`` (lists) when evaluated."""
+
+    step: int
+    total: int
+    elapsed_s: float
+    metrics: dict = field(default_factory=dict)
+
+
+ProgressFn = Callable[[TrainProgress], None]
+
+
+def split_sequences(data: FeatureSet, eval_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train positions, eval positions): whole sequences, the last ``eval_fraction`` of them for evaluation."""
+    n_seq = data.starts.numel() - 1
+    n_eval = max(1, int(round(n_seq * eval_fraction)))
+    cut = int(data.starts[n_seq - n_eval])
+    return torch.arange(0, cut), torch.arange(cut, data.num_tokens)
+
+
+def lr_at(step: int, settings: TrainSettings) -> float:
+    """Linear warm-up, then cosine decay to 10%."""
+    if step < settings.warmup:
+        return settings.lr * (step + 1) / settings.warmup
+    t = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
+    return settings.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def vocab_lookup(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Target id -> draft-vocabulary index, -100 (ignored by the loss) for ids outside it."""
+    table = torch.full((vocab_size,), -100, dtype=torch.long)
+    table[vocab_ids] = torch.arange(vocab_ids.numel())
+    return table
+
+
+class Checkpoint:
+    """Resumable training state in one file, replaced atomically."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def save(self, module: torch.nn.Module, optimizer, step: int, extra: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "rng": torch.get_rng_state(), **extra}, tmp)
+        tmp.replace(self.path)
+
+    def load(self, module: torch.nn.Module, optimizer) -> tuple[int, dict]:
+        if not self.path.is_file():
+            return 0, {}
+        state = torch.load(self.path, weights_only=False)
+        module.load_state_dict(state.pop("model"))
+        optimizer.load_state_dict(state.pop("optimizer"))
+        torch.set_rng_state(state.pop("rng"))
+        return int(state.pop("step")), state
+
+
+def run_loop(module: torch.nn.Module, loss_fn: Callable[[torch.Tensor], torch.Tensor],
+             evaluate: Callable[[], dict], train_positions: torch.Tensor, settings: TrainSettings,
+             checkpoint: Checkpoint | None, progress: ProgressFn | None, should_cancel: Callable[[], bool],
+             resume: bool) -> tuple[int, dict]:
+    """The training loop both trainers use; returns (steps done, last evaluation)."""
+    torch.manual_seed(settings.seed)
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    step = 0
+    if resume and checkpoint is not None:
+        step, _ = checkpoint.load(module, optimizer)
+    module.train()
+    started = time.perf_counter()
+    last_eval: dict = {}
+    while step < settings.steps:
+        if should_cancel():
+            if checkpoint is not None:
+                checkpoint.save(module, optimizer, step, {})
+            raise Cancelled(f"training cancelled at step {step} (resume with --resume)")
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, settings)
+        idx = train_positions[torch.randint(0, train_positions.numel(), (settings.batch_size,))]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+            loss = loss_fn(idx)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        step += 1
+        metrics = {"loss": loss.item(), "lr": optimizer.param_groups[0]["lr"]}
+        if step % settings.eval_every == 0 or step == settings.steps:
+            module.eval()
+            last_eval = evaluate()
+            module.train()
+            metrics.update(last_eval)
+        if checkpoint is not None and (step % settings.checkpoint_every == 0 or step == settings.steps):
+            checkpoint.save(module, optimizer, step, {})
+        if progress:
+            progress(TrainProgress(step=step, total=settings.steps, elapsed_s=time.perf_counter() - started,
+                                   metrics=metrics))
+    module.eval()
+    return step, last_eval

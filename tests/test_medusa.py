@@ -1,0 +1,189 @@
+"""Medusa: trees, exactness with random heads, training, and bad heads files."""
+
+import json
+
+import pytest
+import torch
+
+from core.engine import drain, generate
+from core.errors import ConfigError, ModelError
+from core.heads import save_heads
+from core.methods import build_method
+from core.methods.medusa import MedusaConfig, MedusaHeads
+from core.training.common import TrainSettings
+from core.training.data import FeatureSet
+from core.training.medusa import MedusaObjective, train_medusa
+from core.tree import TreeSpec, ancestor_mask, choose_tree, path_to
+from core.types import GenerationConfig, SamplingConfig
+from stats import chi_square_pvalue
+from tiny import loaded, native_from_hf, tiny_hf_model
+
+PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
+ACC = [[0.6, 0.15, 0.05, 0.03], [0.4, 0.12, 0.05, 0.02], [0.3, 0.1, 0.04, 0.02], [0.2, 0.08, 0.03, 0.01]]
+
+
+def make_heads_file(path, hidden=32, vocab=64, num_heads=4, seed=0, scale=0.3):
+    torch.manual_seed(seed)
+    heads = MedusaHeads(hidden, num_heads)
+    for b in heads.blocks:
+        torch.nn.init.normal_(b.linear.weight, std=scale)
+    tensors = {k: v for k, v in heads.state_dict().items()}
+    tensors["vocab_ids"] = torch.arange(vocab)
+    save_heads(path, tensors, {"kind": "medusa", "target": "tiny", "hidden_size": hidden, "vocab_size": vocab,
+                               "num_heads": num_heads, "accuracy": ACC})
+    return path
+
+
+@pytest.fixture(scope="module")
+def target():
+    return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)))
+
+
+# ------------------------------------------------------------------------------ trees
+def test_tree_spec_mask_and_retrieve_match_brute_force():
+    paths = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (2, 3)]
+    spec = TreeSpec.from_paths(paths)
+    assert len(spec) == len(paths)
+    for i, p in enumerate(spec.paths):
+        # Brute force: node j is visible from node i iff j's path is a prefix of i's path.
+        for j, q in enumerate(spec.paths):
+            assert bool(spec.mask[i + 1, j + 1]) == (p[:len(q)] == q)
+        assert spec.mask[i + 1, 0]
+        assert spec.depth_of[i] == len(p) and spec.ranks[i] == p[-1]
+        assert [spec.paths[k] for k in path_to(spec.parents, i)] == [p[:d] for d in range(1, len(p) + 1)]
+    leaves = {p for p in spec.paths if not any(q[:-1] == p for q in spec.paths)}
+    got = {spec.paths[int(row[row >= 0][-1])] for row in spec.retrieve}
+    assert got == leaves
+    for row in spec.retrieve:
+        nodes = [int(x) for x in row if x >= 0]
+        assert [spec.paths[n] for n in nodes] == [spec.paths[nodes[-1]][:d] for d in range(1, len(nodes) + 1)]
+    assert torch.equal(spec.mask, ancestor_mask(spec.parents))
+
+
+def test_tree_spec_rejects_orphans():
+    with pytest.raises(ValueError, match="no parent"):
+        TreeSpec.from_paths([(0,), (1, 0)])
+
+
+def test_choose_tree_takes_the_most_probable_paths():
+    # Path values: (0,) .6, (0,0) .24, (1,) .15, (0,0,0) .072, (0,1) .072, (1,0) .06, (2,) .05, ...
+    tree = choose_tree(ACC, 6)
+    assert set(tree) == {(0,), (0, 0), (1,), (0, 0, 0), (0, 1), (1, 0)}
+    assert all(len(p) == 1 or p[:-1] in tree for p in tree)  # closed under parents
+    assert set(tree) <= set(choose_tree(ACC, 20))
+
+
+# ------------------------------------------------------------------------------ method
+@pytest.mark.parametrize("tree", ["default", "chain", "small", "large"])
+def test_medusa_greedy_equals_autoregressive(target, tmp_path, tree):
+    heads = make_heads_file(tmp_path / "heads.safetensors")
+    gen = GenerationConfig(max_new_tokens=50, stop_at_eos=False)
+    base = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), PROMPT, gen))
+    method = build_method("medusa", MedusaConfig(heads=str(heads), tree=tree), target)
+    res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
+    assert res.token_ids == base.token_ids
+    assert target.model.cache_len == len(PROMPT) + 50 - 1
+    assert any(e.tree for e in res.events)
+
+
+def test_medusa_with_heads_that_know_the_answer_accepts_deep(target, tmp_path):
+    """Heads trained briefly on the target's own outputs accept more than one token per step."""
+    model = target.model
+    seqs = []
+    for s in range(12):
+        prompt = [(7 * s + i) % 60 + 3 for i in range(6)]
+        r = drain(generate(model, target.tokenizer, build_method("autoregressive", None, target), prompt,
+                           GenerationConfig(max_new_tokens=40, stop_at_eos=False)))
+        seqs.append(prompt + r.token_ids)
+    data = _features(model, seqs)
+    heads, acc, _ = train_medusa(data, model.lm_head_weight(), torch.arange(64), 64, 3,
+                                 TrainSettings(steps=300, batch_size=64, lr=3e-3, eval_every=300, warmup=10))
+    path = tmp_path / "trained.safetensors"
+    tensors = dict(heads.state_dict())
+    tensors["vocab_ids"] = torch.arange(64)
+    save_heads(path, tensors, {"kind": "medusa", "target": "tiny", "hidden_size": 32, "vocab_size": 64,
+                               "num_heads": 3, "accuracy": acc})
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    res = drain(generate(model, target.tokenizer, build_method("medusa", MedusaConfig(heads=str(path)), target),
+                         seqs[0][:6], gen))
+    assert res.token_ids == seqs[0][6:]
+    assert res.metrics.mean_accepted > 1.5
+
+
+def _features(model, seqs):
+    feats, toks, labels, starts = [], [], [], [0]
+    for s in seqs:
+        model.reset()
+        out = model.forward(torch.tensor(s), hidden=True)
+        feats.append(out.hidden.float())
+        labels.append(out.logits.argmax(-1))
+        toks.append(torch.tensor(s))
+        starts.append(starts[-1] + len(s))
+    model.reset()
+    return FeatureSet(torch.cat(feats), torch.cat(toks), torch.cat(labels), torch.tensor(starts))
+
+
+def test_a_training_step_lowers_the_loss(target):
+    model = target.model
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 64, (30,), generator=g).tolist() for _ in range(4)]
+    data = _features(model, seqs)
+    heads = MedusaHeads(32, 2)
+    obj = MedusaObjective(heads, data, model.lm_head_weight().float(), torch.arange(64), 64)
+    pos = torch.arange(0, data.num_tokens)
+    before = float(obj.loss(pos))
+    opt = torch.optim.SGD(heads.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        obj.loss(pos).backward()
+        opt.step()
+    assert float(obj.loss(pos)) < before
+
+
+def test_medusa_sampling_is_lossless(tmp_path):
+    from test_distribution import PROMPT as P, SAMPLING, exact_pairs, sample_pairs
+
+    model = tiny_hf_model(seed=11, vocab=8, dtype=torch.float64)
+    t = loaded(native_from_hf(model))
+    heads = make_heads_file(tmp_path / "h8.safetensors", vocab=8, num_heads=2)
+    method = build_method("medusa", MedusaConfig(heads=str(heads), tree="small"), t)
+    assert chi_square_pvalue(sample_pairs(t, method), exact_pairs(native_from_hf(model))) > 1e-3
+
+
+def test_typical_acceptance_is_labelled_lossy(target, tmp_path):
+    heads = make_heads_file(tmp_path / "heads.safetensors")
+    method = build_method("medusa", MedusaConfig(heads=str(heads), typical=True), target)
+    assert method.lossy
+    gen = GenerationConfig(max_new_tokens=20, stop_at_eos=False, sampling=SamplingConfig(temperature=0.7, seed=1))
+    res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
+    assert res.lossy and len(res.token_ids) == 20
+
+
+# ------------------------------------------------------------------------------ bad files
+def test_heads_for_another_model_or_corrupt_files_are_clear_errors(target, tmp_path):
+    wrong_hidden = make_heads_file(tmp_path / "h.safetensors", hidden=48)
+    with pytest.raises(ModelError, match="hidden size 48"):
+        build_method("medusa", MedusaConfig(heads=str(wrong_hidden)), target)
+    wrong_vocab = make_heads_file(tmp_path / "v.safetensors", vocab=100)
+    with pytest.raises(ModelError, match="100-token vocabulary"):
+        build_method("medusa", MedusaConfig(heads=str(wrong_vocab)), target)
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(make_heads_file(tmp_path / "ok.safetensors").read_bytes()[:200])
+    with pytest.raises(ModelError, match="not a readable heads file"):
+        build_method("medusa", MedusaConfig(heads=str(corrupt)), target)
+    with pytest.raises(ModelError, match="not found"):
+        build_method("medusa", MedusaConfig(heads=str(tmp_path / "missing.safetensors")), target)
+
+
+def test_bad_tree_files_are_clear_errors(target, tmp_path):
+    heads = make_heads_file(tmp_path / "heads.safetensors")
+    bad = tmp_path / "tree.json"
+    bad.write_text("[[0], [1, 0, 0]]")
+    with pytest.raises(ConfigError, match="not a valid tree"):
+        build_method("medusa", MedusaConfig(heads=str(heads), tree=str(bad)), target)
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps([[0] * d for d in range(1, 7)]))
+    with pytest.raises(ConfigError, match="6 deep"):
+        build_method("medusa", MedusaConfig(heads=str(heads), tree=str(deep)), target)
+    with pytest.raises(ConfigError, match="unknown tree"):
+        build_method("medusa", MedusaConfig(heads=str(heads), tree="bushy"), target)
