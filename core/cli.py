@@ -252,6 +252,66 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from core.bench import PEERS, BenchSpec, check_methods, format_summary, load_questions, run_bench
+    from core.methods import get_spec
+
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    check_methods(names)
+    questions = load_questions(args.prompts, args.categories, args.limit)
+    configs = {n: config_for(n, args) for n in names if n not in PEERS}
+    need_draft = any(n == "hf_assisted" or (n not in PEERS and get_spec(n).needs_draft) for n in names)
+    target, draft = _load_models(args, need_draft)
+    spec = BenchSpec(methods=names, configs=configs, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     top_p=args.top_p, seed=args.seed, warmup=args.warmup, repeats=args.repeats,
+                     chat_template=not args.no_chat_template)
+    result = run_bench(target, draft, questions, spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_summary(result["summary"], result["verify_cost"]))
+    print(f"answers and summary.json in {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from core.models.loader import load_model
+    from core.training.common import TrainSettings
+    from core.training.pipeline import DataSettings, train_heads
+
+    defaults = {"medusa": (128, 1e-3), "eagle": (16, 3e-4)}[args.kind]
+    settings = TrainSettings(steps=args.steps, batch_size=args.batch_size or defaults[0], lr=args.lr or defaults[1],
+                             seed=args.seed, bf16=args.bf16 == "on" or (args.bf16 == "auto" and _cpu_has_bf16()))
+    data = DataSettings(code_tokens=args.code_tokens, answers=args.answers, answer_tokens=args.answer_tokens,
+                        seed=args.seed)
+    progress = _Progress()
+    target = load_model(args.target, args.device, args.dtype, progress=progress)
+
+    def on_step(p):
+        m = p.metrics
+        if p.step % args.log_every == 0 or "top1" in m or p.step == p.total:
+            line = f"step {p.step}/{p.total}  loss {m['loss']:.4f}  {p.elapsed_s:.0f}s"
+            if "top1" in m:
+                top1 = m["top1"] if isinstance(m["top1"], list) else [m["top1"]]
+                line += "  top-1 " + " ".join(f"{a:.1%}" for a in top1)
+            print(line, file=sys.stderr, flush=True)
+
+    path, manifest = train_heads(args.kind, target, data, settings, num_heads=args.num_heads,
+                                 draft_vocab=args.draft_vocab, intermediate=args.intermediate, window=args.window,
+                                 workdir=args.workdir, out=args.out, resume=args.resume,
+                                 command="specplay " + " ".join(sys.argv[1:]), progress=progress, on_step=on_step)
+    print(f"saved {path}")
+    print(json.dumps({k: manifest[k] for k in ("accuracy", "data", "steps", "train_seconds") if k in manifest}))
+    return 0
+
+
+def _cpu_has_bf16() -> bool:
+    """bfloat16 matmuls are fast only with hardware support (AVX-512 BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from core.methods import METHODS
@@ -278,6 +338,46 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     add_method_options(p)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("bench", help="benchmark methods and transformers peers on a prompt set (Spec-Bench style)")
+    p.add_argument("--prompts", default="code", help="a Spec-Bench question file, or a built-in set: code, spec_bench")
+    p.add_argument("--categories", nargs="*", help="only these categories (mt_bench = the 8 MT-bench ones)")
+    p.add_argument("--limit", type=int, help="first N questions")
+    p.add_argument("--methods", required=True, help="comma-separated methods and peers (hf_generate, hf_assisted, hf_prompt_lookup)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question per method")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--out", type=Path, required=True, help="folder for answer files and summary.json")
+    _add_model_args(p)
+    add_method_options(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("train", help="train Medusa heads or an EAGLE head for a target, on CPU")
+    p.add_argument("kind", choices=["medusa", "eagle"])
+    _add_model_args(p)
+    g = p.add_argument_group("data (self-distillation from the target)")
+    g.add_argument("--code-tokens", type=int, default=60_000, help="tokens of standard-library source")
+    g.add_argument("--answers", type=int, default=64, help="instructions the target answers (the slow part)")
+    g.add_argument("--answer-tokens", type=int, default=256, help="max tokens per answer")
+    g.add_argument("--workdir", type=Path, help="cache for answers, features and checkpoints")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=1000)
+    g.add_argument("--batch-size", type=int, default=None, help="positions (medusa, default 128) or windows (eagle, default 16)")
+    g.add_argument("--lr", type=float, default=None, help="default 1e-3 (medusa), 3e-4 (eagle)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--bf16", choices=["auto", "on", "off"], default="auto", help="bfloat16 matmuls (auto: where the CPU has bf16 units)")
+    g.add_argument("--num-heads", type=int, default=4, help="medusa heads")
+    g.add_argument("--draft-vocab", type=int, default=32768, help="tokens the heads can draft")
+    g.add_argument("--intermediate", type=int, default=None, help="eagle: MLP width of the head (default: the target's)")
+    g.add_argument("--window", type=int, default=128, help="eagle: training window length")
+    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the work folder")
+    g.add_argument("--log-every", type=int, default=25)
+    g.add_argument("--out", type=Path, help="heads file to write (default: user data folder)")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("models", help="list or prepare the built-in models")
     msub = p.add_subparsers(dest="models_command", required=True)

@@ -8,6 +8,7 @@ from typing import Callable
 from core.errors import ConfigError
 from core.methods.autoregressive import Autoregressive, AutoregressiveConfig
 from core.methods.base import Method, MethodConfig
+from core.methods.eagle import Eagle, EagleConfig
 from core.methods.lookahead import Lookahead, LookaheadConfig
 from core.methods.medusa import Medusa, MedusaConfig
 from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
@@ -39,6 +40,8 @@ METHODS: dict[str, MethodSpec] = {
                    "Jacobi iteration over a window collects n-grams; matching ones are verified in the same pass."),
         MethodSpec("medusa", "Medusa", MedusaConfig, False, lambda c, t, d: Medusa(c, t.model, t.spec),
                    "Extra heads on the target's last hidden state propose a tree of candidates."),
+        MethodSpec("eagle", "EAGLE", EagleConfig, False, lambda c, t, d: Eagle(c, t.model, t.spec),
+                   "A one-layer head drafts at the feature level and grows a dynamic tree (EAGLE-2)."),
     )
 }
 

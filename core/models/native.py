@@ -143,6 +143,42 @@ class _Layer:
         self.ln_in, self.ln_post = ln_in, ln_post
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """cos and sin ``[1, n, head_dim]`` for explicit positions (transformers' rotate-half layout)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype)[None], (emb.sin() * scaling).to(dtype)[None]
+
+
+def layer_forward(c: DecoderConfig, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv: torch.Tensor, base: int, mask4: torch.Tensor | None) -> torch.Tensor:
+    """One pre-norm decoder layer over ``n`` new rows ``x``, writing their keys and values into
+    ``kv`` (``[2, kv_heads, capacity, head_dim]``) at slots ``base .. base + n`` and attending
+    to slots ``0 .. base + n`` under ``mask4`` (None: everything)."""
+    n = x.shape[0]
+    dt = x.dtype
+    q_size = c.num_heads * c.head_dim
+    kv_size = c.num_kv_heads * c.head_dim
+    end = base + n
+    h = _rms_norm(x, layer.ln_in, c.rms_norm_eps)
+    qkv = layer.qkv(h).to(dt)
+    q = qkv[:, :q_size].view(n, c.num_heads, c.head_dim).transpose(0, 1)
+    k = qkv[:, q_size: q_size + kv_size].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+    v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    kv[0, :, base:end] = k
+    kv[1, :, base:end] = v
+    attn = F.scaled_dot_product_attention(
+        q[None].to(kv.dtype), kv[0, :, :end][None], kv[1, :, :end][None], attn_mask=mask4,
+        enable_gqa=c.num_kv_heads != c.num_heads,
+    )
+    x = x + layer.o(attn[0].transpose(0, 1).reshape(n, q_size).to(dt)).to(dt)
+    h = _rms_norm(x, layer.ln_post, c.rms_norm_eps)
+    gate, up = layer.gate_up(h).to(dt).chunk(2, dim=-1)
+    return x + layer.down(F.silu(gate) * up).to(dt)
+
+
 class NativeDecoder(CausalLM):
     """Llama/Qwen2 decoder with a preallocated, slot-addressed KV cache (batch size 1)."""
 
@@ -310,40 +346,13 @@ class NativeDecoder(CausalLM):
             mask = None
         mask4 = None if mask is None else mask[None, None]
 
-        freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
         dt = self._compute_dtype
-        cos = (emb.cos() * c.rope_scaling).to(dt)[None]  # [1, n, d]
-        sin = (emb.sin() * c.rope_scaling).to(dt)[None]
-
+        cos, sin = rope_tables(positions, self._inv_freq, c.rope_scaling, dt)
         x = F.embedding(tokens, self.embed_weight).to(dt)
-        q_size = c.num_heads * c.head_dim
-        kv_size = c.num_kv_heads * c.head_dim
-        end = base + n
         wanted = set(layers)
         layer_out: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.ln_in, c.rms_norm_eps)
-            qkv = layer.qkv(h).to(dt)
-            q = qkv[:, :q_size].view(n, c.num_heads, c.head_dim).transpose(0, 1)
-            k = qkv[:, q_size : q_size + kv_size].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            v = qkv[:, q_size + kv_size :].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self._kv[i, 0, :, base:end] = k
-            self._kv[i, 1, :, base:end] = v
-            attn = F.scaled_dot_product_attention(
-                q[None].to(self._kv.dtype),
-                self._kv[i, 0, :, :end][None],
-                self._kv[i, 1, :, :end][None],
-                attn_mask=mask4,
-                enable_gqa=c.num_kv_heads != c.num_heads,
-            )
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(n, q_size).to(dt)).to(dt)
-            h = _rms_norm(x, layer.ln_post, c.rms_norm_eps)
-            gu = layer.gate_up(h).to(dt)
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up).to(dt)
+            x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4)
             if i in wanted:
                 layer_out[i] = x
         self._pending = n

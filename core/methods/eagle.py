@@ -1,0 +1,287 @@
+"""EAGLE (Li et al. 2024): draft at the feature level, grow the draft as a dynamic tree (EAGLE-2).
+
+The head is a projection of [token embedding, feature] (2h -> h) followed by one decoder
+layer shaped like the target's; it reuses the target's frozen embedding and LM head. From
+the target's feature f_t (final-norm hidden state at position t) and the embedding of the
+token x_{t+1} that follows, it predicts f_{t+1}; the LM head maps that to a distribution
+over x_{t+2}. Drafting feeds its own predicted features back in.
+
+Output layer: the target's LM head restricted to a draft vocabulary (the most frequent
+tokens the target predicts, listed in the head file). Over 151,936 tokens the LM head
+costs more than the head's decoder layer itself; restricted to 32,768 tokens it is ~4.6x
+cheaper per draft step (measured in docs/benchmarks.md), and tokens outside it are rare.
+
+Drafting: ``chain`` follows the top token for ``depth`` steps (EAGLE-1). ``dynamic``
+(EAGLE-2) takes the ``top_k`` children of the root, then at each further level expands the
+``top_k`` frontier nodes with the highest cumulative log-probability, and finally keeps the
+``total_tokens`` best nodes of all levels for verification. The head keeps its own KV
+cache of (true feature, token) pairs across steps; draft-time entries are cropped after
+each step and the accepted tokens re-enter with the target's true features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.errors import ModelError
+from core.heads import load_heads, resolve_heads_path
+from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from core.models.linear import make_linear
+from core.models.native import DecoderConfig, _Layer, _rms_norm, _rotate_half, layer_forward, rope_tables
+from core.types import Draft
+
+
+# ------------------------------------------------------------------------------------ head
+def head_config(target_cfg: DecoderConfig, intermediate: int | None = None) -> DecoderConfig:
+    """The head's layer: the target's attention shape, optionally a narrower MLP."""
+    from dataclasses import replace
+
+    return replace(target_cfg, num_layers=1, intermediate_size=intermediate or target_cfg.intermediate_size)
+
+
+class EagleHead(nn.Module):
+    """Trainable EAGLE head (batched, causal over a window of positions)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * h, h)
+        self.q_proj = nn.Linear(h, q, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, kv, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q, h, bias=cfg.o_bias)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq), persistent=False)
+        with torch.no_grad():  # start by passing the feature through: f_{t+1} ~ f_t
+            self.fc.weight.zero_()
+            self.fc.weight[:, h:].copy_(torch.eye(h))
+            self.fc.bias.zero_()
+            for lin in (self.o_proj, self.down_proj):
+                lin.weight.mul_(0.1)
+
+    def forward(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """``[B, T, h]`` token embeddings (x_{t+1}) and features (f_t) -> predicted f_{t+1}."""
+        c = self.cfg
+        b, t, _ = feats.shape
+        x = self.fc(torch.cat([embeds, feats], dim=-1))
+        h = _rms_norm(x, self.input_layernorm, c.rms_norm_eps)
+        q = self.q_proj(h).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope_tables(torch.arange(t), self.inv_freq, c.rope_scaling, q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        h = _rms_norm(x, self.post_attention_layernorm, c.rms_norm_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class EagleDrafter:
+    """The head at inference: its own KV cache, explicit positions and tree masks (batch size 1)."""
+
+    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], storage: str, embed):
+        def w(name):
+            return weights[name].float()
+
+        def b(name):
+            return weights[name].float() if name in weights else None
+
+        self.cfg = cfg
+        self.embed = embed
+        self.fc = make_linear(w("fc.weight"), b("fc.bias"), storage)
+        qkv_bias = None
+        if cfg.qkv_bias:
+            qkv_bias = torch.cat([b("q_proj.bias"), b("k_proj.bias"), b("v_proj.bias")])
+        gu_bias = torch.cat([b("gate_proj.bias"), b("up_proj.bias")]) if cfg.mlp_bias else None
+        self.layer = _Layer(
+            qkv=make_linear(torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")]), qkv_bias, storage),
+            o=make_linear(w("o_proj.weight"), b("o_proj.bias"), storage),
+            gate_up=make_linear(torch.cat([w("gate_proj.weight"), w("up_proj.weight")]), gu_bias, storage),
+            down=make_linear(w("down_proj.weight"), b("down_proj.bias"), storage),
+            ln_in=w("input_layernorm"), ln_post=w("post_attention_layernorm"),
+        )
+        self.inv_freq = torch.tensor(cfg.inv_freq)
+        self.kv = torch.zeros(2, cfg.num_kv_heads, 256, cfg.head_dim)
+        self.len = 0
+
+    def run(self, feats: torch.Tensor, tokens: list[int], positions: torch.Tensor,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``n`` (feature, token) pairs; return the predicted next features ``[n, h]``.
+
+        ``mask``: ``[n, len + n]`` boolean over (cache, new); None = causal chain.
+        """
+        n = len(tokens)
+        if self.len + n > self.kv.shape[2]:
+            grown = torch.zeros(2, self.cfg.num_kv_heads, max(2 * self.kv.shape[2], self.len + n), self.cfg.head_dim)
+            grown[:, :, : self.len] = self.kv[:, :, : self.len]
+            self.kv = grown
+        if mask is None and n > 1:
+            mask = torch.ones(n, self.len + n, dtype=torch.bool)
+            mask[:, self.len:] = torch.ones(n, n, dtype=torch.bool).tril()
+        emb = self.embed(torch.tensor(tokens)).float()
+        x = self.fc(torch.cat([emb, feats.float()], dim=-1))
+        cos, sin = rope_tables(positions, self.inv_freq, self.cfg.rope_scaling, torch.float32)
+        out = layer_forward(self.cfg, self.layer, x, cos, sin, self.kv, self.len, None if mask is None else mask[None, None])
+        self.len += n
+        return out
+
+    def crop(self, length: int) -> None:
+        self.len = min(self.len, length)
+
+
+# ---------------------------------------------------------------------------------- method
+@dataclass(frozen=True)
+class EagleConfig(MethodConfig):
+    head: str = param("", "EAGLE head file (.safetensors); empty = the head shipped for the target",
+                      label="head file", kind="file", cli="--head")
+    tree: str = param("dynamic", "chain: follow the top token (EAGLE-1); dynamic: grow a tree by confidence "
+                      "(EAGLE-2)", label="draft shape", choices=("chain", "dynamic"), cli="--tree")
+    depth: int = param(5, "Draft levels per step", label="depth", minimum=1, maximum=16, cli="--depth")
+    top_k: int = param(4, "Children per expanded node and nodes expanded per level (dynamic)", label="top-k",
+                       minimum=1, maximum=16, cli="--top-k")
+    total_tokens: int = param(16, "Draft nodes kept for verification (dynamic)", label="total tokens", minimum=1,
+                              maximum=256, cli="--total-tokens")
+
+
+class Eagle(Method):
+    name = "eagle"
+    needs_hidden = True
+
+    def __init__(self, config: EagleConfig, target, target_spec: str):
+        super().__init__(config)
+        from core.models.native import NativeDecoder
+
+        path = resolve_heads_path(config.head, "eagle", target_spec)
+        tensors, manifest = load_heads(path, "eagle", target)
+        if not isinstance(target, NativeDecoder):
+            raise ModelError("EAGLE needs the native Llama/Qwen2 path (the head copies the target's layer shape)")
+        self.manifest = manifest
+        cfg = head_config(target.cfg, manifest.get("intermediate_size"))
+        storage = "int8" if target.info.dtype == "int8" else "float"
+        try:
+            self.drafter = EagleDrafter(cfg, tensors, storage, target.embed)
+        except (KeyError, RuntimeError) as exc:
+            raise ModelError(f"{path}: weights do not fit an EAGLE head for '{target_spec}': {exc}") from None
+        self.vocab_ids = tensors["vocab_ids"]
+        if int(self.vocab_ids.max()) >= target.info.vocab_size:
+            raise ModelError(f"{path}: draft vocabulary has ids beyond the target's {target.info.vocab_size} tokens")
+        self.lm_rows = make_linear(target.lm_head_weight()[self.vocab_ids], None, storage)
+        c = config
+        self.max_draft_nodes = c.depth if c.tree == "chain" else c.total_tokens
+        self.features = torch.zeros(0, target.info.hidden_size)
+        self.n_features = 0
+
+    # ------------------------------------------------------------------ feature bookkeeping
+    def _add_features(self, feats: torch.Tensor) -> None:
+        need = self.n_features + feats.shape[0]
+        if need > self.features.shape[0]:
+            grown = torch.zeros(max(2 * self.features.shape[0], need, 256), feats.shape[1])
+            grown[: self.n_features] = self.features[: self.n_features]
+            self.features = grown
+        self.features[self.n_features:need] = feats.float()
+        self.n_features = need
+
+    def start(self, ctx: RunContext) -> None:
+        self.drafter.crop(0)
+        self.n_features = 0
+        if ctx.prefill is not None:
+            self._add_features(ctx.prefill.hidden)
+
+    def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
+        self._add_features(outcome.target_out.hidden[outcome.kept_rows])
+
+    # --------------------------------------------------------------------------- drafting
+    def _log_probs(self, feats: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.lm_rows(feats).float(), dim=-1)
+
+    @torch.inference_mode()
+    def propose(self, ctx: RunContext, budget: int) -> Draft:
+        c = self.config
+        root = len(ctx.tokens) - 1  # pairs (f_i, x_{i+1}) exist for i < root
+        if budget <= 0 or self.n_features < root or root == 0:
+            return Draft()
+        d = self.drafter
+        d.crop(min(d.len, root))
+        start = d.len
+        out = d.run(self.features[start:root], ctx.tokens[start + 1:root + 1], torch.arange(start, root))
+        depth = min(c.depth, budget)
+        try:
+            if c.tree == "chain":
+                return self._chain(out[-1], root, depth)
+            return self._dynamic(out[-1], root, depth, min(c.total_tokens, budget * c.top_k))
+        finally:
+            d.crop(root)
+
+    def _chain(self, feat: torch.Tensor, root: int, depth: int) -> Draft:
+        tokens, q = [], []
+        for level in range(depth):
+            logp = self._log_probs(feat[None])[0]
+            best = int(logp.argmax())
+            tokens.append(int(self.vocab_ids[best]))
+            q.append(float(logp[best].exp()))
+            if level < depth - 1:
+                feat = self.drafter.run(feat[None], [tokens[-1]], torch.tensor([root + level]))[0]
+        return Draft.chain(tokens, q_token=q, info={"shape": "chain", "depth": depth})
+
+    def _dynamic(self, feat: torch.Tensor, root: int, depth: int, total: int) -> Draft:
+        k = self.config.top_k
+        d = self.drafter
+        # Nodes: token, parent node (-1 root), cumulative log-prob, draft probability.
+        tok: list[int] = []
+        par: list[int] = []
+        score: list[float] = []
+        prob: list[float] = []
+        slot: dict[int, int] = {}  # node -> its entry in the drafter cache, once expanded
+
+        def add_children(parent: int, logp: torch.Tensor, base: float) -> list[int]:
+            top = logp.topk(k)
+            made = []
+            for lp, idx in zip(top.values.tolist(), top.indices.tolist()):
+                tok.append(int(self.vocab_ids[idx]))
+                par.append(parent)
+                score.append(base + lp)
+                prob.append(float(torch.tensor(lp).exp()))
+                made.append(len(tok) - 1)
+            return made
+
+        frontier = add_children(-1, self._log_probs(feat[None])[0], 0.0)
+        parent_feat = {n: feat for n in frontier}
+        for level in range(1, depth):
+            expand = sorted(frontier, key=lambda n: -score[n])[:k]
+            base_len = d.len
+            mask = torch.zeros(len(expand), base_len + len(expand), dtype=torch.bool)
+            mask[:, :root] = True  # the true pairs
+            for row, node in enumerate(expand):
+                mask[row, base_len + row] = True
+                a = par[node]
+                while a >= 0:
+                    mask[row, slot[a]] = True
+                    a = par[a]
+            feats = torch.stack([parent_feat[n] for n in expand])
+            outs = d.run(feats, [tok[n] for n in expand], torch.full((len(expand),), root + level - 1), mask)
+            for row, node in enumerate(expand):
+                slot[node] = base_len + row
+            logps = self._log_probs(outs)
+            frontier = []
+            for row, node in enumerate(expand):
+                kids = add_children(node, logps[row], score[node])
+                for kid in kids:
+                    parent_feat[kid] = outs[row]
+                frontier += kids
+        # Keep the best nodes overall; a child never outscores its parent, and ties go to the
+        # earlier (parent) node, so the kept set is closed under parents.
+        keep = sorted(sorted(range(len(tok)), key=lambda n: (-score[n], n))[:total])
+        new_index = {old: i for i, old in enumerate(keep)}
+        parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
+        return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],
+                     info={"shape": "dynamic", "depth": depth, "nodes_grown": len(tok), "kept": len(keep)})

@@ -1,0 +1,118 @@
+"""``specplay train medusa|eagle``: data from the target, training, and a heads file with its manifest.
+
+Everything is cached in a work folder (answers, feature shards, checkpoints), so an
+interrupted run resumes where it stopped (``--resume`` for the training itself).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from core.heads import save_heads
+from core.paths import cache_dir, data_dir
+from core.training.common import ProgressFn, TrainSettings
+from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_responses,
+                                instruction_prompts)
+
+Progress = Callable[[str, "float | None"], None]
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    code_tokens: int = 60_000
+    answers: int = 64
+    answer_tokens: int = 256
+    seq_len: int = 512
+    seed: int = 0
+
+    def key(self) -> str:
+        return f"c{self.code_tokens}-a{self.answers}x{self.answer_tokens}-s{self.seed}"
+
+
+def default_workdir(target_spec: str) -> Path:
+    return cache_dir() / "training" / Path(target_spec).name
+
+
+def default_output(kind: str, target_spec: str) -> Path:
+    return data_dir() / "heads" / f"{kind}-{Path(target_spec).name}.safetensors"
+
+
+def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progress,
+                 should_cancel: Callable[[], bool]) -> tuple[FeatureSet, dict]:
+    """Sequences (standard-library code + the target's answers) and their target features."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    sequences = code_sequences(target.tokenizer, settings.code_tokens, settings.seq_len, settings.seed)
+    answers: list[list[int]] = []
+    if settings.answers > 0:
+        cache = workdir / f"answers-{settings.answers}x{settings.answer_tokens}-s{settings.seed}.json"
+        if cache.is_file():
+            answers = json.loads(cache.read_text())["sequences"]
+        else:
+            prompts = instruction_prompts(settings.answers, settings.seed)
+            storage = target.model.info.dtype if target.model.info.dtype == "int8" else "float"
+            answers = generate_responses(target.path, prompts, settings.answer_tokens, storage=storage,
+                                         progress=progress, should_cancel=should_cancel)
+            cache.write_text(json.dumps({"prompts": prompts, "sequences": answers}))
+    sequences = sequences + answers
+    features = extract_features(target.model, sequences, workdir / f"features-{settings.key()}", progress=progress,
+                                should_cancel=should_cancel)
+    stats = {"code_tokens": sum(len(s) for s in sequences[: len(sequences) - len(answers)]),
+             "answer_tokens": sum(len(s) for s in answers), "answers": len(answers), "sequences": len(sequences),
+             "total_tokens": features.num_tokens,
+             "sources": "Python standard library source; the target's greedy answers to instructions written "
+                        "from standard-library docstrings"}
+    return features, stats
+
+
+def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, *, num_heads: int = 4,
+                draft_vocab: int = 32768, intermediate: int | None = None, window: int = 128,
+                workdir: Path | None = None, out: Path | None = None, resume: bool = False, command: str = "",
+                progress: Progress = lambda s, f: None, on_step: ProgressFn | None = None,
+                should_cancel: Callable[[], bool] = lambda: False) -> tuple[Path, dict]:
+    """Build data, train ``kind`` ("medusa" or "eagle") heads for ``target``, save them; return (path, manifest)."""
+    started = time.perf_counter()
+    workdir = workdir or default_workdir(target.spec)
+    out = out or default_output(kind, target.spec)
+    features, stats = prepare_data(target, data, workdir, progress, should_cancel)
+    model = target.model
+    vocab_ids = draft_vocabulary(features.labels, draft_vocab, always=tuple(model.info.eos_token_ids))
+    coverage = float(torch.isin(features.labels.long(), vocab_ids).float().mean())
+    lm_rows = model.lm_head_weight()[vocab_ids]
+    manifest = {"kind": kind, "target": target.spec, "hidden_size": model.info.hidden_size,
+                "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
+                "draft_vocab_coverage": round(coverage, 4), "command": command, "data": stats,
+                "settings": settings.to_dict(), "feature_dtype": model.info.dtype}
+    progress(f"Training {kind} on {features.num_tokens:,} tokens", None)
+    if kind == "medusa":
+        from core.training.medusa import train_medusa
+
+        heads, accuracy, steps = train_medusa(features, lm_rows, vocab_ids, model.info.vocab_size, num_heads, settings,
+                                              workdir, on_step, should_cancel, resume)
+        tensors = dict(heads.state_dict())
+        manifest.update(num_heads=num_heads, accuracy=[[round(a, 4) for a in row] for row in accuracy],
+                        top1=[round(row[0], 4) for row in accuracy], top5=[round(sum(row[:5]), 4) for row in accuracy])
+    elif kind == "eagle":
+        from core.methods.eagle import EagleHead, head_config
+        from core.training.eagle import train_eagle
+
+        cfg = head_config(model.cfg, intermediate)
+        head = EagleHead(cfg)
+        accuracy, steps = train_eagle(features, head, model.embed, lm_rows, vocab_ids, model.info.vocab_size, settings,
+                                      window=window, workdir=workdir, progress=on_step, should_cancel=should_cancel,
+                                      resume=resume)
+        tensors = dict(head.state_dict())
+        manifest.update(intermediate_size=cfg.intermediate_size, window=window,
+                        accuracy={k: round(v, 4) for k, v in accuracy.items()})
+    else:
+        raise ValueError(f"unknown head kind {kind}")
+    tensors["vocab_ids"] = vocab_ids
+    manifest.update(steps=steps, train_seconds=round(time.perf_counter() - started, 1),
+                    date=time.strftime("%Y-%m-%d"))
+    save_heads(out, tensors, manifest)
+    return out, manifest

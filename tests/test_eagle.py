@@ -1,0 +1,157 @@
+"""EAGLE: exactness (chain and dynamic tree) with a random head, draft-cache rollback, sampling, training."""
+
+import pytest
+import torch
+
+from core.engine import drain, generate
+from core.errors import ModelError
+from core.heads import save_heads
+from core.methods import build_method
+from core.methods.eagle import EagleConfig, EagleHead, head_config
+from core.training.common import TrainSettings
+from core.training.data import FeatureSet
+from core.training.eagle import EagleObjective, train_eagle
+from core.types import GenerationConfig
+from stats import chi_square_pvalue
+from tiny import loaded, native_from_hf, tiny_hf_model
+
+PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
+
+
+def make_head_file(path, native, seed=0, scale=0.2, intermediate=48, hidden=None, vocab=None):
+    torch.manual_seed(seed)
+    head = EagleHead(head_config(native.cfg, intermediate))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn_like(p) * scale)
+    tensors = dict(head.state_dict())
+    tensors["vocab_ids"] = torch.arange(native.info.vocab_size)
+    save_heads(path, tensors, {"kind": "eagle", "target": "tiny", "hidden_size": hidden or native.info.hidden_size,
+                               "vocab_size": vocab or native.info.vocab_size, "intermediate_size": intermediate})
+    return path
+
+
+@pytest.fixture(scope="module")
+def target():
+    return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)))
+
+
+def _run(target, name, config=None, n=50, prompt=PROMPT):
+    gen = GenerationConfig(max_new_tokens=n, stop_at_eos=False)
+    return drain(generate(target.model, target.tokenizer, build_method(name, config, target), prompt, gen))
+
+
+@pytest.mark.parametrize("cfg", [EagleConfig(tree="chain", depth=1), EagleConfig(tree="chain", depth=6),
+                                 EagleConfig(tree="dynamic"), EagleConfig(tree="dynamic", depth=3, top_k=2,
+                                                                         total_tokens=5),
+                                 EagleConfig(tree="dynamic", depth=8, top_k=6, total_tokens=60)])
+def test_eagle_greedy_equals_autoregressive(target, tmp_path, cfg):
+    head = make_head_file(tmp_path / "eagle.safetensors", target.model)
+    base = _run(target, "autoregressive")
+    res = _run(target, "eagle", EagleConfig(**{**cfg.to_dict(), "head": str(head)}))
+    assert res.token_ids == base.token_ids
+    assert target.model.cache_len == len(PROMPT) + 50 - 1
+
+
+def test_draft_cache_rolls_back_to_the_accepted_path(target, tmp_path):
+    """After each step the head's cache holds exactly the pairs of committed tokens with true features."""
+    head = make_head_file(tmp_path / "eagle.safetensors", target.model)
+    method = build_method("eagle", EagleConfig(head=str(head), tree="dynamic"), target)
+    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    accepted_some = 0
+    for event in generate(target.model, target.tokenizer, method, PROMPT, gen):
+        # Pairs (f_i, x_{i+1}) exist only for true features; no draft-time entry survives a step.
+        assert method.drafter.len <= method.n_features
+        accepted_some += 0 < event.num_accepted < event.num_drafted
+    assert accepted_some > 0  # rollbacks after partial acceptance happened
+    # The cache content equals a fresh head run over the true features.
+    root = len(PROMPT) + 30 - 1
+    fresh = build_method("eagle", EagleConfig(head=str(head)), target)
+    fresh.drafter.run(method.features[:method.drafter.len],
+                      (PROMPT + _run(target, "autoregressive", n=30).token_ids)[1:method.drafter.len + 1],
+                      torch.arange(method.drafter.len))
+    n = method.drafter.len
+    assert n > len(PROMPT) and n <= root
+    assert torch.allclose(method.drafter.kv[:, :, :n], fresh.drafter.kv[:, :, :n], atol=1e-5)
+
+
+def test_trained_head_accepts_more_than_one_token_per_step(target):
+    model = target.model
+    seqs = []
+    for s in range(16):
+        prompt = [(5 * s + i) % 60 + 3 for i in range(6)]
+        seqs.append(prompt + _run(target, "autoregressive", n=40, prompt=prompt).token_ids)
+    data = _features(model, seqs)
+    head = EagleHead(head_config(model.cfg, 64))
+    acc, _ = train_eagle(data, head, model.embed, model.lm_head_weight(), torch.arange(64), 64,
+                         TrainSettings(steps=300, batch_size=8, lr=3e-3, eval_every=300, warmup=10), window=32)
+    assert acc["top1"] > 0.3
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "h.safetensors"
+        tensors = dict(head.state_dict())
+        tensors["vocab_ids"] = torch.arange(64)
+        save_heads(path, tensors, {"kind": "eagle", "target": "tiny", "hidden_size": 32, "vocab_size": 64,
+                                   "intermediate_size": 64})
+        res = _run(target, "eagle", EagleConfig(head=str(path)), n=40, prompt=seqs[0][:6])
+    assert res.token_ids == seqs[0][6:]
+    assert res.metrics.mean_accepted > 1.5
+
+
+def _features(model, seqs):
+    feats, toks, labels, starts = [], [], [], [0]
+    for s in seqs:
+        model.reset()
+        out = model.forward(torch.tensor(s), hidden=True)
+        feats.append(out.hidden.float())
+        labels.append(out.logits.argmax(-1))
+        toks.append(torch.tensor(s))
+        starts.append(starts[-1] + len(s))
+    model.reset()
+    return FeatureSet(torch.cat(feats), torch.cat(toks), torch.cat(labels), torch.tensor(starts))
+
+
+def test_a_training_step_lowers_the_loss(target):
+    model = target.model
+    g = torch.Generator().manual_seed(0)
+    data = _features(model, [torch.randint(3, 64, (40,), generator=g).tolist() for _ in range(4)])
+    head = EagleHead(head_config(model.cfg, 48))
+    obj = EagleObjective(head, data, model.embed, model.lm_head_weight().float(), torch.arange(64), 64, window=16,
+                         noise=0.0)
+    starts = obj.window_starts[:8]
+    before = float(obj.loss(starts))
+    opt = torch.optim.SGD(head.parameters(), lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        obj.loss(starts).backward()
+        opt.step()
+    assert float(obj.loss(starts)) < before
+
+
+@pytest.mark.parametrize("shape", ["chain", "dynamic"])
+def test_eagle_sampling_is_lossless(tmp_path, shape):
+    from test_distribution import exact_pairs, sample_pairs
+
+    model = tiny_hf_model(seed=11, vocab=8, dtype=torch.float64)
+    t = loaded(native_from_hf(model))
+    head = make_head_file(tmp_path / "h8.safetensors", t.model)
+    method = build_method("eagle", EagleConfig(head=str(head), tree=shape, depth=2, top_k=2, total_tokens=4), t)
+    assert chi_square_pvalue(sample_pairs(t, method), exact_pairs(native_from_hf(model))) > 1e-3
+
+
+def test_heads_for_another_model_or_corrupt_files_are_clear_errors(target, tmp_path):
+    wrong = make_head_file(tmp_path / "w.safetensors", target.model, hidden=64)
+    with pytest.raises(ModelError, match="hidden size 64"):
+        build_method("eagle", EagleConfig(head=str(wrong)), target)
+    corrupt = tmp_path / "c.safetensors"
+    corrupt.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    with pytest.raises(ModelError, match="not a readable heads file|no SpecPlay manifest"):
+        build_method("eagle", EagleConfig(head=str(corrupt)), target)
+    from test_medusa import make_heads_file
+
+    medusa = make_heads_file(tmp_path / "m.safetensors")
+    with pytest.raises(ModelError, match="holds medusa heads"):
+        build_method("eagle", EagleConfig(head=str(medusa)), target)
