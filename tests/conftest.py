@@ -3,9 +3,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+# Tiny models run fastest on one thread (no OpenMP hand-offs), and tests then leave the
+# other cores alone; tests on the real models ask for all threads themselves.
+ALL_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

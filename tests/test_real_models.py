@@ -15,6 +15,15 @@ from core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
 pytestmark = pytest.mark.real_model
 
 
+@pytest.fixture(autouse=True)
+def _all_threads():
+    from conftest import ALL_THREADS
+
+    torch.set_num_threads(ALL_THREADS)
+    yield
+    torch.set_num_threads(1)
+
+
 def _require(model_id):
     if not get_entry(model_id).installed():
         if os.environ.get("SPECPLAY_REQUIRE_REAL_MODELS") == "1":
