@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import sys
 
@@ -13,12 +15,16 @@ def run_app(argv: list[str]) -> int:
 
     from app.window import MainWindow
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app = QApplication.instance() or QApplication([sys.argv[0], *argv])
     app.setApplicationName("SpecPlay")
     app.setOrganizationName("SpecPlay")
-    window = MainWindow()
-    window.show()
-    window.start()
+    app.setApplicationDisplayName("SpecPlay")
     loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
     with loop:
-        return loop.run_until_complete(window.closed_future())
+        window = MainWindow()
+        closed = window.closed_future()
+        window.show()
+        loop.call_soon(window.start)  # load history and models once the loop runs
+        return loop.run_until_complete(closed)

@@ -1,108 +1,767 @@
-"""A minimal main window: load the default target, type a prompt, watch plain decoding stream."""
+"""The main window: docks for models, prompt, methods, X-ray, internals, charts and history
+around a live token view and a compare view.
+
+Orchestration (load, run, compare sequences, exports) is written as coroutines on the qasync
+loop; every model call happens in the one :class:`~app.worker.EngineWorker` thread, which
+the coroutines reach through queued signals and await through futures resolved by the
+worker's signals. Nothing here calls torch.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from PySide6.QtCore import QThread, Signal
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QMainWindow, QPlainTextEdit, QProgressBar, QPushButton,
-                               QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtCore import QByteArray, Qt, QThread, QTimer, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (QCheckBox, QDockWidget, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
+                               QSizePolicy, QStyle, QTabWidget, QToolButton, QVBoxLayout, QWidget)
 
-from app.worker import EngineWorker
-from core.models.catalog import DEFAULT_TARGET
-from core.types import GenerationConfig
+from app.charts import ChartsPanel, configure_pyqtgraph
+from app.compare_view import CompareView
+from app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
+from app.history_panel import HistoryPanel
+from app.internals import InternalsPanel
+from app.panels import MethodsPanel, ModelsPanel, PromptPanel
+from app.settings import AppSettings, open_settings
+from app.tokenview import FateLegend, TokenView
+from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
+from app.xray import XRayPanel
+from core.compare import annotate
+from core.errors import ConfigError
+from core.history import History
+from core.methods import METHODS
+from core.types import RunResult, StepEvent
+
+log = logging.getLogger(__name__)
+
+COMPARE_WARMUP_TOKENS = 8
 
 
-class MainWindow(QMainWindow):
-    sig_load = Signal(str, str, str)
-    sig_generate = Signal(object)
+class EngineFailed(Exception):
+    """The worker reported a failure (its message is for the user)."""
+
+
+class LiveView(QWidget):
+    """The central view of a single run: header, error banner, legend and the token view."""
 
     def __init__(self):
         super().__init__()
-        self.setWindowTitle("SpecPlay")
-        self.resize(900, 640)
-        self._closed: asyncio.Future | None = None
-        self.prompt = QPlainTextEdit("Write a Python function that merges two sorted lists.")
-        self.output = QPlainTextEdit(readOnly=True)
-        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=128)
-        self.run_button = QPushButton("Run", enabled=False)
-        self.stop_button = QPushButton("Stop", enabled=False)
-        self.status = QLabel("")
-        self.progress = QProgressBar(maximum=1000)
-        row = QHBoxLayout()
-        row.addWidget(QLabel("Max new tokens"))
-        row.addWidget(self.max_tokens)
-        row.addStretch(1)
-        row.addWidget(self.run_button)
-        row.addWidget(self.stop_button)
-        layout = QVBoxLayout()
-        layout.addWidget(self.prompt, 1)
-        layout.addLayout(row)
-        layout.addWidget(self.output, 3)
-        layout.addWidget(self.progress)
-        layout.addWidget(self.status)
-        central = QWidget()
-        central.setLayout(layout)
-        self.setCentralWidget(central)
+        self.title = QLabel("<b>No run yet</b>")
+        self.stats = QLabel("")
+        self.stats.setStyleSheet("QLabel { color: #444444; }")
+        self.show_rejected = QCheckBox("show rejected drafts")
+        self.show_rejected.setChecked(True)
+        self.show_rejected.setToolTip("Show rejected draft tokens, struck through, where the verifier tried them")
+        self.banner = QLabel("")
+        self.banner.setObjectName("error_banner")
+        self.banner.setWordWrap(True)
+        self.banner.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.banner.setStyleSheet("QLabel { background: #fde8e8; color: #8a0016; border: 1px solid #e5a5ad; "
+                                  "border-radius: 3px; padding: 6px; }")
+        close = QToolButton()
+        close.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_TitleBarCloseButton))
+        close.setAutoRaise(True)
+        close.setToolTip("Dismiss")
+        close.clicked.connect(self.clear_error)
+        self.banner_box = QWidget()
+        b = QHBoxLayout(self.banner_box)
+        b.setContentsMargins(0, 0, 0, 0)
+        b.addWidget(self.banner, 1)
+        b.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
+        self.banner_box.setVisible(False)
+        self.view = TokenView()
+        self.legend = FateLegend()
+        head = QHBoxLayout()
+        head.addWidget(self.title)
+        head.addStretch(1)
+        head.addWidget(self.show_rejected)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        layout.addLayout(head)
+        layout.addWidget(self.stats)
+        layout.addWidget(self.banner_box)
+        layout.addWidget(self.view, 1)
+        layout.addWidget(self.legend)
+        self.show_rejected.toggled.connect(self.view.set_show_rejected)
 
+    def show_error(self, message: str) -> None:
+        self.banner.setText(message)
+        self.banner_box.setVisible(True)
+
+    def clear_error(self) -> None:
+        self.banner.setText("")
+        self.banner_box.setVisible(False)
+
+
+class MainWindow(QMainWindow):
+    """Signals (to the worker, queued):
+        sig_load(LoadRequest), sig_generate(RunRequest)
+    """
+
+    sig_load = Signal(object)
+    sig_generate = Signal(object)
+
+    def __init__(self, settings: AppSettings | None = None, history: History | None = None):
+        super().__init__()
+        configure_pyqtgraph()
+        self.setWindowTitle("SpecPlay")
+        self.setDockNestingEnabled(True)
+        self.settings = settings if settings is not None else AppSettings.load()
+        self.history = history if history is not None else History()
+        self.models: ModelsLoaded | None = None
+        self._closed: asyncio.Future | None = None
+        self._job = 0
+        self._pending: asyncio.Future | None = None
+        self._busy: str | None = None
+        self._stop_requested = False
+        self._step_sinks: list = []
+        self._tasks: set[asyncio.Task] = set()
+        self._token_texts: dict[int, str] = {}
+        self.last_error = ""
+        self.last_export: Path | None = None
+        # File work (history reading, exports) runs here, off the GUI thread; never model work.
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specplay-io")
+
+        # views
+        self.live = LiveView()
+        self.compare = CompareView()
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.live, "Live")
+        self.tabs.addTab(self.compare, "Compare")
+        self.setCentralWidget(self.tabs)
+        self.models_panel = ModelsPanel()
+        self.prompt_panel = PromptPanel()
+        self.methods_panel = MethodsPanel()
+        self.xray = XRayPanel()
+        self.internals = InternalsPanel(self._token_text)
+        self.charts = ChartsPanel(list(METHODS))
+        self.history_panel = HistoryPanel()
+        self.docks: dict[str, QDockWidget] = {}
+        left = Qt.DockWidgetArea.LeftDockWidgetArea
+        right = Qt.DockWidgetArea.RightDockWidgetArea
+        bottom = Qt.DockWidgetArea.BottomDockWidgetArea
+        self._dock("models", "Models", self.models_panel, left)
+        self._dock("prompt", "Prompt", self.prompt_panel, left)
+        self._dock("method", "Method", self.methods_panel, left)
+        self._dock("xray", "Token X-ray", self.xray, right)
+        self._dock("internals", "Method internals", self.internals, right)
+        self._dock("charts", "Charts", self.charts, bottom)
+        self._dock("history", "History", self.history_panel, bottom)
+        self.tabifyDockWidget(self.docks["charts"], self.docks["history"])
+        self.docks["charts"].raise_()
+        self.resizeDocks([self.docks["models"], self.docks["xray"]], [390, 400], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["xray"], self.docks["internals"]], [300, 420], Qt.Orientation.Vertical)
+        self.resizeDocks([self.docks["charts"]], [330], Qt.Orientation.Vertical)
+        self._default_state = self.saveState()
+
+        self._build_actions()
+        self.status = QLabel("")
+        self.status.setObjectName("status")
+        self.status.setTextFormat(Qt.TextFormat.PlainText)
+        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.memory_label = QLabel("")
+        self.statusBar().addWidget(self.status, 1)
+        self.statusBar().addPermanentWidget(self.memory_label)
+
+        # the worker thread
         self.thread = QThread(self)
+        self.thread.setObjectName("engine")
         self.worker = EngineWorker()
         self.worker.moveToThread(self.thread)
         self.sig_load.connect(self.worker.load)
         self.sig_generate.connect(self.worker.generate)
         self.worker.sig_progress.connect(self._on_progress)
-        self.worker.sig_models_loaded.connect(self._on_loaded)
-        self.worker.sig_step.connect(lambda e: self.output.insertPlainText(e.text))
-        self.worker.sig_run_finished.connect(self._on_finished)
+        self.worker.sig_models_loaded.connect(self._on_models_loaded)
+        self.worker.sig_step.connect(self._on_step)
+        self.worker.sig_run_finished.connect(self._resolve)
         self.worker.sig_failed.connect(self._on_failed)
-        self.run_button.clicked.connect(self._run)
-        self.stop_button.clicked.connect(self.worker.cancel)
         self.thread.start()
 
+        # wiring
+        self.models_panel.sig_load_requested.connect(lambda: self.spawn(self.load_models()))
+        self.models_panel.sig_cancel_requested.connect(self.stop)
+        self.compare.sig_run_requested.connect(lambda names: self.spawn(self.run_compare(names)))
+        self.history_panel.sig_open_requested.connect(self.open_record)
+        self.history_panel.sig_export_requested.connect(self._export_dialog)
+        self.history_panel.sig_reload_requested.connect(lambda: self.spawn(self.reload_history()))
+        for view in (self.live.view,):
+            self._connect_token_view(view)
+
+        self._memory_timer = QTimer(self)
+        self._memory_timer.setInterval(2000)
+        self._memory_timer.timeout.connect(self._refresh_memory)
+        self._memory_timer.start()
+        self._refresh_memory()
+        self.apply_settings(self.settings)
+        self._set_busy(None)
+
+    # ------------------------------------------------------------------------ construction
+    def _dock(self, key: str, title: str, widget: QWidget, area) -> None:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(f"dock_{key}")
+        dock.setWidget(widget)
+        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                         | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+                         | QDockWidget.DockWidgetFeature.DockWidgetClosable)
+        self.addDockWidget(area, dock)
+        self.docks[key] = dock
+
+    def _build_actions(self) -> None:
+        style = self.style()
+        self.run_action = QAction(style.standardIcon(QStyle.StandardPixmap.SP_MediaPlay), "Run", self)
+        self.run_action.setShortcut(QKeySequence("Ctrl+Return"))
+        self.run_action.setToolTip("Run the selected method on the prompt (Ctrl+Enter)")
+        self.run_action.triggered.connect(lambda: self.spawn(self.run_single()))
+        self.stop_action = QAction(style.standardIcon(QStyle.StandardPixmap.SP_MediaStop), "Stop", self)
+        self.stop_action.setShortcut(QKeySequence("Esc"))
+        self.stop_action.setToolTip("Stop the run, comparison or loading within one step (Esc)")
+        self.stop_action.triggered.connect(self.stop)
+        self.compare_action = QAction(style.standardIcon(QStyle.StandardPixmap.SP_FileDialogDetailedView), "Compare",
+                                      self)
+        self.compare_action.setShortcut(QKeySequence("Ctrl+Shift+Return"))
+        self.compare_action.setToolTip("Run the methods checked in the Compare tab one after another (Ctrl+Shift+Enter)")
+        self.compare_action.triggered.connect(lambda: self.spawn(self.run_compare(self.compare.selected())))
+        bar = self.addToolBar("Run")
+        bar.setObjectName("toolbar_run")
+        bar.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        bar.addAction(self.run_action)
+        bar.addAction(self.stop_action)
+        bar.addSeparator()
+        bar.addAction(self.compare_action)
+        self.run_button = bar.widgetForAction(self.run_action)
+        self.stop_button = bar.widgetForAction(self.stop_action)
+
+        file_menu = self.menuBar().addMenu("&File")
+        a = file_menu.addAction("Export selected runs as JSONL…")
+        a.triggered.connect(lambda: self._export_dialog("jsonl", self.history_panel.selected_records()))
+        a = file_menu.addAction("Export selected runs as CSV…")
+        a.triggered.connect(lambda: self._export_dialog("csv", self.history_panel.selected_records()))
+        a = file_menu.addAction("Export charts as PNG…")
+        a.triggered.connect(lambda: self._export_png_dialog(self.charts, "specplay-charts.png"))
+        a = file_menu.addAction("Export speedup chart as PNG…")
+        a.triggered.connect(lambda: self._export_png_dialog(self.compare.speedup_plot, "specplay-speedup.png"))
+        file_menu.addSeparator()
+        a = file_menu.addAction("Quit")
+        a.setShortcut(QKeySequence.StandardKey.Quit)
+        a.triggered.connect(self.close)
+        view_menu = self.menuBar().addMenu("&View")
+        for dock in self.docks.values():
+            view_menu.addAction(dock.toggleViewAction())
+        view_menu.addSeparator()
+        a = view_menu.addAction("Reset layout")
+        a.triggered.connect(lambda: self.restoreState(self._default_state))
+        help_menu = self.menuBar().addMenu("&Help")
+        a = help_menu.addAction("Colours and marks")
+        a.triggered.connect(self._explain_colours)
+
+    def _connect_token_view(self, view: TokenView) -> None:
+        view.sig_token_hovered.connect(self.xray.show_token)
+        view.sig_token_clicked.connect(self._on_token_clicked)
+
+    # ------------------------------------------------------------------------ settings
+    def apply_settings(self, s: AppSettings) -> None:
+        mp = self.models_panel
+        mp.target.add_recent(s.recent_models)
+        mp.draft.add_recent(s.recent_models)
+        mp.target.set_spec(s.target)
+        mp.draft.set_spec(s.draft)
+        if mp.device.findText(s.device) >= 0:
+            mp.device.setCurrentText(s.device)
+        if mp.dtype.findText(s.dtype) >= 0:
+            mp.dtype.setCurrentText(s.dtype)
+        pp = self.prompt_panel
+        pp.editor.setPlainText(s.prompt)
+        pp.chat_template.setChecked(s.chat_template)
+        pp.max_new_tokens.setValue(s.max_new_tokens)
+        pp.temperature.setValue(s.temperature)
+        pp.top_p.setValue(s.top_p)
+        pp.seed.setValue(s.seed)
+        self.methods_panel.set_all_values(s.method_values)
+        self.methods_panel.set_method(s.method)
+        self.compare.set_selected(s.compare_methods)
+        self.live.show_rejected.setChecked(s.show_rejected)
+        if s.geometry is not None:
+            self.restoreGeometry(s.geometry)
+        else:
+            self.resize(1560, 980)
+        if s.window_state is not None:
+            self.restoreState(s.window_state)
+
+    def collect_settings(self) -> AppSettings:
+        s = self.settings
+        mp, pp = self.models_panel, self.prompt_panel
+        s.geometry = QByteArray(self.saveGeometry())
+        s.window_state = QByteArray(self.saveState())
+        s.target = mp.target.spec()
+        s.draft = mp.draft.spec()
+        s.device = mp.device.currentText()
+        s.dtype = mp.dtype.currentText()
+        s.prompt = pp.prompt()
+        s.chat_template = pp.chat_template.isChecked()
+        s.max_new_tokens = pp.max_new_tokens.value()
+        s.temperature = pp.temperature.value()
+        s.top_p = pp.top_p.value()
+        s.seed = pp.seed.value()
+        s.method = self.methods_panel.method()
+        s.method_values = self.methods_panel.all_values()
+        s.compare_methods = self.compare.selected()
+        s.show_rejected = self.live.show_rejected.isChecked()
+        return s
+
+    def save_settings(self) -> None:
+        try:
+            self.collect_settings().save(open_settings())
+        except Exception as exc:  # never lose the close because settings could not be written
+            log.warning("could not save settings: %s", exc)
+
+    # ------------------------------------------------------------------------ async plumbing
     def start(self) -> None:
-        self.status.setText(f"Loading {DEFAULT_TARGET}…")
-        self.sig_load.emit(DEFAULT_TARGET, "auto", "auto")
+        """Called once the event loop runs: load the history and the last (or default) models."""
+        self.spawn(self.reload_history())
+        self.spawn(self.load_models())
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.error("unexpected error in the window", exc_info=exc)
+            self.show_error(f"Unexpected error: {exc!r}")
+            self._set_busy(None)
 
     def closed_future(self) -> asyncio.Future:
         self._closed = asyncio.get_event_loop().create_future()
         return self._closed
 
-    def _on_progress(self, stage: str, fraction: float) -> None:
-        self.status.setText(stage)
-        self.progress.setRange(0, 0 if fraction < 0 else 1000)
-        if fraction >= 0:
-            self.progress.setValue(int(fraction * 1000))
+    def _expect(self) -> asyncio.Future:
+        fut = asyncio.get_event_loop().create_future()
+        self._pending = fut
+        return fut
 
-    def _on_loaded(self, models) -> None:
-        target, _ = models
-        info = target.model.info
-        self.status.setText(f"{target.spec} on {info.device} ({info.dtype}, {info.backend})")
-        self.progress.setRange(0, 1000)
-        self.progress.setValue(1000)
-        self.run_button.setEnabled(True)
-
-    def _run(self) -> None:
-        self.output.clear()
-        self.run_button.setEnabled(False)
-        self.stop_button.setEnabled(True)
-        self.sig_generate.emit({"prompt": self.prompt.toPlainText(), "method": "autoregressive",
-                                "config": GenerationConfig(max_new_tokens=self.max_tokens.value())})
-
-    def _on_finished(self, result) -> None:
-        m = result.metrics
-        self.status.setText(f"{m.new_tokens} tokens, {m.tokens_per_s:.1f} tok/s ({result.stop_reason.value})")
-        self.run_button.setEnabled(True)
-        self.stop_button.setEnabled(False)
+    def _resolve(self, value) -> None:
+        fut, self._pending = self._pending, None
+        if fut is not None and not fut.done():
+            fut.set_result(value)
 
     def _on_failed(self, message: str) -> None:
-        self.status.setText(f"Error: {message}")
-        self.run_button.setEnabled(self.worker.target is not None)
-        self.stop_button.setEnabled(False)
+        fut, self._pending = self._pending, None
+        if fut is not None and not fut.done():
+            fut.set_exception(EngineFailed(message))
+        else:
+            self.show_error(message)
+
+    def _set_busy(self, what: str | None) -> None:
+        self._busy = what
+        loaded = self.models is not None
+        self.run_action.setEnabled(what is None and loaded)
+        self.compare_action.setEnabled(what is None and loaded)
+        self.compare.run_button.setEnabled(what is None and loaded)
+        self.stop_action.setEnabled(what is not None)
+        self.models_panel.set_loading(what == "load")
+        if what is None and self.models_panel.progress.maximum() == 0:
+            self.models_panel.progress.setRange(0, 1000)
+
+    @property
+    def busy(self) -> bool:
+        return self._busy is not None
+
+    def stop(self) -> None:
+        """Stop whatever runs (a compare sequence stops after the current method's step)."""
+        if self._busy is None:
+            return
+        self._stop_requested = True
+        self.worker.cancel(self._job)
+        self.set_status("Stopping…")
+
+    # ------------------------------------------------------------------------ status and errors
+    def set_status(self, text: str) -> None:
+        self.status.setStyleSheet("")
+        self.status.setText(text)
+
+    def show_error(self, message: str) -> None:
+        """An error the user must see: the status bar and a banner over the token view."""
+        self.last_error = message
+        self.status.setStyleSheet("QLabel { color: #b00020; }")
+        self.status.setText(message)
+        self.live.show_error(message)
+
+    def _notify_export_error(self, message: str) -> None:
+        self.show_error(message)
+        box = QMessageBox(QMessageBox.Icon.Critical, "Export failed", message, QMessageBox.StandardButton.Ok, self)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.open()  # not modal for the loop: runs keep streaming
+        self._export_box = box
+
+    def _refresh_memory(self) -> None:
+        self.models_panel.refresh_memory()
+        self.memory_label.setText(self.models_panel.memory.text())
+
+    # ------------------------------------------------------------------------ models
+    async def load_models(self, target: str | None = None, draft: str | None = None, device: str | None = None,
+                          dtype: str | None = None) -> ModelsLoaded | None:
+        if self.busy:
+            return None
+        mp = self.models_panel
+        target = target if target is not None else mp.target.spec()
+        draft = draft if draft is not None else mp.draft.spec()
+        device = device or mp.device.currentText()
+        dtype = dtype or mp.dtype.currentText()
+        if not target:
+            self.show_error("Choose a target model first.")
+            return None
+        mp.target.set_spec(target)
+        mp.draft.set_spec(draft)
+        if mp.device.findText(device) >= 0:
+            mp.device.setCurrentText(device)
+        if mp.dtype.findText(dtype) >= 0:
+            mp.dtype.setCurrentText(dtype)
+        self._set_busy("load")
+        self.models = None
+        self.methods_panel.set_draft_available(False)
+        self.set_status(f"Loading {target}" + (f" and {draft}" if draft else "") + "…")
+        self._job += 1
+        fut = self._expect()
+        self.sig_load.emit(LoadRequest(target=target, draft=draft or None, device=device, dtype=dtype, job=self._job))
+        try:
+            loaded: ModelsLoaded = await fut
+        except EngineFailed as exc:
+            mp.set_failed(str(exc))
+            self.show_error(f"Loading failed: {exc}")
+            self._set_busy(None)
+            return None
+        finally:
+            self._stop_requested = False
+        self.models = loaded
+        self._token_texts.clear()
+        mp.set_loaded(loaded)
+        self.methods_panel.set_draft_available(loaded.draft is not None)
+        self.settings.target, self.settings.draft = target, draft
+        self.settings.remember_model(target)
+        if draft:
+            self.settings.remember_model(draft)
+        self.setWindowTitle(f"SpecPlay — {loaded.target.spec}" + (f" + {loaded.draft.spec}" if loaded.draft else ""))
+        self.set_status("Models ready." + (f" Draft: {loaded.draft_error}" if loaded.draft_error else ""))
+        self.live.clear_error()
+        self._set_busy(None)
+        self._refresh_memory()
+        return loaded
+
+    def _on_progress(self, stage: str, fraction: float) -> None:
+        self.models_panel.set_progress(stage, fraction)
+        self.set_status(stage + ("" if fraction < 0 else f" {fraction:.0%}"))
+
+    def _on_models_loaded(self, loaded: ModelsLoaded) -> None:
+        self._resolve(loaded)
+
+    def _token_text(self, token_id: int) -> str:
+        """Text of a token id for the internals views (cached; decoding is cheap and thread-safe)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            if self.models is None:
+                return f"#{token_id}"
+            text = self.models.target.tokenizer.decode([token_id])
+            if len(self._token_texts) < 100_000:
+                self._token_texts[token_id] = text
+        return text
+
+    # ------------------------------------------------------------------------ runs
+    def _request(self, method: str) -> RunRequest:
+        """A run request from the panels; raises ConfigError with a message for the user."""
+        config = self.methods_panel.config_for(method)
+        gen = self.prompt_panel.generation_config()
+        prompt = self.prompt_panel.prompt()
+        if not prompt.strip():
+            raise ConfigError("The prompt is empty.")
+        if METHODS[method].needs_draft and (self.models is None or self.models.draft is None):
+            raise ConfigError(f"{METHODS[method].title} needs a draft model: choose one in Models and load it.")
+        return RunRequest(prompt=prompt, method=method, config=gen, method_config=config,
+                          chat_template=self.prompt_panel.chat_template.isChecked())
+
+    async def _run(self, request: RunRequest, sinks: list) -> RunResult | None:
+        """Send one run to the worker and wait for its result; errors are shown, and give None."""
+        self._job += 1
+        request.job = self._job
+        if self._stop_requested:
+            self.worker.cancel(self._job)
+        self._step_sinks = sinks
+        fut = self._expect()
+        self.sig_generate.emit(request)
+        try:
+            return await fut
+        except EngineFailed as exc:
+            self.show_error(f"{METHODS[request.method].title if request.method in METHODS else request.method}: {exc}")
+            return None
+        finally:
+            self._step_sinks = []
+
+    def _on_step(self, event: StepEvent) -> None:
+        for sink in self._step_sinks:
+            sink(event)
+        # tokens seen in events feed the internals' token texts
+        for t in event.tokens:
+            if t.token_id not in self._token_texts and t.text:
+                self._token_texts[t.token_id] = t.text
+
+    def _record(self, result: RunResult, prompt: str, chat_template: bool) -> dict:
+        from core.runlog import run_record
+
+        draft = self.models.draft if METHODS.get(result.method) and METHODS[result.method].needs_draft else None
+        return run_record(result, target=self.models.target, draft=draft, prompt=prompt, include_events=True,
+                          extra={"chat_template": chat_template})
+
+    def _save_to_history(self, record: dict) -> None:
+        try:
+            self.history.append(record)
+        except OSError as exc:
+            self.show_error(f"Could not save the run to the history ({self.history.path}): {exc.strerror or exc}")
+        self.history_panel.add_record(record)
+
+    async def run_single(self) -> RunResult | None:
+        if self.busy or self.models is None:
+            return None
+        method = self.methods_panel.method()
+        try:
+            request = self._request(method)
+        except ConfigError as exc:
+            self.show_error(str(exc))
+            return None
+        self._set_busy("run")
+        self._stop_requested = False
+        self.live.clear_error()
+        self.tabs.setCurrentWidget(self.live)
+        self._begin_live(method)
+        started = time.perf_counter()
+
+        def live_stats(e: StepEvent) -> None:
+            rate = e.total_new_tokens / e.elapsed_s if e.elapsed_s > 0 else 0.0
+            self.live.stats.setText(f"{e.total_new_tokens} tokens · step {e.step + 1} · {rate:.1f} tok/s so far")
+
+        sinks = [self.live.view.append_step, lambda e: self.charts.add_step(method, e), self.internals.add_step,
+                 live_stats]
+        self.set_status(f"Running {METHODS[method].title}…")
+        result = await self._run(request, sinks)
+        self._set_busy(None)
+        if result is None:
+            return None
+        record = self._record(result, request.prompt, request.chat_template)
+        self._save_to_history(record)
+        self.charts.finish_run(method, result.metrics.to_dict())
+        self.internals.set_steps(result.events)
+        self.live.stats.setText(self._stats_text(record))
+        state = "Cancelled" if result.cancelled else "Done"
+        self.set_status(f"{state}: {self._stats_text(record)} ({time.perf_counter() - started:.1f} s)")
+        return result
+
+    def _begin_live(self, method: str, title: str | None = None) -> None:
+        spec = METHODS.get(method)
+        self.live.title.setText(f"<b>{title or (spec.title if spec else method)}</b>")
+        self.live.stats.setText("")
+        self.live.view.clear_run()
+        self.internals.clear()
+        self.charts.begin_run(method)
+        self.xray.show_token(None, None)
+
+    @staticmethod
+    def _stats_text(r: dict) -> str:
+        acc = r.get("acceptance_rate")
+        parts = [f"{r['new_tokens']} tokens in {r['wall_time']:.2f} s", f"{r['tokens_per_s']:.1f} tok/s",
+                 f"τ {r['mean_accepted']:.2f}"]
+        if acc is not None:
+            parts.append(f"acceptance {acc:.0%}")
+        parts.append(f"stop: {r['stop_reason']}")
+        if r.get("lossy"):
+            parts.append("LOSSY")
+        return " · ".join(parts)
+
+    async def run_compare(self, names: list[str]) -> list[dict] | None:
+        """Run ``names`` one after another on the same prompt, seed and settings; fill the table."""
+        if self.busy or self.models is None:
+            return None
+        names = [n for n in names if n in METHODS]
+        if not names:
+            self.show_error("Check at least one method to compare.")
+            return None
+        try:
+            requests = {n: self._request(n) for n in names}
+        except ConfigError as exc:
+            self.show_error(str(exc))
+            return None
+        self._set_busy("compare")
+        self._stop_requested = False
+        self.live.clear_error()
+        self.tabs.setCurrentWidget(self.compare)
+        self.compare.begin(names)
+        self.charts.clear()
+        greedy = next(iter(requests.values())).config.sampling.greedy
+        self.compare.note.setText(
+            "Same prompt, seed and settings for every method, each after a short warm-up. "
+            + ("Temperature 0: every lossless method must match autoregressive token for token."
+               if greedy else "Temperature > 0: outputs differ run to run; the distribution is what is preserved."))
+        records: list[dict] = []
+        for i, name in enumerate(names):
+            if self._stop_requested:
+                break
+            col = self.compare.column(name)
+            self._connect_token_view(col.view)
+            self.charts.begin_run(name)
+            self.internals.clear()
+
+            def col_stats(e: StepEvent, col=col) -> None:
+                rate = e.total_new_tokens / e.elapsed_s if e.elapsed_s > 0 else 0.0
+                col.stats.setText(f"{e.total_new_tokens} tokens · {rate:.1f} tok/s so far")
+
+            sinks = [col.view.append_step, lambda e, n=name: self.charts.add_step(n, e), self.internals.add_step,
+                     col_stats]
+            col.stats.setText("warming up…")
+            self.set_status(f"Comparing: {METHODS[name].title} ({i + 1}/{len(names)})…")
+            result = await self._run(requests[name], sinks)
+            if result is None:
+                col.stats.setText("failed (see the message above)")
+                break
+            record = self._record(result, requests[name].prompt, requests[name].chat_template)
+            self._save_to_history(record)
+            records.append(record)
+            self.charts.finish_run(name, result.metrics.to_dict())
+            col.stats.setText(self._stats_text(record))
+            annotate(records, greedy)
+            self.compare.set_records(records)
+            if result.cancelled:
+                break
+        annotate(records, greedy)
+        self.compare.set_records(records)
+        self._set_busy(None)
+        stopped = self._stop_requested
+        self._stop_requested = False
+        self.set_status(("Comparison stopped" if stopped else "Comparison done") + f": {len(records)} run(s).")
+        return records
+
+    # ------------------------------------------------------------------------ history
+    async def reload_history(self) -> list[dict]:
+        loop = asyncio.get_event_loop()
+        try:
+            records = await loop.run_in_executor(self._io, self.history.load)
+        except OSError as exc:
+            self.show_error(f"Could not read the run history {self.history.path}: {exc.strerror or exc}")
+            return []
+        self.history_panel.set_records(records)
+        return records
+
+    def open_record(self, record: dict) -> None:
+        """Show a saved run again: tokens, X-ray, internals and charts."""
+        from core.runlog import event_from_dict
+
+        method = record.get("method", "?")
+        events: list[StepEvent] = []
+        total = 0
+        try:
+            for d in record.get("events") or []:
+                e = event_from_dict(d, total)
+                total = e.total_new_tokens
+                events.append(e)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            self.show_error(f"This history entry cannot be shown token by token ({exc!r}); its text is shown instead.")
+            events = []
+        self.tabs.setCurrentWidget(self.live)
+        self._begin_live(method, f"{METHODS[method].title if method in METHODS else method} (from the history)")
+        self.live.clear_error()
+        if events:
+            self.live.view.set_steps(events)
+        else:
+            self.live.view.setPlainText(record.get("text") or "")
+        self.internals.set_steps(events)
+        split = record.get("time_split") or {}
+        self.charts.show_run(method, events, {"accept_lengths": record.get("accept_lengths"),
+                                              "acceptance_by_position": record.get("acceptance_by_position"),
+                                              "draft_s": split.get("draft", 0.0), "verify_s": split.get("verify", 0.0),
+                                              "other_s": split.get("other", 0.0)})
+        self.live.stats.setText(self._stats_text(record) if "wall_time" in record else "")
+        self.set_status(f"Showing a saved run: {method}, {record.get('new_tokens', '?')} tokens.")
+
+    # ------------------------------------------------------------------------ export
+    def _ask_path(self, title: str, name: str, filters: str) -> str | None:
+        start = Path(self.settings.export_dir or Path.home()) / name
+        path, _ = QFileDialog.getSaveFileName(self, title, str(start), filters)
+        if path:
+            self.settings.export_dir = str(Path(path).parent)
+        return path or None
+
+    def _export_dialog(self, kind: str, records: list[dict]) -> None:
+        if not records:
+            self.show_error("Select one or more runs in the History panel to export.")
+            return
+        if kind == "jsonl":
+            path = self._ask_path("Export runs as JSON lines", "specplay-runs.jsonl", "JSON lines (*.jsonl)")
+        else:
+            path = self._ask_path("Export runs as CSV", "specplay-runs.csv", "CSV (*.csv)")
+        if path:
+            self.spawn(self.export_runs(path, records, kind))
+
+    def _export_png_dialog(self, widget: QWidget, name: str) -> None:
+        path = self._ask_path("Export chart as PNG", name, "PNG images (*.png)")
+        if path:
+            self.spawn(self.export_png(path, widget))
+
+    async def export_runs(self, path: str | Path, records: list[dict], kind: str = "jsonl") -> bool:
+        """Write ``records`` (JSON lines or CSV) atomically; a failure is shown and changes nothing."""
+        write = write_runs_jsonl if kind == "jsonl" else write_runs_csv
+        try:
+            await asyncio.get_event_loop().run_in_executor(self._io, write, Path(path), list(records))
+        except ExportError as exc:
+            self._notify_export_error(str(exc))
+            return False
+        self.last_export = Path(path)
+        self.set_status(f"Exported {len(records)} run(s) to {path}.")
+        return True
+
+    async def export_png(self, path: str | Path, widget: QWidget) -> bool:
+        image = widget.grab().toImage()  # grabbing must happen on the GUI thread
+        try:
+            await asyncio.get_event_loop().run_in_executor(self._io, write_png, Path(path), image)
+        except ExportError as exc:
+            self._notify_export_error(str(exc))
+            return False
+        self.last_export = Path(path)
+        self.set_status(f"Saved {path}.")
+        return True
+
+    # ------------------------------------------------------------------------ misc
+    def _on_token_clicked(self, token, step) -> None:
+        self.xray.show_token(token, step)
+        self.internals.select_step(step)
+
+    def _explain_colours(self) -> None:
+        from app.palette import FATE_STYLES
+
+        lines = [f"<p><b style='color:{s.colour}'>{s.label}</b>: {s.description}</p>" for s in FATE_STYLES.values()]
+        box = QMessageBox(QMessageBox.Icon.Information, "Colours and marks",
+                          "".join(lines) + "<p>Rejected tokens are struck through, resampled ones underlined, bonus "
+                          "ones overlined, so the fates read without colour too.</p>", QMessageBox.StandardButton.Ok,
+                          self)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.open()
 
     def closeEvent(self, event):  # noqa: N802 (Qt name)
+        self.save_settings()
+        self._stop_requested = True
+        self.worker.cancel(self._job)
         self.worker.cancel()
+        fut, self._pending = self._pending, None
+        if fut is not None and not fut.done():
+            fut.set_exception(EngineFailed("the window was closed"))
+        self._memory_timer.stop()
+        self._io.shutdown(wait=False)
         self.thread.quit()
-        self.thread.wait(5000)
+        if not self.thread.wait(30_000):
+            log.warning("the engine thread did not stop within 30 s")
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(0)
         super().closeEvent(event)

@@ -1,16 +1,57 @@
-"""The engine worker: all model work runs here, in one thread, and only signals leave it."""
+"""The engine worker: all model work runs here, in one thread, and only signals leave it.
+
+Requests arrive as queued slot calls (one at a time, in order); each carries a job number.
+:meth:`EngineWorker.cancel` is called directly from the GUI thread and marks every job up
+to a number as cancelled, so a Stop pressed before a queued job starts still reaches it.
+The engine checks the flag between steps, so a run stops within one step.
+"""
 
 from __future__ import annotations
 
+import gc
 import logging
-import threading
 import traceback
+from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.errors import Cancelled, SpecPlayError
+from core.errors import SpecPlayError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelsLoaded:
+    """What a load request produced: the models, and what the user should know about the draft."""
+
+    target: object  # LoadedModel
+    draft: object | None  # LoadedModel, or None (none asked for, or incompatible)
+    warnings: list[str] = field(default_factory=list)
+    draft_error: str | None = None
+    job: int = 0
+
+    def __iter__(self):  # (target, draft) unpacking, as the first window used
+        return iter((self.target, self.draft))
+
+
+@dataclass
+class LoadRequest:
+    target: str
+    draft: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    job: int = 0
+
+
+@dataclass
+class RunRequest:
+    prompt: str
+    method: str
+    config: object  # GenerationConfig
+    method_config: object | None = None  # the method's config dataclass (None: defaults)
+    chat_template: bool = True
+    warmup_tokens: int = 0  # a short unrecorded run first (compare: fair timing for every method)
+    job: int = 0
 
 
 class EngineWorker(QObject):
@@ -18,10 +59,10 @@ class EngineWorker(QObject):
 
     Signals:
         sig_progress(str, float): a loading or conversion stage and its fraction (-1: unknown).
-        sig_models_loaded(object): ``(target, draft)`` LoadedModels.
+        sig_models_loaded(object): a :class:`ModelsLoaded`.
         sig_step(object): a ``StepEvent`` of the current run.
-        sig_run_finished(object): the ``RunResult``.
-        sig_failed(str): a message for the user.
+        sig_run_finished(object): the ``RunResult`` (finished or cancelled).
+        sig_failed(str): a message for the user (the job ended without a result).
     """
 
     sig_progress = Signal(str, float)
@@ -32,13 +73,26 @@ class EngineWorker(QObject):
 
     def __init__(self):
         super().__init__()
-        self._cancel = threading.Event()
+        self._cancelled_upto = 0
+        self._cancel_all = False
         self.target = None
         self.draft = None
+        self._cache: dict[tuple, object] = {}  # (role, spec, device, dtype) -> LoadedModel
 
-    def cancel(self) -> None:
-        """Thread-safe: ask the current job to stop at its next check."""
-        self._cancel.set()
+    # -- called from the GUI thread ------------------------------------------------------------
+
+    def cancel(self, job: int | None = None) -> None:
+        """Thread-safe: stop job ``job`` and every earlier one (None: whatever runs now)."""
+        if job is None:
+            self._cancel_all = True
+        else:
+            self._cancelled_upto = max(self._cancelled_upto, job)
+
+    # -- in the worker thread ------------------------------------------------------------------
+
+    def _stopper(self, job: int):
+        self._cancel_all = False
+        return lambda: self._cancel_all or self._cancelled_upto >= job > 0
 
     def _fail(self, exc: BaseException) -> None:
         if isinstance(exc, SpecPlayError):
@@ -47,37 +101,75 @@ class EngineWorker(QObject):
             log.error("unexpected error\n%s", traceback.format_exc())
             self.sig_failed.emit(f"Unexpected error: {exc!r}")
 
-    @Slot(str, str, str)
-    def load(self, target_spec: str, device: str, dtype: str) -> None:
-        from core.models import load_model
+    @Slot(object)
+    def load(self, request: LoadRequest) -> None:
+        from core.models import check_draft_compatible, load_model
 
-        self._cancel.clear()
+        should_cancel = self._stopper(request.job)
         try:
             def progress(stage, fraction):
                 self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
 
-            target = load_model(target_spec, device, dtype, progress=progress, should_cancel=self._cancel.is_set)
+            wanted = {("target", request.target, request.device, request.dtype)}
+            if request.draft:
+                wanted.add(("draft", request.draft, request.device, request.dtype))
+            # Free models no longer wanted before loading new ones (memory is the limit).
+            for key in [k for k in self._cache if k not in wanted]:
+                del self._cache[key]
+            self.target = self.draft = None
+            gc.collect()
+            _empty_cuda_cache()
+
+            def get(role: str, spec: str):
+                key = (role, spec, request.device, request.dtype)
+                if key not in self._cache:
+                    self._cache[key] = load_model(spec, request.device, request.dtype, progress=progress,
+                                                  should_cancel=should_cancel)
+                return self._cache[key]
+
+            target = get("target", request.target)
             self.target = target
-            self.sig_models_loaded.emit((target, None))
-        except Cancelled as exc:
-            self.sig_failed.emit(str(exc))
+            draft, warnings, draft_error = None, [], None
+            if request.draft:
+                try:
+                    draft = get("draft", request.draft)
+                    warnings = check_draft_compatible(target, draft)
+                except TokenizerMismatchError as exc:
+                    draft, draft_error = None, str(exc)
+                    self._cache.pop(("draft", request.draft, request.device, request.dtype), None)
+                except SpecPlayError as exc:  # the target is fine; report the draft's problem (or its cancel)
+                    draft, draft_error = None, str(exc)
+            self.draft = draft
+            self.sig_models_loaded.emit(ModelsLoaded(target, draft, warnings, draft_error, request.job))
         except Exception as exc:  # the worker must survive any failure
             self._fail(exc)
 
     @Slot(object)
-    def generate(self, request) -> None:
+    def generate(self, request: RunRequest) -> None:
         from core.engine import drain, generate
         from core.methods import build_method
-        from core.text import encode_prompt
+        from core.types import GenerationConfig
 
-        self._cancel.clear()
+        should_stop = self._stopper(request.job)
         try:
             if self.target is None:
-                raise SpecPlayError("load a model first")
-            ids = encode_prompt(self.target.tokenizer, request["prompt"], request.get("chat_template", True))
-            method = build_method(request["method"], None, self.target, self.draft)
-            result = drain(generate(self.target.model, self.target.tokenizer, method, ids, request["config"],
-                                    self._cancel.is_set), self.sig_step.emit)
+                raise SpecPlayError("load a target model first")
+            from core.text import encode_prompt
+
+            ids = encode_prompt(self.target.tokenizer, request.prompt, request.chat_template)
+            method = build_method(request.method, request.method_config, self.target, self.draft)
+            model, tok = self.target.model, self.target.tokenizer
+            if request.warmup_tokens > 0 and not should_stop():
+                warm = GenerationConfig(max_new_tokens=request.warmup_tokens, sampling=request.config.sampling)
+                drain(generate(model, tok, method, ids, warm, should_stop))
+            result = drain(generate(model, tok, method, ids, request.config, should_stop), self.sig_step.emit)
             self.sig_run_finished.emit(result)
         except Exception as exc:
             self._fail(exc)
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

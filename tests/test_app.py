@@ -1,31 +1,641 @@
-"""The desktop app, offscreen, on a tiny model folder."""
+"""The desktop app, offscreen, on tiny random model folders.
+
+The window's orchestration is asyncio on a qasync loop; the ``aloop`` fixture installs one
+as the running loop on top of pytest-qt's application, and :func:`run` drives a coroutine
+by processing Qt events until it is done (exactly as the real app's loop would).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
 
 import pytest
 
 pytest.importorskip("pytestqt")
+qasync = pytest.importorskip("qasync")
 
+from PySide6.QtCore import QPoint  # noqa: E402
+from PySide6.QtGui import QTextCursor  # noqa: E402
 from tiny import save_tiny_model  # noqa: E402
+
+from core.types import Fate, StepEvent, StepTiming, TokenEvent  # noqa: E402
+
+TIMEOUT = 30_000
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": save_tiny_model(root / "target", seed=0),
+        "same": save_tiny_model(root / "same", seed=0),  # the target's twin: every draft token is accepted
+        "other": save_tiny_model(root / "other", seed=1),  # an unrelated draft: rejections
+        "alien": save_tiny_model(root / "alien", seed=0, shuffle=3),  # another vocabulary mapping
+    }
 
 
 @pytest.fixture()
-def window(qtbot, tmp_path):
+def aloop(qapp):
+    loop = qasync.QEventLoop(qapp, already_running=True)
+    asyncio.set_event_loop(loop)
+    yield loop
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(None)
+
+
+def run(qtbot, coro, timeout=TIMEOUT):
+    task = asyncio.ensure_future(coro)
+    qtbot.waitUntil(task.done, timeout=timeout)
+    return task.result()
+
+
+def make_window(qtbot, history=None):
+    from app.settings import AppSettings
     from app.window import MainWindow
 
-    folder = save_tiny_model(tmp_path / "tiny")
-    w = MainWindow()
+    w = MainWindow(settings=AppSettings(), history=history)
     qtbot.addWidget(w)
-    with qtbot.waitSignal(w.worker.sig_models_loaded, timeout=30_000):
-        w.sig_load.emit(str(folder), "cpu", "float32")
+    w.resize(1400, 900)
+    return w
+
+
+@pytest.fixture()
+def window(qtbot, aloop, model_dirs):
+    w = make_window(qtbot)
+    loaded = run(qtbot, w.load_models(str(model_dirs["target"]), str(model_dirs["same"]), "cpu", "float32"))
+    assert loaded is not None and loaded.draft is not None
+    w.prompt_panel.editor.setPlainText("ab cd ab cd ab")
+    w.prompt_panel.chat_template.setChecked(False)
+    w.prompt_panel.max_new_tokens.setValue(16)
     yield w
     w.close()
 
 
-def test_run_streams_tokens_into_the_window(window, qtbot):
-    window.prompt.setPlainText("ab cd ab")
-    window.max_tokens.setValue(12)
-    with qtbot.waitSignal(window.worker.sig_run_finished, timeout=30_000) as blocker:
-        window.run_button.click()
-    result = blocker.args[0]
-    assert len(result.token_ids) == 12
-    assert window.output.toPlainText() == result.text
-    assert "tok/s" in window.status.text()
+def token_format(view, index):
+    start, end = view._spans[index][:2]
+    cursor = QTextCursor(view.document())
+    cursor.setPosition(start + 1)  # the format of the character after the cursor's position - 1
+    return cursor.charFormat(), view.document().toPlainText()[start:end]
+
+
+# ----------------------------------------------------------------------------------- loading
+def test_load_shows_each_model_and_memory(window):
+    panel = window.models_panel
+    assert "cpu · float32 · native" in panel.target_info.text()
+    assert "cpu · float32 · native" in panel.draft_info.text()
+    # tiny twin draft: not smaller than the target, so the compatibility check warns
+    assert "not smaller" in panel.messages.text()
+    assert "RAM" in panel.memory.text() and "GiB" in panel.memory.text()
+    assert window.run_action.isEnabled() and not window.stop_action.isEnabled()
+    assert window.methods_panel.draft_available
+
+
+def test_incompatible_draft_is_refused_with_the_message(qtbot, aloop, model_dirs):
+    w = make_window(qtbot)
+    loaded = run(qtbot, w.load_models(str(model_dirs["target"]), str(model_dirs["alien"]), "cpu", "float32"))
+    assert loaded.draft is None and "does not share the tokenizer" in loaded.draft_error
+    assert "does not share the tokenizer" in w.models_panel.messages.text()
+    w.methods_panel.set_method("speculative")
+    w.prompt_panel.editor.setPlainText("ab cd")
+    assert run(qtbot, w.run_single()) is None
+    assert "needs a draft model" in w.last_error
+    assert w.live.banner_box.isVisibleTo(w)
+    w.close()
+
+
+def test_a_missing_model_fails_visibly_and_the_window_recovers(qtbot, aloop, tmp_path, model_dirs):
+    w = make_window(qtbot)
+    assert run(qtbot, w.load_models(str(tmp_path / "nothing-here"), "", "cpu", "float32")) is None
+    assert "Loading failed" in w.last_error and "nothing-here" in w.models_panel.messages.text()
+    assert not w.busy and not w.run_action.isEnabled() and w.models_panel.load_button.isEnabled()
+    assert run(qtbot, w.load_models(str(model_dirs["target"]), "", "cpu", "float32")) is not None
+    assert w.run_action.isEnabled()
+    w.close()
+
+
+# ----------------------------------------------------------------------------------- runs
+@pytest.mark.parametrize("method", ["autoregressive", "speculative", "prompt_lookup"])
+def test_each_method_streams_into_the_live_view(window, qtbot, method):
+    window.methods_panel.set_method(method)
+    steps = []
+    window.worker.sig_step.connect(steps.append)
+    result = run(qtbot, window.run_single())
+    assert result is not None and result.method == method
+    assert len(result.token_ids) == 16
+    view = window.live.view
+    assert view.committed_text() == result.text
+    assert len(view.steps) == len(result.events) == len(steps)
+    # every shown token carries its fate's format
+    from app.palette import FATE_STYLES
+
+    for i, tok in enumerate(view.shown_tokens()):
+        fmt, _ = token_format(view, i)
+        assert fmt.fontStrikeOut() == (tok.fate is Fate.REJECTED)
+        assert fmt.foreground().color().name() == FATE_STYLES[tok.fate].text
+    # the run went to the history file and the panel
+    assert window.history.load()[-1]["token_ids"] == result.token_ids
+    assert window.history_panel.records[-1]["method"] == method
+    # charts: one point per step, histogram counts all steps
+    curve = window.charts.curves[method]
+    assert len(curve.getData()[0]) == len(result.events)
+    assert sum(window.charts.hist_bars[method].opts["height"]) == len(result.events)
+
+
+def test_every_registered_method_runs_or_explains_why_not(window, qtbot):
+    """Methods added to the registry later (lookahead, medusa, …) run with their default settings,
+    or fail with a message in the window, never a hang or a crash."""
+    from core.methods import METHODS
+
+    for name in METHODS:
+        window.methods_panel.set_method(name)
+        window.live.clear_error()
+        result = run(qtbot, window.run_single())
+        if result is None:
+            assert window.live.banner.text(), name
+        else:
+            assert window.live.view.committed_text() == result.text, name
+        assert not window.busy
+
+
+def test_lossless_methods_match_the_baseline_at_temperature_zero(window, qtbot):
+    texts = {}
+    for name in ("autoregressive", "speculative", "prompt_lookup"):
+        window.methods_panel.set_method(name)
+        texts[name] = run(qtbot, window.run_single()).token_ids
+    assert texts["speculative"] == texts["autoregressive"] == texts["prompt_lookup"]
+
+
+def test_twin_draft_tokens_are_accepted_and_coloured_so(window, qtbot):
+    window.methods_panel.set_method("speculative")
+    window.methods_panel.forms["speculative"].editors["gamma"].set_value(4)
+    result = run(qtbot, window.run_single())
+    fates = [t.fate for e in result.events for t in e.tokens]
+    assert Fate.ACCEPTED in fates and Fate.BONUS in fates and Fate.REJECTED not in fates
+    from app.palette import FATE_STYLES
+
+    view = window.live.view
+    for i, tok in enumerate(view.shown_tokens()):
+        if tok.fate is Fate.TARGET:  # the last step drafts nothing (no room left)
+            continue
+        fmt, _ = token_format(view, i)
+        bg = fmt.background().color().name()
+        assert bg in {FATE_STYLES[tok.fate].background(s).name() for s in (0, 1)}
+
+
+def test_unrelated_draft_shows_rejections_struck_through_and_hideable(qtbot, aloop, model_dirs):
+    w = make_window(qtbot)
+    run(qtbot, w.load_models(str(model_dirs["target"]), str(model_dirs["other"]), "cpu", "float32"))
+    w.prompt_panel.editor.setPlainText("ab cd ab cd ab")
+    w.prompt_panel.chat_template.setChecked(False)
+    w.prompt_panel.max_new_tokens.setValue(12)
+    w.methods_panel.set_method("speculative")
+    result = run(qtbot, w.run_single())
+    rejected = [t for e in result.events for t in e.tokens if t.fate is Fate.REJECTED]
+    assert rejected, "an unrelated random draft should be rejected at least once"
+    view = w.live.view
+    struck = [i for i, t in enumerate(view.shown_tokens()) if token_format(view, i)[0].fontStrikeOut()]
+    assert len(struck) == len(rejected)
+    w.live.show_rejected.setChecked(False)
+    assert all(t.fate is not Fate.REJECTED for t in view.shown_tokens())
+    assert view.committed_text() == result.text
+    w.live.show_rejected.setChecked(True)
+    assert len(view.shown_tokens()) == sum(len(e.tokens) for e in result.events)
+    w.close()
+
+
+# ----------------------------------------------------------------------------------- token view + X-ray
+def _step(tokens, step=3, tree=None, internals=None):
+    return StepEvent(step=step, tokens=tokens, committed=[t.token_id for t in tokens if t.fate is not Fate.REJECTED],
+                     text="".join(t.text for t in tokens if t.fate is not Fate.REJECTED),
+                     num_drafted=sum(t.depth > 0 for t in tokens),
+                     num_accepted=sum(t.fate is Fate.ACCEPTED for t in tokens), timing=StepTiming(0.01, 0.02, 0.001),
+                     elapsed_s=0.5, total_new_tokens=3, tree=tree or {}, internals=internals or {})
+
+
+KNOWN = [
+    TokenEvent(11, "alpha", Fate.ACCEPTED, depth=1, node=0, p=0.8125, q=0.5, u=0.25, accept_prob=1.0),
+    TokenEvent(12, "beta", Fate.REJECTED, depth=2, node=1, p=0.125, q=0.5, u=0.75, accept_prob=0.25),
+    TokenEvent(13, "gamma", Fate.RESAMPLED, depth=0, node=-1, p=0.375),
+    TokenEvent(14, "delta", Fate.BONUS, depth=0, node=-1, p=0.9),
+    TokenEvent(15, "eps", Fate.TARGET, depth=0, node=-1, p=0.6),
+]
+
+
+def test_token_view_colours_each_fate(qtbot):
+    from app.palette import FATE_STYLES
+    from app.tokenview import TokenView
+
+    view = TokenView()
+    qtbot.addWidget(view)
+    view.append_step(_step(KNOWN))
+    assert view.document().toPlainText() == "alphabetagammadeltaeps"
+    for i, tok in enumerate(KNOWN):
+        fmt, text = token_format(view, i)
+        style = FATE_STYLES[tok.fate]
+        assert text == tok.text
+        assert fmt.foreground().color().name() == style.text
+        assert fmt.fontStrikeOut() == (tok.fate is Fate.REJECTED)
+        assert fmt.fontUnderline() == (tok.fate is Fate.RESAMPLED)
+        assert fmt.fontOverline() == (tok.fate is Fate.BONUS)
+        if tok.fate is not Fate.TARGET:
+            assert fmt.background().color().name() in {style.background(s).name() for s in (0, 1)}
+    # distinct colours for distinct fates
+    assert len({s.colour for s in FATE_STYLES.values()}) == len(FATE_STYLES)
+    view.set_show_rejected(False)
+    assert view.document().toPlainText() == "alphagammadeltaeps"
+
+
+def test_hovering_a_token_shows_its_xray(qtbot):
+    from app.tokenview import TokenView
+    from app.xray import XRayPanel
+
+    view, xray = TokenView(), XRayPanel()
+    qtbot.addWidget(view)
+    qtbot.addWidget(xray)
+    view.sig_token_hovered.connect(xray.show_token)
+    view.resize(500, 200)
+    view.show()
+    qtbot.waitExposed(view)
+    step = _step(KNOWN, step=7)
+    view.append_step(step)
+    for i, tok in enumerate(KNOWN[:2]):
+        rect = view.token_rect(i)
+        qtbot.mouseMove(view.viewport(), rect.center())
+        qtbot.waitUntil(lambda tok=tok: xray.token is tok, timeout=2000)
+        v = {k: lab.text() for k, lab in xray.values.items()}
+        assert v["p"] == f"{tok.p:.4f}" and v["q"] == f"{tok.q:.4f}" and v["u"] == f"{tok.u:.4f}"
+        assert v["accept"] == f"{tok.accept_prob:.4f}"
+        assert v["step"].startswith("7")
+        assert f"draft position {tok.depth}" in v["depth"]
+        assert tok.fate.value in v["fate"]
+        assert v["rule"] == "min(1, p(x) / q(x))"
+    assert xray.explanation.text() == "u = 0.7500 ≥ acceptance probability 0.2500: rejected."
+    # nowhere near a token: no hit
+    assert view.span_at(QPoint(490, 190)) is None
+
+
+def test_xray_rules_for_deterministic_and_greedy_drafts():
+    from app.xray import accept_rule, explain
+
+    det = TokenEvent(5, "x", Fate.REJECTED, depth=1, node=0, p=0.2, q=None, u=0.9, accept_prob=0.2)
+    greedy = TokenEvent(5, "x", Fate.ACCEPTED, depth=1, node=0, p=0.7, q=0.6, u=None, accept_prob=1.0)
+    unreached = TokenEvent(5, "x", Fate.REJECTED, depth=3, node=2)
+    assert accept_rule(det).startswith("p(x)") and "0.9000 ≥" in explain(det)
+    assert "greedy" in accept_rule(greedy) and "greedy choice" in explain(greedy)
+    assert "Never checked" in explain(unreached)
+
+
+# ----------------------------------------------------------------------------------- internals
+def test_internals_draw_the_tree_and_lookahead_state_robustly(qtbot):
+    from app.internals import InternalsPanel
+
+    panel = InternalsPanel(lambda t: f"<{t}>")
+    qtbot.addWidget(panel)
+    tree = {"tokens": [11, 12, 21], "parents": [-1, 0, -1], "fates": ["accepted", "rejected", "rejected"],
+            "accepted": [0]}
+    look = {"window": [[1, 2, 3], [4, 5, 6]], "pool_size": 17, "candidates": [[7, 8], [11, 12]], "won": 1,
+            "hits": 4}
+    panel.add_step(_step(KNOWN, tree=tree, internals=look))
+    assert panel.tree_view.tree["accepted"] == [0]
+    assert panel.tree_view.texts[:2] == ["alpha", "beta"] and panel.tree_view.texts[2] == "<21>"
+    assert panel.tree_view.next_pos is not None  # the target's own token is drawn after the path
+    assert len(panel.window_grid.rows) == 2 and "17" in panel.window_title.text()
+    assert panel.candidates_grid.highlight == 1 and "#1 verified" in panel.candidates_title.text()
+    assert "hits" in panel.details.text()
+    # missing or malformed keys: nothing drawn, nothing raised
+    for bad_tree, bad_internals in [({}, {}), ({"tokens": [1, 2], "parents": [-1]}, {"window": "x"}),
+                                    ({"tokens": [1], "parents": [5]}, {"candidates": [[1], "zz"], "won": 9}),
+                                    (None, None), ({"tokens": "abc", "parents": None}, {"pool_size": "many"})]:
+        panel.add_step(_step(KNOWN, tree=bad_tree, internals=bad_internals))
+        panel.grab()
+    assert panel.tree_view.tree is None
+    prompt_lookup = {"match": {"ngram": 2, "at": 5, "proposed": 4}}
+    panel.add_step(_step(KNOWN, internals=prompt_lookup))
+    assert "copying from position 5" in panel.details.text()
+    panel.add_step(_step(KNOWN, internals={"gamma": 5, "drafted": 5, "stopped_early": False}))
+    assert "gamma" in panel.details.text() and "stopped early" in panel.details.text()
+
+
+# ----------------------------------------------------------------------------------- forms
+@dataclass(frozen=True)
+class _DemoConfig:
+    count: int = dataclasses.field(default=3, metadata={"help": "how many", "label": "count", "min": 1, "max": 9})
+    ratio: float = dataclasses.field(default=0.5, metadata={"help": "a ratio", "min": 0.0, "max": 1.0})
+    fast: bool = dataclasses.field(default=False, metadata={"help": "cut corners", "lossy": True})
+    mode: str = dataclasses.field(default="a", metadata={"help": "mode", "choices": ["a", "b"]})
+    path: str = dataclasses.field(default="", metadata={"help": "a file", "kind": "file"})
+    limit: "int | None" = dataclasses.field(default=None, metadata={"help": "optional"})
+
+    def __post_init__(self):
+        from core.errors import ConfigError
+
+        if self.mode == "b" and self.count > 5:
+            raise ConfigError("mode b allows at most 5")
+
+
+def test_forms_are_built_generically_from_config_dataclasses(qtbot):
+    from PySide6.QtWidgets import QCheckBox, QComboBox, QDoubleSpinBox, QLabel, QLineEdit, QSpinBox
+
+    from app.forms import ConfigForm
+
+    form = ConfigForm(_DemoConfig)
+    qtbot.addWidget(form)
+    e = form.editors
+    assert isinstance(e["count"].editor, QSpinBox) and e["count"].editor.maximum() == 9
+    assert isinstance(e["ratio"].editor, QDoubleSpinBox)
+    assert isinstance(e["fast"].editor, QCheckBox) and e["fast"].lossy
+    assert any(lab.text() == "LOSSY" for lab in e["fast"].findChildren(QLabel))
+    assert isinstance(e["mode"].editor, QComboBox)
+    assert isinstance(e["path"].editor, QLineEdit) and e["path"].kind == "file"
+    assert e["limit"].enable is not None and e["limit"].value() is None
+    assert form.config() == _DemoConfig()
+    e["limit"].set_value(4)
+    e["mode"].set_value("b")
+    e["count"].set_value(7)
+    assert form.validate() == "mode b allows at most 5"
+    assert form.error.isVisibleTo(form) and "at most 5" in form.error.text()
+    e["count"].set_value(2)
+    assert form.validate() is None and form.config().limit == 4
+
+
+def test_methods_panel_picks_up_new_methods_without_code(qtbot, monkeypatch):
+    from app.panels import MethodsPanel
+    from core import methods
+    from core.methods import METHODS, MethodSpec
+
+    spec = MethodSpec("demo", "Demo method", _DemoConfig, False, lambda c, t, d: None, "A method added later.")
+    monkeypatch.setitem(METHODS, "demo", spec)
+    assert methods.METHODS["demo"] is spec
+    panel = MethodsPanel()
+    qtbot.addWidget(panel)
+    panel.set_method("demo")
+    assert panel.method() == "demo" and panel.summary.text() == "A method added later."
+    assert set(panel.forms["demo"].editors) == {f.name for f in dataclasses.fields(_DemoConfig)}
+    assert "LOSSY" in panel.badges.text()
+    for name, s in METHODS.items():  # every real method gets one editor per field
+        assert set(panel.forms[name].editors) == {f.name for f in dataclasses.fields(s.config_class)}
+
+
+def test_a_bad_method_setting_blocks_the_run_with_the_message(window, qtbot):
+    window.methods_panel.set_method("prompt_lookup")
+    form = window.methods_panel.forms["prompt_lookup"]
+    form.editors["min_ngram"].set_value(4)
+    form.editors["max_ngram"].set_value(2)
+    assert "min n" in form.error.text()
+    steps = []
+    window.worker.sig_step.connect(steps.append)
+    assert run(qtbot, window.run_single()) is None
+    assert "min n" in window.last_error and not steps
+
+
+# ----------------------------------------------------------------------------------- stop and errors
+def test_stop_cancels_within_one_step(window, qtbot):
+    from PySide6.QtCore import Qt as _Qt
+
+    from core.types import StopReason
+
+    window.prompt_panel.max_new_tokens.setValue(400)
+    window.methods_panel.set_method("autoregressive")
+    seen = []
+
+    def press_stop(event):  # runs in the worker thread, right after the step: the next check must stop
+        seen.append(event)
+        if len(seen) == 3:
+            window.worker.cancel(window._job)
+
+    window.worker.sig_step.connect(press_stop, _Qt.ConnectionType.DirectConnection)
+    result = run(qtbot, window.run_single())
+    assert result.stop_reason is StopReason.CANCELLED and len(result.events) == 3
+    assert window.history.load()[-1]["cancelled"] is True
+    assert "Cancelled" in window.status.text()
+
+
+def test_stop_button_ends_a_long_run(window, qtbot):
+    import time
+
+    from PySide6.QtCore import Qt as _Qt
+
+    window.prompt_panel.max_new_tokens.setValue(450)
+    window.methods_panel.set_method("autoregressive")
+    # slow the tiny model down (in the worker thread) so the run cannot end before Stop is pressed
+    window.worker.sig_step.connect(lambda e: time.sleep(0.02), _Qt.ConnectionType.DirectConnection)
+    task = asyncio.ensure_future(window.run_single())
+    qtbot.waitUntil(lambda: len(window.live.view.steps) >= 2, timeout=TIMEOUT)
+    assert window.stop_action.isEnabled()
+    window.stop_action.trigger()
+    qtbot.waitUntil(task.done, timeout=TIMEOUT)
+    result = task.result()
+    assert result.cancelled and len(result.token_ids) < 450
+    assert window.run_action.isEnabled() and not window.stop_action.isEnabled()
+
+
+def test_engine_errors_appear_in_the_window(window, qtbot):
+    window.methods_panel.set_method("autoregressive")
+    window.prompt_panel.max_new_tokens.setValue(8000)  # beyond the tiny model's 512 positions
+    assert run(qtbot, window.run_single()) is None
+    assert "context" in window.live.banner.text() and window.live.banner_box.isVisibleTo(window)
+    assert "context" in window.status.text()
+    assert not window.busy and window.run_action.isEnabled()
+    window.prompt_panel.editor.setPlainText("   ")
+    assert run(qtbot, window.run_single()) is None and "empty" in window.last_error
+
+
+# ----------------------------------------------------------------------------------- compare
+def test_compare_fills_the_table_with_identical_flags(window, qtbot):
+    names = ["autoregressive", "speculative", "prompt_lookup"]
+    records = run(qtbot, window.run_compare(names), timeout=60_000)
+    assert [r["method"] for r in records] == names
+    table = window.compare.table
+    assert table.rowCount() == 3
+    for row, r in enumerate(records):
+        assert r["identical_to_baseline"] is True
+        assert table.item(row, 7).text() == "✓"
+        assert table.item(row, 1).text() == f"{r['tokens_per_s']:.2f}"
+        assert abs(r["speedup"] - r["tokens_per_s"] / records[0]["tokens_per_s"]) < 1e-9
+    assert table.item(0, 2).text() == "1.00×"
+    # side by side: one column per method, each showing that run's text
+    for r in records:
+        assert window.compare.column(r["method"]).view.committed_text() == r["text"]
+    bars = window.compare.speedup_bars.opts
+    assert list(bars["height"]) == pytest.approx([r["speedup"] for r in records])
+    # each run went to the history as soon as it ended
+    assert [r["method"] for r in window.history.load()[-3:]] == names
+
+
+def test_compare_table_marks_a_differing_output():
+    from app.compare_view import identical_text
+    from core.compare import annotate
+
+    recs = [{"method": "autoregressive", "tokens_per_s": 10.0, "token_ids": [1, 2, 3]},
+            {"method": "speculative", "tokens_per_s": 20.0, "token_ids": [1, 2, 4]}]
+    annotate(recs, greedy=True)
+    assert [identical_text(r["identical_to_baseline"]) for r in recs] == ["✓", "✗ differs"]
+    annotate(recs, greedy=False)
+    assert identical_text(recs[1]["identical_to_baseline"]) == "–"
+
+
+def test_compare_at_temperature_above_zero_does_not_claim_identity(window, qtbot):
+    window.prompt_panel.temperature.setValue(0.8)
+    records = run(qtbot, window.run_compare(["autoregressive", "speculative"]), timeout=60_000)
+    assert all(r["identical_to_baseline"] is None for r in records)
+    assert window.compare.table.item(1, 7).text() == "–"
+
+
+# ----------------------------------------------------------------------------------- history and export
+def test_history_runs_reopen_exactly(window, qtbot):
+    window.methods_panel.set_method("speculative")
+    result = run(qtbot, window.run_single())
+    window.live.view.clear_run()
+    record = window.history.load()[-1]
+    window.open_record(record)
+    view = window.live.view
+    assert view.committed_text() == result.text
+    assert [t.fate for t in view.shown_tokens()] == [t.fate for e in result.events for t in e.tokens]
+    assert len(window.internals.steps) == len(result.events)
+    assert window.charts.series["speculative"].accept_lengths == result.metrics.accept_lengths
+
+
+def test_export_writes_the_selected_runs(window, qtbot, tmp_path):
+    results = []
+    for name in ("autoregressive", "prompt_lookup"):
+        window.methods_panel.set_method(name)
+        results.append(run(qtbot, window.run_single()))
+    window.history_panel.select_indices([0, 1])
+    chosen = window.history_panel.selected_records()
+    assert [r["method"] for r in chosen] == ["autoregressive", "prompt_lookup"]
+    out = tmp_path / "runs.jsonl"
+    assert run(qtbot, window.export_runs(out, chosen, "jsonl"))
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["method"], x["token_ids"], x["text"]) for x in lines] == [(r.method, r.token_ids, r.text)
+                                                                           for r in results]
+    assert all(len(x["events"]) == len(r.events) for x, r in zip(lines, results))
+    out_csv = tmp_path / "runs.csv"
+    assert run(qtbot, window.export_runs(out_csv, chosen, "csv"))
+    rows = list(csv.DictReader(out_csv.open(newline="")))
+    assert [(r["method"], int(r["new_tokens"]), r["text"]) for r in rows] == [
+        (r.method, len(r.token_ids), r.text) for r in results]
+    png = tmp_path / "charts.png"
+    assert run(qtbot, window.export_png(png, window.charts))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_export_says_so_and_keeps_the_old_file(window, qtbot, tmp_path, monkeypatch):
+    run(qtbot, window.run_single())
+    records = window.history.load()
+    # no such directory (a file stands where the folder should be)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    for kind in ("jsonl", "csv"):
+        assert not run(qtbot, window.export_runs(blocker / f"runs.{kind}", records, kind))
+        assert "Could not write" in window.last_error and "not-a-dir" in window.last_error
+    assert not run(qtbot, window.export_png(blocker / "c.png", window.charts))
+    # the disk fills up at the last moment: the existing file keeps its content, no temp file is left
+    old = tmp_path / "keep.jsonl"
+    old.write_text("precious\n")
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    assert not run(qtbot, window.export_runs(old, records, "jsonl"))
+    assert "No space left on device" in window.last_error
+    assert old.read_text() == "precious\n" and sorted(p.name for p in tmp_path.iterdir()) == ["keep.jsonl",
+                                                                                               "not-a-dir"]
+    assert window.history.load() == records  # nothing lost
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores directory permissions")
+def test_export_into_a_read_only_folder_says_so(window, qtbot, tmp_path):
+    run(qtbot, window.run_single())
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        assert not run(qtbot, window.export_runs(ro / "runs.csv", window.history.load(), "csv"))
+        assert not run(qtbot, window.export_runs(ro / "runs.jsonl", window.history.load(), "jsonl"))
+        assert "Could not write" in window.last_error
+    finally:
+        ro.chmod(0o755)
+
+
+# ----------------------------------------------------------------------------------- settings
+def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
+    from app.settings import AppSettings, open_settings
+    from app.window import MainWindow
+
+    w = MainWindow(settings=AppSettings())
+    qtbot.addWidget(w)
+    w.models_panel.target.set_spec(str(model_dirs["target"]))
+    w.models_panel.draft.set_spec("")
+    w.models_panel.device.setCurrentText("cpu")
+    w.models_panel.dtype.setCurrentText("float32")
+    w.prompt_panel.editor.setPlainText("line one\nline, two = \"quoted\"")
+    w.prompt_panel.chat_template.setChecked(False)
+    w.prompt_panel.max_new_tokens.setValue(77)
+    w.prompt_panel.temperature.setValue(0.7)
+    w.prompt_panel.top_p.setValue(0.9)
+    w.prompt_panel.seed.setValue(1234)
+    w.methods_panel.set_method("prompt_lookup")
+    w.methods_panel.forms["prompt_lookup"].editors["num_tokens"].set_value(21)
+    w.methods_panel.forms["speculative"].editors["adaptive"].set_value(True)
+    w.compare.set_selected(["autoregressive", "prompt_lookup"])
+    w.live.show_rejected.setChecked(False)
+    w.resize(777, 555)  # within the offscreen screen (restoring clamps to the screen)
+    w.close()  # saves
+
+    s = AppSettings.load(open_settings())
+    assert (s.target, s.draft, s.device, s.dtype) == (str(model_dirs["target"]), "", "cpu", "float32")
+    assert s.prompt == "line one\nline, two = \"quoted\"" and s.chat_template is False
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.seed) == (77, 0.7, 0.9, 1234)
+    assert s.method == "prompt_lookup" and s.method_values["prompt_lookup"]["num_tokens"] == 21
+    assert s.method_values["speculative"]["adaptive"] is True
+    assert s.compare_methods == ["autoregressive", "prompt_lookup"] and s.show_rejected is False
+
+    w2 = MainWindow()  # reads the same file
+    qtbot.addWidget(w2)
+    assert w2.models_panel.target.spec() == str(model_dirs["target"]) and w2.models_panel.draft.spec() == ""
+    assert w2.prompt_panel.prompt() == "line one\nline, two = \"quoted\""
+    assert w2.prompt_panel.max_new_tokens.value() == 77 and w2.prompt_panel.seed.value() == 1234
+    assert w2.methods_panel.method() == "prompt_lookup"
+    assert w2.methods_panel.forms["prompt_lookup"].config().num_tokens == 21
+    assert w2.compare.selected() == ["autoregressive", "prompt_lookup"]
+    assert not w2.live.show_rejected.isChecked()
+    assert (w2.width(), w2.height()) == (777, 555)
+    w2.close()
+
+
+def test_unreadable_settings_fall_back_to_defaults(qtbot):
+    from app.settings import AppSettings, open_settings
+
+    qs = open_settings()
+    qs.setValue("max_new_tokens", "lots")
+    qs.setValue("method_values", "{not json")
+    qs.setValue("compare_methods", "42")
+    qs.sync()
+    s = AppSettings.load(open_settings())
+    assert s.max_new_tokens == AppSettings().max_new_tokens
+    assert s.method_values == {} and s.compare_methods == AppSettings().compare_methods
+
+
+def test_presets_load_from_assets():
+    from app.panels import load_presets
+
+    presets = load_presets()
+    cats = {p["category"] for p in presets}
+    assert {"code", "chat", "summarisation", "translation"} <= cats
+    assert all(p["prompt"].strip() for p in presets)
+
+
+def test_launcher_without_arguments_opens_the_window(monkeypatch):
+    import app.main
+    from app import launcher
+
+    called = []
+    monkeypatch.setattr(app.main, "run_app", lambda argv: called.append(argv) or 0)
+    assert launcher.main([]) == 0 and called == [[]]
+

@@ -1,0 +1,197 @@
+"""Compare: several methods on the same prompt, seed and settings, side by side, with a results table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QHBoxLayout, QHeaderView, QLabel, QPushButton,
+                               QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from app.palette import method_colour
+from app.tokenview import TokenView
+from core.methods import METHODS
+
+TABLE_COLUMNS = ("Method", "tok/s", "Speedup", "τ (mean accepted)", "Acceptance", "Tokens", "Steps",
+                 "Identical to baseline", "Notes")
+
+
+def identical_text(value) -> str:
+    return {True: "✓", False: "✗ differs", None: "–"}[value]
+
+
+class CompareColumn(QFrame):
+    def __init__(self, name: str, colour: str):
+        super().__init__()
+        self.name = name
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        title = METHODS[name].title if name in METHODS else name
+        self.header = QLabel(f"<span style='color:{colour}'>■</span> <b>{title}</b>")
+        self.stats = QLabel("waiting…")
+        self.stats.setStyleSheet("QLabel { color: #555555; }")
+        self.view = TokenView()
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(2)
+        layout.addWidget(self.header)
+        layout.addWidget(self.stats)
+        layout.addWidget(self.view, 1)
+
+
+class CompareView(QWidget):
+    """Method choice, side-by-side token views, the results table and the speedup chart.
+
+    Signals:
+        sig_run_requested(list): the methods to compare, in order.
+    """
+
+    sig_run_requested = Signal(list)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.order = list(METHODS)
+        self.checks: dict[str, QCheckBox] = {}
+        choose = QHBoxLayout()
+        choose.addWidget(QLabel("Compare:"))
+        for name, spec in METHODS.items():
+            box = QCheckBox(spec.title)
+            box.setToolTip(spec.summary)
+            self.checks[name] = box
+            choose.addWidget(box)
+        choose.addStretch(1)
+        self.run_button = QPushButton("Run comparison")
+        self.run_button.setObjectName("compare_button")
+        self.run_button.setToolTip("Run the checked methods one after another on the same prompt, seed and settings "
+                                   "(each after a short warm-up)")
+        self.run_button.clicked.connect(lambda: self.sig_run_requested.emit(self.selected()))
+        choose.addWidget(self.run_button)
+        self.note = QLabel("")
+        self.note.setStyleSheet("QLabel { color: #555555; }")
+        self.columns_box = QWidget()
+        self.columns_layout = QHBoxLayout(self.columns_box)
+        self.columns_layout.setContentsMargins(0, 0, 0, 0)
+        self.columns: dict[str, CompareColumn] = {}
+        placeholder = QLabel("Check two or more methods and press “Run comparison”. Include Autoregressive: it is the "
+                             "baseline for speedups and for the identical-output check at temperature 0.")
+        placeholder.setWordWrap(True)
+        placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        placeholder.setStyleSheet("QLabel { color: #777777; }")
+        self.placeholder = placeholder
+        self.columns_layout.addWidget(placeholder)
+
+        self.table = QTableWidget(0, len(TABLE_COLUMNS))
+        self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        self.speedup_plot = pg.PlotWidget()
+        self.speedup_plot.setTitle("Speedup over autoregressive", size="10pt")
+        self.speedup_plot.setMenuEnabled(False)
+        self.speedup_plot.setMouseEnabled(x=False, y=False)
+        self.speedup_plot.showGrid(y=True, alpha=0.25)
+        self.speedup_plot.setLabel("left", "× autoregressive tok/s")
+        self.speedup_plot.setMinimumWidth(260)
+        self.speedup_bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.6, brushes=[])
+        self.speedup_plot.addItem(self.speedup_bars)
+        self.speedup_plot.addItem(pg.InfiniteLine(pos=1.0, angle=0, pen=pg.mkPen("#555555", style=Qt.PenStyle.DashLine)))
+        self.speedup_labels: list[pg.TextItem] = []
+
+        bottom = QSplitter(Qt.Orientation.Horizontal)
+        bottom.addWidget(self.table)
+        bottom.addWidget(self.speedup_plot)
+        bottom.setStretchFactor(0, 3)
+        bottom.setStretchFactor(1, 2)
+        split = QSplitter(Qt.Orientation.Vertical)
+        split.addWidget(self.columns_box)
+        split.addWidget(bottom)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 2)
+        split.setSizes([600, 320])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(choose)
+        layout.addWidget(self.note)
+        layout.addWidget(split, 1)
+        self.records: list[dict] = []
+
+    def selected(self) -> list[str]:
+        return [n for n, box in self.checks.items() if box.isChecked()]
+
+    def set_selected(self, names: list[str]) -> None:
+        for n, box in self.checks.items():
+            box.setChecked(n in names)
+
+    def begin(self, names: list[str]) -> None:
+        """New comparison: one column per method (token views are widgets; the charts stay)."""
+        for col in self.columns.values():
+            col.setParent(None)
+            col.deleteLater()
+        self.columns.clear()
+        self.placeholder.setVisible(False)
+        for name in names:
+            col = CompareColumn(name, method_colour(name, self.order))
+            self.columns[name] = col
+            self.columns_layout.addWidget(col, 1)
+        self.set_records([])
+
+    def column(self, name: str) -> CompareColumn | None:
+        return self.columns.get(name)
+
+    def set_records(self, records: list[dict]) -> None:
+        """Fill the table and the chart from annotated run records (see ``core.compare.annotate``)."""
+        self.records = list(records)
+        self.table.setRowCount(len(records))
+        for row, r in enumerate(records):
+            acc = r.get("acceptance_rate")
+            sp = r.get("speedup")
+            notes = []
+            if r.get("lossy"):
+                notes.append("LOSSY")
+            if r.get("cancelled"):
+                notes.append("cancelled")
+            if r.get("stop_reason") and r.get("stop_reason") not in ("max_tokens", "cancelled"):
+                notes.append(f"stopped: {r['stop_reason']}")
+            title = METHODS[r["method"]].title if r["method"] in METHODS else r["method"]
+            values = (title, f"{r['tokens_per_s']:.2f}", "–" if sp is None else f"{sp:.2f}×",
+                      f"{r['mean_accepted']:.2f}", "–" if acc is None else f"{acc:.0%}", str(r["new_tokens"]),
+                      str(r.get("steps", "")), identical_text(r.get("identical_to_baseline")), ", ".join(notes))
+            for col, v in enumerate(values):
+                item = QTableWidgetItem(v)
+                if col in (1, 2, 3, 4, 5, 6):
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                if col == 7:
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                    ident = r.get("identical_to_baseline")
+                    if ident is not None:
+                        item.setForeground(QColor("#007a55" if ident else "#b00020"))
+                        item.setToolTip("Token for token the same output as autoregressive (temperature 0)"
+                                        if ident else "The output differs from autoregressive at temperature 0")
+                    else:
+                        item.setToolTip("Only checked at temperature 0 with autoregressive in the comparison")
+                self.table.setItem(row, col, item)
+        self._update_chart()
+
+    def _update_chart(self) -> None:
+        rows = [(i, r) for i, r in enumerate(self.records) if r.get("speedup") is not None]
+        xs = np.arange(len(rows), dtype=float)
+        heights = np.array([r["speedup"] for _, r in rows], dtype=float)
+        brushes = [QColor(method_colour(r["method"], self.order)) for _, r in rows]
+        self.speedup_bars.setOpts(x=xs, height=heights, width=0.6, brushes=brushes)
+        self.speedup_plot.getAxis("bottom").setTicks(
+            [[(float(i), METHODS[r["method"]].title.split(" (")[0] if r["method"] in METHODS else r["method"])
+              for i, (_, r) in enumerate(rows)]])
+        while len(self.speedup_labels) < len(rows):  # value labels: a pool that only grows
+            label = pg.TextItem("", color="#222222", anchor=(0.5, 1.0))
+            self.speedup_plot.addItem(label)
+            self.speedup_labels.append(label)
+        for i, label in enumerate(self.speedup_labels):
+            label.setVisible(i < len(rows))
+            if i < len(rows):
+                label.setText(f"{heights[i]:.2f}×")
+                label.setPos(float(xs[i]), float(heights[i]))
+        if len(rows):
+            self.speedup_plot.setXRange(-0.6, len(rows) - 0.4, padding=0)
+            self.speedup_plot.setYRange(0, max(1.2, float(heights.max()) * 1.18), padding=0)

@@ -1,0 +1,442 @@
+"""The side panels: models, prompt and sampling, methods."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGridLayout,
+                               QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QSpinBox,
+                               QStackedWidget, QStyle, QToolButton, QVBoxLayout, QWidget)
+
+from app.forms import ConfigForm
+from core.errors import ConfigError
+from core.methods import METHODS
+from core.models.catalog import CATALOG
+from core.models.loader import DEVICES, DTYPES
+
+log = logging.getLogger(__name__)
+
+NO_DRAFT = "(no draft model)"
+DTYPE_TIPS = {
+    "auto": "bfloat16 on a GPU; int8 weights on an x86 CPU (about 7x faster than float32), else float32",
+    "int8": "int8 weights with float32 compute (x86 CPUs only)",
+}
+
+
+# ------------------------------------------------------------------------------------ memory
+def process_rss() -> int | None:
+    """Resident memory of this process in bytes (None where it cannot be read)."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except Exception:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cuda_memory() -> tuple[int, int] | None:
+    """(allocated, reserved) CUDA bytes, only if torch has already initialised CUDA."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    except Exception:
+        return None
+    return None
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_text() -> str:
+    parts = []
+    rss = process_rss()
+    if rss is not None:
+        parts.append(f"RAM {gib(rss)}")
+    cuda = cuda_memory()
+    if cuda is not None:
+        parts.append(f"CUDA {gib(cuda[0])} (reserved {gib(cuda[1])})")
+    return " · ".join(parts) or "memory: n/a"
+
+
+def model_summary(loaded) -> str:
+    info = loaded.model.info
+    params = info.num_parameters
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    return f"{info.device} · {info.dtype} · {info.backend} · {info.architecture}, {size} parameters"
+
+
+# ------------------------------------------------------------------------------------ models
+class ModelPicker(QWidget):
+    """An editable combo (catalog ids, recent models, or any folder / .gguf / cached hub id) with browse buttons."""
+
+    def __init__(self, allow_none: bool):
+        super().__init__()
+        self.combo = QComboBox()
+        self.combo.setEditable(True)
+        self.combo.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
+        self.combo.setMinimumContentsLength(18)
+        self.combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.combo.lineEdit().setPlaceholderText("catalog id, model folder, .gguf file or cached hub id")
+        self.combo.setToolTip("A catalog model, a local Hugging Face folder, a .gguf file, or a hub id already in "
+                              "the local cache (SpecPlay never downloads).")
+        if allow_none:
+            self.combo.addItem(NO_DRAFT, "")
+        for entry in CATALOG.values():
+            note = "" if entry.installed() else "  (not installed)"
+            self.combo.addItem(f"{entry.id}{note}", entry.id)
+            self.combo.setItemData(self.combo.count() - 1, entry.title, Qt.ItemDataRole.ToolTipRole)
+        folder = QToolButton()
+        folder.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_DirOpenIcon))
+        folder.setToolTip("Choose a model folder")
+        folder.clicked.connect(self._browse_folder)
+        gguf = QToolButton()
+        gguf.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_FileIcon))
+        gguf.setToolTip("Choose a .gguf file (converted once, then cached)")
+        gguf.clicked.connect(self._browse_gguf)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(2)
+        layout.addWidget(self.combo, 1)
+        layout.addWidget(folder)
+        layout.addWidget(gguf)
+
+    def add_recent(self, specs: list[str]) -> None:
+        for spec in specs:
+            if spec and self.combo.findData(spec) < 0:
+                self.combo.addItem(spec, spec)
+
+    def spec(self) -> str:
+        text = self.combo.currentText().strip()
+        i = self.combo.findText(text)
+        if i >= 0 and self.combo.itemData(i) is not None:
+            return self.combo.itemData(i)
+        return "" if text == NO_DRAFT else text
+
+    def set_spec(self, spec: str) -> None:
+        i = self.combo.findData(spec or "")
+        if i < 0 and spec:
+            self.combo.addItem(spec, spec)
+            i = self.combo.count() - 1
+        if i >= 0:
+            self.combo.setCurrentIndex(i)
+
+    def _browse_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Choose a model folder")
+        if path:
+            self.set_spec(path)
+
+    def _browse_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF file", "", "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.set_spec(path)
+
+
+class ModelsPanel(QWidget):
+    """Pick, load and inspect the target and draft models.
+
+    Signals:
+        sig_load_requested(): the Load button.
+        sig_cancel_requested(): the Cancel button (stops loading or conversion).
+    """
+
+    sig_load_requested = Signal()
+    sig_cancel_requested = Signal()
+
+    def __init__(self):
+        super().__init__()
+        self.target = ModelPicker(allow_none=False)
+        self.draft = ModelPicker(allow_none=True)
+        self.device = QComboBox()
+        self.device.addItems(list(DEVICES))
+        self.device.setToolTip("auto: CUDA, then Apple MPS, then the CPU")
+        self.dtype = QComboBox()
+        for d in DTYPES:
+            self.dtype.addItem(d)
+            self.dtype.setItemData(self.dtype.count() - 1, DTYPE_TIPS.get(d, d), Qt.ItemDataRole.ToolTipRole)
+        self.dtype.setToolTip(DTYPE_TIPS["auto"])
+        self.load_button = QPushButton("Load models")
+        self.load_button.setObjectName("load_button")
+        self.load_button.clicked.connect(self.sig_load_requested)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.sig_cancel_requested)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setValue(0)
+        self.progress.setTextVisible(False)
+        self.stage = QLabel("")
+        self.stage.setWordWrap(True)
+        self.stage.setStyleSheet("QLabel { color: #444444; }")
+        self.target_info = QLabel("Target: not loaded")
+        self.draft_info = QLabel("Draft: not loaded")
+        for lab in (self.target_info, self.draft_info):
+            lab.setWordWrap(True)
+            lab.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.messages = QLabel("")
+        self.messages.setObjectName("model_messages")
+        self.messages.setWordWrap(True)
+        self.messages.setTextFormat(Qt.TextFormat.RichText)
+        self.memory = QLabel(memory_text())
+        self.memory.setStyleSheet("QLabel { color: #444444; }")
+        self.memory.setToolTip("Resident memory of this process (and CUDA memory when a GPU is in use)")
+
+        form = QFormLayout()
+        form.addRow("Target", self.target)
+        form.addRow("Draft", self.draft)
+        dev = QHBoxLayout()
+        dev.addWidget(QLabel("Device"))
+        dev.addWidget(self.device, 1)
+        dev.addWidget(QLabel("dtype"))
+        dev.addWidget(self.dtype, 1)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.load_button, 1)
+        buttons.addWidget(self.cancel_button)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addLayout(dev)
+        layout.addLayout(buttons)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.stage)
+        layout.addWidget(self.target_info)
+        layout.addWidget(self.draft_info)
+        layout.addWidget(self.messages)
+        layout.addWidget(self.memory)
+        layout.addStretch(1)
+
+    def set_loading(self, loading: bool) -> None:
+        self.load_button.setEnabled(not loading)
+        self.cancel_button.setEnabled(loading)
+        if loading:
+            self.progress.setRange(0, 0)
+            self.messages.setText("")
+
+    def set_progress(self, stage: str, fraction: float) -> None:
+        self.stage.setText(stage)
+        if fraction < 0:
+            self.progress.setRange(0, 0)
+        else:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(fraction * 1000))
+
+    def set_loaded(self, loaded) -> None:
+        """Show a :class:`app.worker.ModelsLoaded`."""
+        self.progress.setRange(0, 1000)
+        self.progress.setValue(1000)
+        self.stage.setText("Ready.")
+        self.target_info.setText(f"<b>Target</b> {loaded.target.spec}<br>{model_summary(loaded.target)}")
+        if loaded.draft is not None:
+            self.draft_info.setText(f"<b>Draft</b> {loaded.draft.spec}<br>{model_summary(loaded.draft)}")
+        else:
+            self.draft_info.setText("<b>Draft</b> none (methods that need one are unavailable)")
+        notes = [f"<span style='color:#555'>{n}</span>" for m in (loaded.target, loaded.draft) if m is not None
+                 for n in (m.notes or [])]
+        warnings = [f"<span style='color:#9a5b00'>⚠ {w}</span>" for w in loaded.warnings]
+        error = [f"<span style='color:#b00020'>✗ {loaded.draft_error}</span>"] if loaded.draft_error else []
+        self.messages.setText("<br>".join(error + warnings + notes))
+
+    def set_failed(self, message: str) -> None:
+        self.progress.setRange(0, 1000)
+        self.progress.setValue(0)
+        self.stage.setText("")
+        self.messages.setText(f"<span style='color:#b00020'>✗ {message}</span>")
+
+    def refresh_memory(self) -> None:
+        self.memory.setText(memory_text())
+
+
+# ------------------------------------------------------------------------------------ prompt
+def assets_path(*parts: str) -> Path:
+    """A shipped asset; falls back to the source tree when ``assets`` is not an installed package."""
+    try:
+        from core.paths import assets_dir
+
+        return assets_dir().joinpath(*parts)
+    except ImportError:
+        return Path(__file__).resolve().parent.parent.joinpath("assets", *parts)
+
+
+def load_presets(path: Path | None = None) -> list[dict]:
+    """Prompt presets from assets/prompts/presets.json (an empty list if it is missing or broken)."""
+    if path is None:
+        path = assets_path("prompts", "presets.json")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        presets = data.get("presets", []) if isinstance(data, dict) else data
+        return [p for p in presets if isinstance(p, dict) and isinstance(p.get("prompt"), str)]
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read prompt presets at %s: %s", path, exc)
+        return []
+
+
+class PromptPanel(QWidget):
+    def __init__(self):
+        super().__init__()
+        self.presets = load_presets()
+        self.preset = QComboBox()
+        self.preset.addItem("Presets…", None)
+        for p in self.presets:
+            self.preset.addItem(f"{p.get('category', 'prompt')}: {p.get('name', p['prompt'][:30])}", p["prompt"])
+        self.preset.activated.connect(self._apply_preset)
+        self.editor = QPlainTextEdit()
+        self.editor.setPlaceholderText("Type a prompt…")
+        self.editor.setTabChangesFocus(True)
+        self.chat_template = QCheckBox("chat template")
+        self.chat_template.setChecked(True)
+        self.chat_template.setToolTip("Wrap the prompt in the model's chat template (instruct models expect it)")
+        self.max_new_tokens = QSpinBox()
+        self.max_new_tokens.setRange(1, 8192)
+        self.max_new_tokens.setValue(128)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(0.0, 5.0)
+        self.temperature.setSingleStep(0.1)
+        self.temperature.setDecimals(2)
+        self.temperature.setToolTip("0 = greedy: every method must give exactly the baseline's tokens")
+        self.top_p = QDoubleSpinBox()
+        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setSingleStep(0.05)
+        self.top_p.setDecimals(2)
+        self.top_p.setValue(1.0)
+        self.seed = QSpinBox()
+        self.seed.setRange(0, 2**31 - 1)
+        grid = QGridLayout()
+        grid.addWidget(QLabel("Max new tokens"), 0, 0)
+        grid.addWidget(self.max_new_tokens, 0, 1)
+        grid.addWidget(QLabel("Seed"), 0, 2)
+        grid.addWidget(self.seed, 0, 3)
+        grid.addWidget(QLabel("Temperature"), 1, 0)
+        grid.addWidget(self.temperature, 1, 1)
+        grid.addWidget(QLabel("Top-p"), 1, 2)
+        grid.addWidget(self.top_p, 1, 3)
+        top = QHBoxLayout()
+        top.addWidget(self.preset, 1)
+        top.addWidget(self.chat_template)
+        layout = QVBoxLayout(self)
+        layout.addLayout(top)
+        layout.addWidget(self.editor, 1)
+        layout.addLayout(grid)
+
+    def _apply_preset(self, index: int) -> None:
+        text = self.preset.itemData(index)
+        if text:
+            self.editor.setPlainText(text)
+        self.preset.setCurrentIndex(0)
+
+    def prompt(self) -> str:
+        return self.editor.toPlainText()
+
+    def generation_config(self):
+        from core.types import GenerationConfig, SamplingConfig
+
+        return GenerationConfig(max_new_tokens=self.max_new_tokens.value(),
+                                sampling=SamplingConfig(temperature=self.temperature.value(), top_p=self.top_p.value(),
+                                                        seed=self.seed.value()))
+
+
+# ------------------------------------------------------------------------------------ methods
+class MethodsPanel(QWidget):
+    """Choose the method for a single run and edit every method's settings.
+
+    One form per method in ``core.methods.METHODS``, built from its config dataclass.
+
+    Signals:
+        sig_method_changed(str)
+    """
+
+    sig_method_changed = Signal(str)
+
+    def __init__(self):
+        super().__init__()
+        self.combo = QComboBox()
+        self.stack = QStackedWidget()
+        self.forms: dict[str, ConfigForm] = {}
+        for name, spec in METHODS.items():
+            self.combo.addItem(spec.title, name)
+            form = ConfigForm(spec.config_class)
+            self.forms[name] = form
+            self.stack.addWidget(form)
+        self.summary = QLabel("")
+        self.summary.setWordWrap(True)
+        self.summary.setStyleSheet("QLabel { color: #333333; }")
+        self.badges = QLabel("")
+        self.badges.setTextFormat(Qt.TextFormat.RichText)
+        reset = QPushButton("Defaults")
+        reset.setToolTip("Reset this method's settings to their defaults")
+        reset.clicked.connect(lambda: self.current_form().reset())
+        self.combo.currentIndexChanged.connect(self._on_changed)
+        head = QHBoxLayout()
+        head.addWidget(self.combo, 1)
+        head.addWidget(reset)
+        layout = QVBoxLayout(self)
+        layout.addLayout(head)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.badges)
+        layout.addWidget(self.stack)
+        layout.addStretch(1)
+        self.draft_available = False
+        self._on_changed()
+
+    def method(self) -> str:
+        return self.combo.currentData()
+
+    def set_method(self, name: str) -> None:
+        i = self.combo.findData(name)
+        if i >= 0:
+            self.combo.setCurrentIndex(i)
+
+    def current_form(self) -> ConfigForm:
+        return self.forms[self.method()]
+
+    def config_for(self, name: str):
+        """The method's validated config; raises ConfigError naming the method."""
+        try:
+            return self.forms[name].config()
+        except ConfigError as exc:
+            raise ConfigError(f"{METHODS[name].title}: {exc}") from None
+
+    def all_values(self) -> dict[str, dict]:
+        out = {}
+        for name, form in self.forms.items():
+            try:
+                out[name] = form.values()
+            except ConfigError:
+                continue
+        return out
+
+    def set_all_values(self, values: dict[str, dict]) -> None:
+        for name, vals in (values or {}).items():
+            if name in self.forms and isinstance(vals, dict):
+                self.forms[name].set_values(vals)
+
+    def set_draft_available(self, available: bool) -> None:
+        self.draft_available = available
+        self._on_changed()
+
+    def _on_changed(self) -> None:
+        name = self.method()
+        if name is None:
+            return
+        spec = METHODS[name]
+        self.stack.setCurrentWidget(self.forms[name])
+        self.summary.setText(spec.summary)
+        badges = []
+        if spec.needs_draft:
+            colour = "#555555" if self.draft_available else "#b00020"
+            text = "needs a draft model" + ("" if self.draft_available else " — load one in Models")
+            badges.append(f"<span style='color:{colour}'>● {text}</span>")
+        if self.forms[name].has_lossy_options:
+            badges.append("<span style='color:#D55E00'>has LOSSY options</span>")
+        self.badges.setText(" &nbsp; ".join(badges))
+        self.badges.setVisible(bool(badges))
+        self.sig_method_changed.emit(name)
