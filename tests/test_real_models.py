@@ -88,3 +88,21 @@ def test_default_pair_speculation_is_lossless():
                           GenerationConfig(max_new_tokens=48), warmup_tokens=0)
     assert [r["identical_to_baseline"] for r in cmp.records] == [True, True, True]
     assert cmp.results["speculative"].metrics.mean_accepted > 1.5
+
+
+def test_cancelling_the_first_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Cancel while the child process dequantizes: Cancelled, no model folder, no temporary files."""
+    from core.errors import Cancelled
+    from core.models.convert import models_root, prepare_catalog_model
+
+    _require(DEFAULT_DRAFT)
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
+    stages = []
+
+    def progress(stage, fraction):
+        stages.append(stage)
+
+    with pytest.raises(Cancelled):
+        prepare_catalog_model(get_entry(DEFAULT_DRAFT), progress, lambda: any("Dequantizing" in s for s in stages))
+    assert any("Dequantizing" in s for s in stages)
+    assert list(models_root().iterdir()) == []

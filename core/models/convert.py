@@ -2,8 +2,9 @@
 
 ``transformers`` reads GGUF and dequantizes it to float32, which takes about a minute per
 billion parameters on a laptop CPU; the float32 safetensors copy it leaves in the user cache
-then loads in seconds. The conversion writes into a temporary directory and renames it into
-place, so an interrupted or failed conversion never leaves a half-written model behind.
+then loads in seconds. The conversion runs in a child process and writes into a temporary
+directory that is renamed into place, so a cancelled, failed or killed conversion never
+leaves a half-written model behind.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
+import queue
 import shutil
 import tempfile
 import time
@@ -121,27 +124,67 @@ def prepare_gguf_file(path: Path, progress: Progress = _noop_progress, should_ca
 
 def _convert_gguf(gguf: Path, target: Path, work: Path, name: str, sha: str, progress: Progress,
                   should_cancel: ShouldCancel) -> None:
+    """Convert in a child process: it can be cancelled at any moment (the parent terminates it),
+    its float32 copy of the model is returned to the system when it exits, and if the
+    system kills it for lack of memory the app survives and says so."""
+    ctx = multiprocessing.get_context("spawn")
+    messages = ctx.Queue()
+    child = ctx.Process(target=_conversion_child, args=(str(gguf), str(work / "model"), name, sha, messages),
+                        daemon=True)
+    child.start()
+    try:
+        while True:
+            if should_cancel():
+                raise Cancelled("model preparation cancelled")
+            try:
+                kind, payload = messages.get(timeout=0.2)
+            except queue.Empty:
+                if not child.is_alive():
+                    code = child.exitcode
+                    hint = " (out of memory?)" if code in (-9, 137) else ""
+                    raise ModelError(f"converting {name} stopped unexpectedly, exit code {code}{hint}") from None
+                continue
+            if kind == "progress":
+                progress(*payload)
+            elif kind == "error":
+                raise ModelError(payload)
+            else:
+                break
+    finally:
+        if child.is_alive():
+            child.terminate()
+        child.join(timeout=10)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(work / "model", target)
+    progress(f"{name} is ready", 1.0)
+
+
+def _conversion_child(gguf: str, out: str, name: str, sha: str, messages) -> None:
+    def progress(stage, fraction):
+        messages.put(("progress", (stage, fraction)))
+
+    try:
+        _convert_here(Path(gguf), Path(out), name, sha, progress)
+    except MemoryError:
+        messages.put(("error", f"not enough memory to convert {name}"))
+    except Exception as exc:  # the parent turns it into one clear line
+        messages.put(("error", f"cannot convert {Path(gguf).name}: {exc}"))
+    else:
+        messages.put(("done", None))
+
+
+def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    out = work / "model"
-    out.mkdir()
-    try:
-        progress(f"Reading the tokenizer of {name}", None)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        if should_cancel():
-            raise Cancelled("model preparation cancelled")
-        progress(f"Dequantizing {name} to float32 (about a minute per billion parameters)", None)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except (Cancelled, ModelError):
-        raise
-    except Exception as exc:  # transformers raises many types for unreadable files
-        raise ModelError(f"cannot read GGUF model {gguf.name}: {exc}") from exc
-    if should_cancel():
-        raise Cancelled("model preparation cancelled")
+    out.mkdir(parents=True)
+    progress(f"Reading the tokenizer of {name}", None)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    progress(f"Dequantizing {name} to float32 (about a minute per billion parameters)", None)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     progress(f"Writing {name} as safetensors", None)
     state = {}
     seen = set()
@@ -161,8 +204,3 @@ def _convert_gguf(gguf: Path, target: Path, work: Path, name: str, sha: str, pro
     tokenizer.save_pretrained(str(out))
     (out / MARKER).write_text(json.dumps({"source": gguf.name, "sha256": sha, "name": name,
                                           "converted_in_s": round(time.perf_counter() - started, 1)}))
-    del model, state
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(out, target)
-    progress(f"{name} is ready", 1.0)

@@ -100,11 +100,14 @@ def instruction_prompts(n: int, seed: int = 0) -> list[str]:
 
 def generate_responses(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int = 16,
                        storage: str = "int8", progress: Progress | None = None,
-                       should_cancel: Callable[[], bool] = lambda: False) -> list[list[int]]:
+                       should_cancel: Callable[[], bool] = lambda: False, done: list[list[int]] | None = None,
+                       on_batch: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
     """The target's greedy answers (full chat sequences: prompt + answer), generated in batches.
 
     Batched generation with ``transformers`` is several times faster on a CPU than one
-    sequence at a time; the exact tokens do not matter for training data.
+    sequence at a time; the exact tokens do not matter for training data. ``done`` holds
+    answers from an interrupted run (they are kept, not regenerated); ``on_batch`` receives
+    all answers so far after each batch, to save them.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -115,8 +118,8 @@ def generate_responses(model_dir: Path, prompts: list[str], max_new_tokens: int,
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     if storage == "int8":
         quantize_hf_linears(model)
-    out: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
+    out: list[list[int]] = list(done or [])
+    for start in range(len(out), len(prompts), batch_size):
         if should_cancel():
             raise Cancelled("data generation cancelled")
         batch = prompts[start:start + batch_size]
@@ -131,6 +134,8 @@ def generate_responses(model_dir: Path, prompts: list[str], max_new_tokens: int,
             while ids and ids[-1] == pad:
                 ids.pop()
             out.append(ids)
+        if on_batch:
+            on_batch(out)
         if progress:
             progress(f"Generating answers ({min(start + batch_size, len(prompts))}/{len(prompts)})",
                      min(1.0, (start + batch_size) / len(prompts)))

@@ -50,15 +50,20 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
     sequences = code_sequences(target.tokenizer, settings.code_tokens, settings.seq_len, settings.seed)
     answers: list[list[int]] = []
     if settings.answers > 0:
-        cache = workdir / f"answers-{settings.answers}x{settings.answer_tokens}-s{settings.seed}.json"
-        if cache.is_file():
-            answers = json.loads(cache.read_text())["sequences"]
-        else:
-            prompts = instruction_prompts(settings.answers, settings.seed)
-            storage = target.model.info.dtype if target.model.info.dtype == "int8" else "float"
-            answers = generate_responses(target.path, prompts, settings.answer_tokens, storage=storage,
-                                         progress=progress, should_cancel=should_cancel)
-            cache.write_text(json.dumps({"prompts": prompts, "sequences": answers}))
+        cache = workdir / f"answers-{settings.answer_tokens}-s{settings.seed}.json"
+        prompts = instruction_prompts(settings.answers, settings.seed)
+        done = json.loads(cache.read_text())["sequences"] if cache.is_file() else []
+        if len(done) < len(prompts):
+            storage = "int8" if target.model.info.dtype == "int8" else "float"
+
+            def save(answers_so_far):
+                tmp = cache.with_name(cache.name + ".tmp")
+                tmp.write_text(json.dumps({"prompts": prompts[: len(answers_so_far)], "sequences": answers_so_far}))
+                tmp.replace(cache)
+
+            done = generate_responses(target.path, prompts, settings.answer_tokens, storage=storage,
+                                      progress=progress, should_cancel=should_cancel, done=done, on_batch=save)
+        answers = done[: len(prompts)]
     sequences = sequences + answers
     features = extract_features(target.model, sequences, workdir / f"features-{settings.key()}", progress=progress,
                                 should_cancel=should_cancel)
