@@ -9,6 +9,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    # In a frozen app the GGUF conversion's "spawn" child re-runs this executable; this turns
+    # that run into the child (a no-op when not frozen). It must come before anything else.
+    import multiprocessing
+
+    multiprocessing.freeze_support()
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] not in ("--gui",):
         from core.cli import main as cli_main
