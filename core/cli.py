@@ -272,13 +272,14 @@ def cmd_bench(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from core.models.linear import has_bf16_units
     from core.models.loader import load_model
     from core.training.common import TrainSettings
     from core.training.pipeline import DataSettings, train_heads
 
     defaults = {"medusa": (128, 1e-3), "eagle": (16, 3e-4)}[args.kind]
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size or defaults[0], lr=args.lr or defaults[1],
-                             seed=args.seed, bf16=args.bf16 == "on" or (args.bf16 == "auto" and _cpu_has_bf16()))
+                             seed=args.seed, bf16=args.bf16 == "on" or (args.bf16 == "auto" and has_bf16_units()))
     data = DataSettings(code_tokens=args.code_tokens, answers=args.answers, answer_tokens=args.answer_tokens,
                         seed=args.seed)
     progress = _Progress()
@@ -300,16 +301,6 @@ def cmd_train(args) -> int:
     print(f"saved {path}")
     print(json.dumps({k: manifest[k] for k in ("accuracy", "data", "steps", "train_seconds") if k in manifest}))
     return 0
-
-
-def _cpu_has_bf16() -> bool:
-    """bfloat16 matmuls are fast only with hardware support (AVX-512 BF16 or AMX)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # --------------------------------------------------------------------------- parser

@@ -71,3 +71,13 @@ def resolve_heads_path(given: str, kind: str, target_spec: str) -> Path:
         raise ModelError(f"no {kind} heads ship for '{target_spec}'; train them with `specplay train {kind} "
                          f"--target {target_spec}` and pass the file")
     return path
+
+
+def draft_lm_rows(target, vocab_ids: torch.Tensor, path: Path):
+    """The target's frozen LM head restricted to a heads file's draft vocabulary, in the target's storage."""
+    from core.models.linear import make_linear
+
+    if int(vocab_ids.max()) >= target.info.vocab_size:
+        raise ModelError(f"{path}: draft vocabulary has ids beyond the target's {target.info.vocab_size} tokens")
+    storage = "int8" if target.info.dtype == "int8" else "float"
+    return make_linear(target.lm_head_weight()[vocab_ids], None, storage)

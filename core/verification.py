@@ -42,6 +42,13 @@ def _children(draft: Draft) -> dict[int, list[int]]:
     return kids
 
 
+def _next_fate(n: int, kids: dict[int, list[int]], node: int) -> Fate:
+    """The target's own token: plain (nothing drafted), bonus (after a leaf) or resampled (a child was rejected)."""
+    if n == 0:
+        return Fate.TARGET
+    return Fate.RESAMPLED if kids.get(node) else Fate.BONUS
+
+
 def verify(draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
            generator: torch.Generator | None = None, typical: tuple[float, float] | None = None) -> Verdict:
     """Decide which draft tokens to accept, and the target's next token.
@@ -82,7 +89,7 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
         fates[nxt] = Fate.ACCEPTED
         path.append(nxt)
         node = nxt
-    next_fate = Fate.TARGET if n == 0 else (Fate.BONUS if not kids.get(node) else Fate.RESAMPLED)
+    next_fate = _next_fate(n, kids, node)
     accept_prob = [None if pi is None else (1.0 if f is Fate.ACCEPTED else 0.0) for pi, f in zip(p, fates)]
     return Verdict(accepted=path, next_token=best, next_fate=next_fate, next_p=next_p, fates=fates, p=p,
                    u=[None] * n, accept_prob=accept_prob)
@@ -135,13 +142,8 @@ def verify_sampling(draft: Draft, target_logits: torch.Tensor, sampling: Samplin
         fates[accepted] = Fate.ACCEPTED
         path.append(accepted)
         node = accepted
-    if n == 0:
-        next_fate = Fate.TARGET
-    elif kids.get(node):
-        next_fate = Fate.RESAMPLED
-    else:
-        next_fate = Fate.BONUS
-    return Verdict(accepted=path, next_token=next_token, next_fate=next_fate, next_p=float(p_first[next_token]),
+    return Verdict(accepted=path, next_token=next_token, next_fate=_next_fate(n, kids, node),
+                   next_p=float(p_first[next_token]),
                    fates=fates, p=p_out, u=u_out, accept_prob=a_out)
 
 
@@ -179,6 +181,5 @@ def verify_typical(draft: Draft, target_logits: torch.Tensor, sampling: Sampling
         fates[accepted] = Fate.ACCEPTED
         path.append(accepted)
         node = accepted
-    next_fate = Fate.TARGET if n == 0 else (Fate.RESAMPLED if kids.get(node) else Fate.BONUS)
-    return Verdict(accepted=path, next_token=next_token, next_fate=next_fate, next_p=float(p[next_token]),
+    return Verdict(accepted=path, next_token=next_token, next_fate=_next_fate(n, kids, node), next_p=float(p[next_token]),
                    fates=fates, p=p_out, u=[None] * n, accept_prob=a_out)

@@ -9,11 +9,10 @@ from core.heads import save_heads
 from core.methods import build_method
 from core.methods.eagle import EagleConfig, EagleHead, head_config
 from core.training.common import TrainSettings
-from core.training.data import FeatureSet
 from core.training.eagle import EagleObjective, train_eagle
 from core.types import GenerationConfig
 from stats import chi_square_pvalue
-from tiny import loaded, native_from_hf, tiny_hf_model
+from tiny import loaded, native_from_hf, target_features, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
 
@@ -82,7 +81,7 @@ def test_trained_head_accepts_more_than_one_token_per_step(target):
     for s in range(16):
         prompt = [(5 * s + i) % 60 + 3 for i in range(6)]
         seqs.append(prompt + _run(target, "autoregressive", n=40, prompt=prompt).token_ids)
-    data = _features(model, seqs)
+    data = target_features(model, seqs)
     head = EagleHead(head_config(model.cfg, 64))
     acc, _ = train_eagle(data, head, model.embed, model.lm_head_weight(), torch.arange(64), 64,
                          TrainSettings(steps=300, batch_size=8, lr=3e-3, eval_every=300, warmup=10), window=32)
@@ -101,23 +100,10 @@ def test_trained_head_accepts_more_than_one_token_per_step(target):
     assert res.metrics.mean_accepted > 1.5
 
 
-def _features(model, seqs):
-    feats, toks, labels, starts = [], [], [], [0]
-    for s in seqs:
-        model.reset()
-        out = model.forward(torch.tensor(s), hidden=True)
-        feats.append(out.hidden.float())
-        labels.append(out.logits.argmax(-1))
-        toks.append(torch.tensor(s))
-        starts.append(starts[-1] + len(s))
-    model.reset()
-    return FeatureSet(torch.cat(feats), torch.cat(toks), torch.cat(labels), torch.tensor(starts))
-
-
 def test_a_training_step_lowers_the_loss(target):
     model = target.model
     g = torch.Generator().manual_seed(0)
-    data = _features(model, [torch.randint(3, 64, (40,), generator=g).tolist() for _ in range(4)])
+    data = target_features(model, [torch.randint(3, 64, (40,), generator=g).tolist() for _ in range(4)])
     head = EagleHead(head_config(model.cfg, 48))
     obj = EagleObjective(head, data, model.embed, model.lm_head_weight().float(), torch.arange(64), 64, window=16,
                          noise=0.0)

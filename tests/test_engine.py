@@ -11,7 +11,7 @@ from core.methods import build_method
 from core.methods.prompt_lookup import PromptLookupConfig
 from core.methods.speculative import SpeculativeConfig
 from core.types import Fate, GenerationConfig, SamplingConfig, StopReason
-from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model, tiny_tokenizer
+from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
 

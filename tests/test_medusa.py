@@ -11,12 +11,11 @@ from core.heads import save_heads
 from core.methods import build_method
 from core.methods.medusa import MedusaConfig, MedusaHeads
 from core.training.common import TrainSettings
-from core.training.data import FeatureSet
 from core.training.medusa import MedusaObjective, train_medusa
 from core.tree import TreeSpec, ancestor_mask, choose_tree, path_to
 from core.types import GenerationConfig, SamplingConfig
 from stats import chi_square_pvalue
-from tiny import loaded, native_from_hf, tiny_hf_model
+from tiny import loaded, native_from_hf, target_features, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
 ACC = [[0.6, 0.15, 0.05, 0.03], [0.4, 0.12, 0.05, 0.02], [0.3, 0.1, 0.04, 0.02], [0.2, 0.08, 0.03, 0.01]]
@@ -95,7 +94,7 @@ def test_medusa_with_heads_that_know_the_answer_accepts_deep(target, tmp_path):
         r = drain(generate(model, target.tokenizer, build_method("autoregressive", None, target), prompt,
                            GenerationConfig(max_new_tokens=40, stop_at_eos=False)))
         seqs.append(prompt + r.token_ids)
-    data = _features(model, seqs)
+    data = target_features(model, seqs)
     heads, acc, _ = train_medusa(data, model.lm_head_weight(), torch.arange(64), 64, 3,
                                  TrainSettings(steps=300, batch_size=64, lr=3e-3, eval_every=300, warmup=10))
     path = tmp_path / "trained.safetensors"
@@ -110,24 +109,11 @@ def test_medusa_with_heads_that_know_the_answer_accepts_deep(target, tmp_path):
     assert res.metrics.mean_accepted > 1.5
 
 
-def _features(model, seqs):
-    feats, toks, labels, starts = [], [], [], [0]
-    for s in seqs:
-        model.reset()
-        out = model.forward(torch.tensor(s), hidden=True)
-        feats.append(out.hidden.float())
-        labels.append(out.logits.argmax(-1))
-        toks.append(torch.tensor(s))
-        starts.append(starts[-1] + len(s))
-    model.reset()
-    return FeatureSet(torch.cat(feats), torch.cat(toks), torch.cat(labels), torch.tensor(starts))
-
-
 def test_a_training_step_lowers_the_loss(target):
     model = target.model
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 64, (30,), generator=g).tolist() for _ in range(4)]
-    data = _features(model, seqs)
+    data = target_features(model, seqs)
     heads = MedusaHeads(32, 2)
     obj = MedusaObjective(heads, data, model.lm_head_weight().float(), torch.arange(64), 64)
     pos = torch.arange(0, data.num_tokens)
@@ -141,7 +127,7 @@ def test_a_training_step_lowers_the_loss(target):
 
 
 def test_medusa_sampling_is_lossless(tmp_path):
-    from test_distribution import PROMPT as P, SAMPLING, exact_pairs, sample_pairs
+    from test_distribution import exact_pairs, sample_pairs
 
     model = tiny_hf_model(seed=11, vocab=8, dtype=torch.float64)
     t = loaded(native_from_hf(model))

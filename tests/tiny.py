@@ -97,3 +97,19 @@ def loaded(native, tokenizer=None, spec: str = "tiny"):
 
     return LoadedModel(model=native, tokenizer=tokenizer or tiny_tokenizer(native.info.vocab_size), spec=spec,
                        path=None)
+
+
+def target_features(model, sequences):
+    """A FeatureSet of ``model``'s final hidden states and argmax labels over ``sequences`` (for trainer tests)."""
+    from core.training.data import FeatureSet
+
+    feats, toks, labels, starts = [], [], [], [0]
+    for s in sequences:
+        model.reset()
+        out = model.forward(torch.tensor(s), hidden=True)
+        feats.append(out.hidden.float())
+        labels.append(out.logits.argmax(-1))
+        toks.append(torch.tensor(s))
+        starts.append(starts[-1] + len(s))
+    model.reset()
+    return FeatureSet(torch.cat(feats), torch.cat(toks), torch.cat(labels), torch.tensor(starts))

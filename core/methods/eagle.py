@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.errors import ModelError
-from core.heads import load_heads, resolve_heads_path
+from core.heads import draft_lm_rows, load_heads, resolve_heads_path
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.models.linear import make_linear
 from core.models.native import DecoderConfig, _Layer, _rms_norm, _rotate_half, layer_forward, rope_tables
@@ -173,9 +173,7 @@ class Eagle(Method):
         except (KeyError, RuntimeError) as exc:
             raise ModelError(f"{path}: weights do not fit an EAGLE head for '{target_spec}': {exc}") from None
         self.vocab_ids = tensors["vocab_ids"]
-        if int(self.vocab_ids.max()) >= target.info.vocab_size:
-            raise ModelError(f"{path}: draft vocabulary has ids beyond the target's {target.info.vocab_size} tokens")
-        self.lm_rows = make_linear(target.lm_head_weight()[self.vocab_ids], None, storage)
+        self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
         c = config
         self.max_draft_nodes = c.depth if c.tree == "chain" else c.total_tokens
         self.features = torch.zeros(0, target.info.hidden_size)

@@ -28,9 +28,8 @@ import torch
 from torch import nn
 
 from core.errors import ConfigError, ModelError
-from core.heads import load_heads, resolve_heads_path
+from core.heads import draft_lm_rows, load_heads, resolve_heads_path
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
-from core.models.linear import make_linear
 from core.tree import TreeSpec, choose_tree
 from core.types import Draft
 
@@ -114,10 +113,7 @@ class Medusa(Method):
             raise ModelError(f"{path}: weights do not fit {num_heads} Medusa heads: {exc}") from None
         self.heads.eval()
         self.vocab_ids = tensors["vocab_ids"]
-        if int(self.vocab_ids.max()) >= target.info.vocab_size:
-            raise ModelError(f"{path}: draft vocabulary has ids beyond the target's {target.info.vocab_size} tokens")
-        storage = "int8" if target.info.dtype == "int8" else "float"
-        self.lm_rows = make_linear(target.lm_head_weight()[self.vocab_ids], None, storage)
+        self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
         self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads)
         self.max_draft_nodes = len(self.tree)
         if config.typical:

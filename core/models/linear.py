@@ -52,14 +52,26 @@ def int8_supported() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _has_vnni() -> bool:
-    """AVX-512 VNNI multiplies u8 x s8 into int32 without 16-bit saturation."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            flags = f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+        pass
+    return frozenset()
+
+
+def _has_vnni() -> bool:
+    """AVX-512 VNNI multiplies u8 x s8 into int32 without 16-bit saturation."""
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
+
+
+def has_bf16_units() -> bool:
+    """bfloat16 matmuls are fast only with hardware support (AVX-512 BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 class Int8RowExactLinear:
