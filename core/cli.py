@@ -169,7 +169,7 @@ def _methods_from(text: str) -> list[str]:
 def cmd_run(args) -> int:
     from core.engine import drain, generate
     from core.methods import build_method, get_spec
-    from core.runlog import append_jsonl, dumps, run_record
+    from core.runlog import dumps, run_record
     from core.text import encode_prompt
 
     spec = get_spec(args.method)
@@ -197,14 +197,25 @@ def cmd_run(args) -> int:
         print(f"[{result.method}] {m.new_tokens} tokens in {m.wall_time:.2f} s = {m.tokens_per_s:.2f} tok/s, "
               f"τ {m.mean_accepted:.2f}, {m.steps} steps, stop: {result.stop_reason.value}", file=sys.stderr)
     if args.log:
-        append_jsonl(args.log, [run_record(result, target=target, draft=draft, prompt=prompt, include_events=True)])
+        _write_log(args.log, [run_record(result, target=target, draft=draft, prompt=prompt, include_events=True)])
+    if result.error:
+        raise SpecPlayError(result.error)
     return 0
+
+
+def _write_log(path: Path, records: list[dict]) -> None:
+    from core.runlog import append_jsonl
+
+    try:
+        append_jsonl(path, records)
+    except OSError as exc:
+        raise SpecPlayError(f"cannot write the run log {path}: {exc.strerror or exc}") from None
 
 
 def cmd_compare(args) -> int:
     from core.compare import compare_methods, format_table
     from core.methods import get_spec
-    from core.runlog import append_jsonl, dumps
+    from core.runlog import dumps
     from core.text import encode_prompt
 
     names = _methods_from(args.methods)
@@ -229,7 +240,10 @@ def cmd_compare(args) -> int:
     else:
         print(format_table(comparison.records))
     if args.log:
-        append_jsonl(args.log, comparison.records_with_events)
+        _write_log(args.log, comparison.records_with_events)
+    failed = [r for r in comparison.results.values() if r.error]
+    if failed:
+        raise SpecPlayError(f"{failed[0].method}: {failed[0].error}")
     return 0
 
 

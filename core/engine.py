@@ -17,7 +17,7 @@ from typing import Callable, Generator
 
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, is_out_of_memory
 from core.methods.base import Method, RunContext, StepOutcome
 from core.metrics import MetricsRecorder
 from core.models.base import CausalLM
@@ -93,20 +93,9 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
     events: list[StepEvent] = []
     max_stop = max((len(s) for s in config.stop_strings), default=0)
 
-    t_start = time.perf_counter()
-    target.reset()
-    if len(prompt_ids) > 1:
-        ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden)
-    method.start(ctx)
-    prefill_time = time.perf_counter() - t_start
-
-    stop: StopReason | None = None
-    text = ""
-    step = 0
-    while stop is None:
-        if should_stop():
-            stop = StopReason.CANCELLED
-            break
+    def _step() -> StepEvent:
+        """One propose -> verify -> commit -> observe step; sets ``stop`` when the run must end."""
+        nonlocal stop, text
         remaining = config.max_new_tokens - ctx.new_tokens
         t0 = time.perf_counter()
         draft = method.propose(ctx, remaining - 1)
@@ -155,7 +144,7 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         timing = StepTiming(draft_s=(t1 - t0) + (t4 - t3), verify_s=t2 - t1, other_s=t3 - t2)
         depth = max(draft.depths(), default=0)
         metrics.add_step(len(new), len(draft), accepted_len, depth, timing.draft_s, timing.verify_s, timing.other_s)
-        event = StepEvent(
+        return StepEvent(
             step=step, tokens=_token_events(draft, verdict, new, pieces, detok), committed=new, text=step_text,
             num_drafted=len(draft), num_accepted=accepted_len, timing=timing,
             elapsed_s=time.perf_counter() - t_start, total_new_tokens=ctx.new_tokens,
@@ -163,6 +152,34 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
                   "accepted": verdict.accepted} if len(draft) else {},
             internals=draft.info,
         )
+
+    t_start = time.perf_counter()
+    stop: StopReason | None = None
+    error: str | None = None
+    text = ""
+    step = 0
+    prefill_time = 0.0
+    try:
+        target.reset()
+        if len(prompt_ids) > 1:
+            ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden)
+        method.start(ctx)
+        prefill_time = time.perf_counter() - t_start
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        stop, error = StopReason.ERROR, f"out of memory while reading the prompt ({len(prompt_ids)} tokens)"
+    while stop is None:
+        if should_stop():
+            stop = StopReason.CANCELLED
+            break
+        try:
+            event = _step()
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            stop, error = StopReason.ERROR, f"out of memory while generating (after {ctx.new_tokens} tokens)"
+            break
         events.append(event)
         step += 1
         yield event
@@ -171,7 +188,7 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
     return RunResult(
         method=method.name, method_params=method.describe(), lossy=method.lossy, prompt_ids=list(prompt_ids),
         token_ids=ctx.tokens[ctx.prompt_len:], text=text, stop_reason=stop,
-        metrics=metrics.finish(wall, prefill_time), config=config, events=events,
+        metrics=metrics.finish(wall, prefill_time), config=config, events=events, error=error,
     )
 
 

@@ -23,3 +23,13 @@ class ConfigError(SpecPlayError, ValueError):
 
 class Cancelled(SpecPlayError):
     """A long operation (conversion, loading, training) was cancelled by the user."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure (CPU or GPU), whatever layer raised it."""
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)

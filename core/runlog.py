@@ -86,6 +86,7 @@ def run_record(result: RunResult, *, target, draft=None, prompt: str | None = No
         "token_ids": result.token_ids,
         "stop_reason": result.stop_reason.value,
         "cancelled": result.cancelled,
+        "error": result.error,
         "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
         "max_new_tokens": result.config.max_new_tokens,
         # Spec-Bench answer fields (one turn)
@@ -121,9 +122,21 @@ def dumps(record: dict) -> str:
 
 
 def append_jsonl(path: Path, records: Iterable[dict]) -> None:
-    """Append records as JSON lines and flush them to disk before returning."""
+    """Append records as JSON lines and flush them to disk before returning.
+
+    If an earlier writer died mid-line, the torn line is closed first, so it stays the only
+    unreadable line and the new records stay whole.
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    torn = False
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
     with open(path, "a", encoding="utf-8") as f:
+        if torn:
+            f.write("\n")
         for r in records:
             f.write(dumps(r) + "\n")
         f.flush()

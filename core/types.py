@@ -197,7 +197,7 @@ class StopReason(str, Enum):
     EOS = "eos"
     STOP_STRING = "stop_string"
     CANCELLED = "cancelled"
-    CONTEXT_FULL = "context_full"
+    ERROR = "error"
 
 
 @dataclass
@@ -214,6 +214,7 @@ class RunResult:
     metrics: "RunMetrics"
     config: GenerationConfig
     events: list[StepEvent] = field(default_factory=list)
+    error: str | None = None  # why a run stopped with StopReason.ERROR
 
     @property
     def cancelled(self) -> bool:

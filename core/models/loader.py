@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from core.errors import ConfigError, ModelError, TokenizerMismatchError
+from core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
 from core.models.base import CausalLM
 from core.models.catalog import CATALOG, get_entry
 from core.models.convert import Progress, ShouldCancel, _never, _noop_progress, prepare_catalog_model, prepare_gguf_file
@@ -193,16 +193,22 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
                 raise ModelError(f"{spec}: the native path needs .safetensors weights") from None
             use_native = False
             reason = "no .safetensors weights"
-    if use_native:
-        try:
-            model: CausalLM = NativeDecoder(DecoderConfig.from_hf(config), reader.get, name=spec, device=dev,
-                                            dtype=compute_dtype, storage=storage, eos_token_ids=eos)
-        except KeyError as exc:
-            raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
-    else:
-        notes.append(f"native path unavailable ({reason}); using transformers")
-        log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
-        model = _load_hf(path, spec, dev, compute_dtype, storage, eos)
+    try:
+        if use_native:
+            try:
+                model: CausalLM = NativeDecoder(DecoderConfig.from_hf(config), reader.get, name=spec, device=dev,
+                                                dtype=compute_dtype, storage=storage, eos_token_ids=eos)
+            except KeyError as exc:
+                raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
+        else:
+            notes.append(f"native path unavailable ({reason}); using transformers")
+            log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
+            model = _load_hf(path, spec, dev, compute_dtype, storage, eos)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise ModelError(f"not enough memory to load {spec} on {dev} ({dtype}); close other programs, or on a CPU "
+                         "use --dtype int8 (a quarter of float32's memory)") from None
     progress(f"{spec} loaded", 1.0)
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
 

@@ -1,0 +1,114 @@
+"""Faults: out of memory, full disks and read-only places, torn history lines; nothing earlier is lost."""
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+from core.cli import main
+from core.engine import drain, generate
+from core.errors import ModelError
+from core.history import History
+from core.methods import build_method
+from core.runlog import run_record, write_jsonl_atomic
+from core.types import GenerationConfig, StopReason
+from tiny import loaded, native_from_hf, save_tiny_model, tiny_hf_model
+
+PROMPT = [4, 5, 6, 3, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)))
+
+
+def test_out_of_memory_while_generating_ends_the_run_with_what_it_made(target, monkeypatch):
+    model = target.model
+    real = model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    res = drain(generate(model, target.tokenizer, build_method("autoregressive", None, target), PROMPT,
+                         GenerationConfig(max_new_tokens=20, stop_at_eos=False)))
+    assert res.stop_reason is StopReason.ERROR and "out of memory" in res.error
+    assert len(res.token_ids) == 4  # prefill was call 1, then four steps succeeded
+    record = run_record(res, target=target)
+    assert record["error"] == res.error and record["stop_reason"] == "error"
+
+
+def test_out_of_memory_while_loading_is_a_clear_error(tmp_path, monkeypatch):
+    from core.models import loader, native
+
+    folder = save_tiny_model(tmp_path / "m")
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:116] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(native.NativeDecoder, "__init__", boom)
+    with pytest.raises(ModelError, match="not enough memory to load"):
+        loader.load_model(str(folder), "cpu", "float32")
+
+
+def test_other_errors_are_not_disguised_as_memory_errors(target, monkeypatch):
+    monkeypatch.setattr(target.model, "forward", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
+    with pytest.raises(ValueError, match="a bug"):
+        drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), PROMPT,
+                       GenerationConfig(max_new_tokens=5)))
+
+
+def test_full_disk_during_export_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "runs.jsonl"
+    write_jsonl_atomic(path, [{"run": 1}])
+    before = path.read_text()
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        write_jsonl_atomic(path, [{"run": 2}])
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["runs.jsonl"]  # no temporary file left
+
+
+def test_history_survives_a_torn_last_line_and_keeps_earlier_runs(tmp_path):
+    h = History(tmp_path / "history.jsonl")
+    h.append({"run": 1})
+    h.append({"run": 2})
+    with open(h.path, "a", encoding="utf-8") as f:
+        f.write('{"run": 3, "text": "half wri')  # the process died mid-write
+    assert [r["run"] for r in h.load()] == [1, 2]
+    h.append({"run": 4})
+    assert [r["run"] for r in h.load()] == [1, 2, 4]
+
+
+def test_cli_log_to_an_unwritable_place_is_one_line_and_the_run_still_prints(tmp_path, capsys):
+    folder = save_tiny_model(tmp_path / "m")
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the log's folder should be")
+    code = main(["run", "--target", str(folder), "--prompt", "ab cd", "--no-chat-template", "--max-new-tokens",
+                 "4", "--json", "--log", str(blocker / "runs.jsonl")])
+    out, err = capsys.readouterr()
+    assert code == 1 and "cannot write the run log" in err and "Traceback" not in err
+    assert json.loads(out)["new_tokens"] == 4
+
+
+def test_cli_log_on_a_full_disk(tmp_path, capsys, monkeypatch):
+    folder = save_tiny_model(tmp_path / "m")
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    code = main(["run", "--target", str(folder), "--prompt", "ab cd", "--no-chat-template", "--max-new-tokens", "4",
+                 "--log", str(tmp_path / "runs.jsonl")])
+    _, err = capsys.readouterr()
+    assert code == 1 and "No space left on device" in err and "Traceback" not in err
