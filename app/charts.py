@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QGridLayout, QWidget
+from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
 from app.palette import method_colour
 from core.types import StepEvent
@@ -74,14 +74,28 @@ def _draft_depth(e: StepEvent) -> int:
     return max(depths)
 
 
-def _plot(title: str, x: str, y: str) -> pg.PlotWidget:
-    w = pg.PlotWidget()
+class IntAxis(pg.AxisItem):
+    """An axis of counts or positions: ticks only on whole numbers."""
+
+    def tickSpacing(self, minVal, maxVal, size):  # noqa: N802 (pyqtgraph name)
+        levels = super().tickSpacing(minVal, maxVal, size)
+        out = []
+        for spacing, offset in levels:
+            if spacing >= 1:
+                out.append((max(1.0, round(spacing)), offset))
+        return out or [(1.0, 0.0)]
+
+
+def _plot(title: str, x: str, y: str, int_x: bool = False) -> pg.PlotWidget:
+    w = pg.PlotWidget(axisItems={"bottom": IntAxis("bottom")} if int_x else None)
     w.setTitle(title, size="10pt")
     w.setLabel("bottom", x)
     w.setLabel("left", y)
     w.showGrid(x=True, y=True, alpha=0.25)
     w.setMenuEnabled(False)
-    w.setMinimumSize(220, 160)
+    w.setMinimumSize(200, 110)
+    for side in ("left", "bottom"):
+        w.getAxis(side).enableAutoSIPrefix(False)
     return w
 
 
@@ -90,35 +104,38 @@ class ChartsPanel(QWidget):
         super().__init__(parent)
         self.order = list(method_order)
         self.series: dict[str, Series] = {}
-        self.rate_plot = _plot("Tokens/s over the run", "seconds", "tokens/s (cumulative)")
-        self.rate_plot.addLegend(offset=(-5, 5), labelTextSize="8pt")
-        self.hist_plot = _plot("Tokens per step (accepted + 1)", "tokens added in a step", "steps")
-        self.pos_plot = _plot("Acceptance by draft position", "draft position", "accepted share")
+        self.rate_plot = _plot("Tokens/s over the run (cumulative)", "seconds", "tok/s")
+        self.hist_plot = _plot("Tokens per step (accepted + 1)", "tokens added in a step", "steps", int_x=True)
+        self.pos_plot = _plot("Acceptance by draft position", "draft position", "accepted share", int_x=True)
         self.pos_plot.setYRange(0, 1.05)
-        self.split_plot = _plot("Time split", "seconds", "")
+        chips = " ".join(f"<span style='color:{c}'>■</span>&nbsp;{p}" for p, c in SPLIT_COLOURS.items())
+        self.split_plot = _plot(f"Time split &nbsp; {chips}", "seconds", "")
         self.split_plot.showGrid(x=True, y=False, alpha=0.25)
-        self.split_legend = self.split_plot.addLegend(offset=(-5, 5), labelTextSize="8pt")
         self.curves: dict[str, pg.PlotDataItem] = {}
         self.hist_bars: dict[str, pg.BarGraphItem] = {}
         self.pos_curves: dict[str, pg.PlotDataItem] = {}
         self.split_bars: dict[str, pg.BarGraphItem] = {}
         for part, colour in SPLIT_COLOURS.items():
             bar = pg.BarGraphItem(x0=np.zeros(0), width=np.zeros(0), y=np.zeros(0), height=0.6,
-                                  brush=QColor(colour), pen=pg.mkPen("#ffffff", width=0.5), name=part)
-            self.split_plot.addItem(bar)  # named: the legend lists it
+                                  brush=QColor(colour), pen=pg.mkPen("#ffffff", width=0.5))
+            self.split_plot.addItem(bar)
             self.split_bars[part] = bar
+        self.legend = QLabel("")  # one method legend for all four charts
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
         grid = QGridLayout(self)
         grid.setContentsMargins(2, 2, 2, 2)
         grid.setSpacing(4)
-        grid.addWidget(self.rate_plot, 0, 0)
-        grid.addWidget(self.hist_plot, 0, 1)
-        grid.addWidget(self.pos_plot, 1, 0)
-        grid.addWidget(self.split_plot, 1, 1)
+        grid.addWidget(self.legend, 0, 0, 1, 2)
+        grid.addWidget(self.rate_plot, 1, 0)
+        grid.addWidget(self.hist_plot, 1, 1)
+        grid.addWidget(self.pos_plot, 2, 0)
+        grid.addWidget(self.split_plot, 2, 1)
         self._dirty = False
         self._timer = QTimer(self)
         self._timer.setInterval(100)
         self._timer.timeout.connect(self._refresh_if_dirty)
         self._timer.start()
+        self.refresh()
 
     # -- data in -------------------------------------------------------------------------------
 
@@ -204,4 +221,7 @@ class ChartsPanel(QWidget):
             left = left + splits[:, i]
         self.split_plot.getAxis("left").setTicks([[(float(i), m) for i, m in enumerate(shown)]])
         if shown:
-            self.split_plot.setYRange(-0.6, len(shown) - 0.4, padding=0)
+            self.split_plot.setYRange(-0.5, len(shown) - 0.5, padding=0.02)
+        self.legend.setText("Methods: " + " &nbsp; ".join(
+            f"<span style='color:{method_colour(m, self.order)}'>■</span>&nbsp;{m}" for m in shown)
+            if shown else "<span style='color:#777'>Charts fill in as runs stream.</span>")

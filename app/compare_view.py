@@ -6,15 +6,19 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QHBoxLayout, QHeaderView, QLabel, QPushButton,
+from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QGridLayout, QHBoxLayout, QHeaderView, QLabel, QPushButton,
                                QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.palette import method_colour
 from app.tokenview import TokenView
 from core.methods import METHODS
 
-TABLE_COLUMNS = ("Method", "tok/s", "Speedup", "τ (mean accepted)", "Acceptance", "Tokens", "Steps",
-                 "Identical to baseline", "Notes")
+TABLE_COLUMNS = ("Method", "Identical", "tok/s", "Speedup", "τ", "Acceptance", "Tokens", "Steps", "Notes")
+COLUMN_TIPS = ("", "Token for token the same output as autoregressive (checked at temperature 0)",
+               "New tokens per second, prefill included", "tok/s over autoregressive's in this comparison",
+               "Mean tokens added per step (accepted draft tokens + 1)", "Accepted draft tokens / drafted tokens",
+               "New tokens", "Decoding steps (target forward passes)", "")
+IDENTICAL_COL = 1
 
 
 def identical_text(value) -> str:
@@ -29,6 +33,7 @@ class CompareColumn(QFrame):
         title = METHODS[name].title if name in METHODS else name
         self.header = QLabel(f"<span style='color:{colour}'>■</span> <b>{title}</b>")
         self.stats = QLabel("waiting…")
+        self.stats.setWordWrap(True)
         self.stats.setStyleSheet("QLabel { color: #555555; }")
         self.view = TokenView()
         layout = QVBoxLayout(self)
@@ -53,21 +58,34 @@ class CompareView(QWidget):
         self.order = list(METHODS)
         self.checks: dict[str, QCheckBox] = {}
         choose = QHBoxLayout()
-        choose.addWidget(QLabel("Compare:"))
-        for name, spec in METHODS.items():
+        choose.addWidget(QLabel("Compare:"), 0, Qt.AlignmentFlag.AlignTop)
+        boxes = QGridLayout()  # a grid, so many methods do not force a wide window
+        boxes.setHorizontalSpacing(14)
+        boxes.setVerticalSpacing(2)
+        per_row = 4
+        for i, (name, spec) in enumerate(METHODS.items()):
             box = QCheckBox(spec.title)
             box.setToolTip(spec.summary)
             self.checks[name] = box
-            choose.addWidget(box)
+            boxes.addWidget(box, i // per_row, i % per_row)
+        choose.addLayout(boxes)
         choose.addStretch(1)
         self.run_button = QPushButton("Run comparison")
         self.run_button.setObjectName("compare_button")
         self.run_button.setToolTip("Run the checked methods one after another on the same prompt, seed and settings "
                                    "(each after a short warm-up)")
         self.run_button.clicked.connect(lambda: self.sig_run_requested.emit(self.selected()))
-        choose.addWidget(self.run_button)
+        choose.addWidget(self.run_button, 0, Qt.AlignmentFlag.AlignTop)
         self.note = QLabel("")
+        self.note.setWordWrap(True)
         self.note.setStyleSheet("QLabel { color: #555555; }")
+        self.show_rejected = QCheckBox("show rejected drafts")
+        self.show_rejected.setChecked(True)
+        self.show_rejected.setToolTip("Show rejected draft tokens, struck through, where the verifier tried them")
+        self.show_rejected.toggled.connect(self._set_show_rejected)
+        note_row = QHBoxLayout()
+        note_row.addWidget(self.note, 1)
+        note_row.addWidget(self.show_rejected)
         self.columns_box = QWidget()
         self.columns_layout = QHBoxLayout(self.columns_box)
         self.columns_layout.setContentsMargins(0, 0, 0, 0)
@@ -82,6 +100,8 @@ class CompareView(QWidget):
 
         self.table = QTableWidget(0, len(TABLE_COLUMNS))
         self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
+        for i, tip in enumerate(COLUMN_TIPS):
+            self.table.horizontalHeaderItem(i).setToolTip(tip)
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
@@ -91,12 +111,15 @@ class CompareView(QWidget):
         self.speedup_plot.setTitle("Speedup over autoregressive", size="10pt")
         self.speedup_plot.setMenuEnabled(False)
         self.speedup_plot.setMouseEnabled(x=False, y=False)
-        self.speedup_plot.showGrid(y=True, alpha=0.25)
-        self.speedup_plot.setLabel("left", "× autoregressive tok/s")
+        self.speedup_plot.showGrid(x=True, alpha=0.25)
+        self.speedup_plot.setLabel("bottom", "× autoregressive tokens/s")
+        self.speedup_plot.getAxis("bottom").enableAutoSIPrefix(False)
         self.speedup_plot.setMinimumWidth(260)
-        self.speedup_bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.6, brushes=[])
+        # horizontal bars: method names read along the left axis, however many methods there are
+        self.speedup_bars = pg.BarGraphItem(x0=np.zeros(0), width=np.zeros(0), y=np.zeros(0), height=0.6,
+                                            brushes=[])
         self.speedup_plot.addItem(self.speedup_bars)
-        self.speedup_plot.addItem(pg.InfiniteLine(pos=1.0, angle=0, pen=pg.mkPen("#555555", style=Qt.PenStyle.DashLine)))
+        self.speedup_plot.addItem(pg.InfiniteLine(pos=1.0, angle=90, pen=pg.mkPen("#555555", style=Qt.PenStyle.DashLine)))
         self.speedup_labels: list[pg.TextItem] = []
 
         bottom = QSplitter(Qt.Orientation.Horizontal)
@@ -104,6 +127,7 @@ class CompareView(QWidget):
         bottom.addWidget(self.speedup_plot)
         bottom.setStretchFactor(0, 3)
         bottom.setStretchFactor(1, 2)
+        bottom.setSizes([640, 420])
         split = QSplitter(Qt.Orientation.Vertical)
         split.addWidget(self.columns_box)
         split.addWidget(bottom)
@@ -113,7 +137,7 @@ class CompareView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(choose)
-        layout.addWidget(self.note)
+        layout.addLayout(note_row)
         layout.addWidget(split, 1)
         self.records: list[dict] = []
 
@@ -133,9 +157,14 @@ class CompareView(QWidget):
         self.placeholder.setVisible(False)
         for name in names:
             col = CompareColumn(name, method_colour(name, self.order))
+            col.view.set_show_rejected(self.show_rejected.isChecked())
             self.columns[name] = col
             self.columns_layout.addWidget(col, 1)
         self.set_records([])
+
+    def _set_show_rejected(self, show: bool) -> None:
+        for col in self.columns.values():
+            col.view.set_show_rejected(show)
 
     def column(self, name: str) -> CompareColumn | None:
         return self.columns.get(name)
@@ -155,14 +184,15 @@ class CompareView(QWidget):
             if r.get("stop_reason") and r.get("stop_reason") not in ("max_tokens", "cancelled"):
                 notes.append(f"stopped: {r['stop_reason']}")
             title = METHODS[r["method"]].title if r["method"] in METHODS else r["method"]
-            values = (title, f"{r['tokens_per_s']:.2f}", "–" if sp is None else f"{sp:.2f}×",
-                      f"{r['mean_accepted']:.2f}", "–" if acc is None else f"{acc:.0%}", str(r["new_tokens"]),
-                      str(r.get("steps", "")), identical_text(r.get("identical_to_baseline")), ", ".join(notes))
+            values = (title, identical_text(r.get("identical_to_baseline")), f"{r['tokens_per_s']:.2f}",
+                      "–" if sp is None else f"{sp:.2f}×", f"{r['mean_accepted']:.2f}",
+                      "–" if acc is None else f"{acc:.0%}", str(r["new_tokens"]), str(r.get("steps", "")),
+                      ", ".join(notes))
             for col, v in enumerate(values):
                 item = QTableWidgetItem(v)
-                if col in (1, 2, 3, 4, 5, 6):
+                if 2 <= col <= 7:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                if col == 7:
+                if col == IDENTICAL_COL:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
                     ident = r.get("identical_to_baseline")
                     if ident is not None:
@@ -175,23 +205,23 @@ class CompareView(QWidget):
         self._update_chart()
 
     def _update_chart(self) -> None:
-        rows = [(i, r) for i, r in enumerate(self.records) if r.get("speedup") is not None]
-        xs = np.arange(len(rows), dtype=float)
-        heights = np.array([r["speedup"] for _, r in rows], dtype=float)
-        brushes = [QColor(method_colour(r["method"], self.order)) for _, r in rows]
-        self.speedup_bars.setOpts(x=xs, height=heights, width=0.6, brushes=brushes)
-        self.speedup_plot.getAxis("bottom").setTicks(
-            [[(float(i), METHODS[r["method"]].title.split(" (")[0] if r["method"] in METHODS else r["method"])
-              for i, (_, r) in enumerate(rows)]])
+        rows = [r for r in self.records if r.get("speedup") is not None]
+        ys = np.arange(len(rows), dtype=float)[::-1]  # the first method on top
+        widths = np.array([r["speedup"] for r in rows], dtype=float)
+        brushes = [QColor(method_colour(r["method"], self.order)) for r in rows]
+        self.speedup_bars.setOpts(x0=np.zeros(len(rows)), width=widths, y=ys, height=0.6, brushes=brushes)
+        self.speedup_plot.getAxis("left").setTicks(
+            [[(float(y), METHODS[r["method"]].title.split(" (")[0] if r["method"] in METHODS else r["method"])
+              for y, r in zip(ys, rows)]])
         while len(self.speedup_labels) < len(rows):  # value labels: a pool that only grows
-            label = pg.TextItem("", color="#222222", anchor=(0.5, 1.0))
+            label = pg.TextItem("", color="#222222", anchor=(0.0, 0.5))
             self.speedup_plot.addItem(label)
             self.speedup_labels.append(label)
         for i, label in enumerate(self.speedup_labels):
             label.setVisible(i < len(rows))
             if i < len(rows):
-                label.setText(f"{heights[i]:.2f}×")
-                label.setPos(float(xs[i]), float(heights[i]))
+                label.setText(f" {widths[i]:.2f}×")
+                label.setPos(float(widths[i]), float(ys[i]))
         if len(rows):
-            self.speedup_plot.setXRange(-0.6, len(rows) - 0.4, padding=0)
-            self.speedup_plot.setYRange(0, max(1.2, float(heights.max()) * 1.18), padding=0)
+            self.speedup_plot.setYRange(-0.6, len(rows) - 0.4, padding=0)
+            self.speedup_plot.setXRange(0, max(1.3, float(widths.max()) * 1.25), padding=0)

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPen
-from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QSpinBox, QVBoxLayout,
+from PySide6.QtWidgets import (QCheckBox, QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QSpinBox, QVBoxLayout,
                                QWidget)
 
 from app.palette import FATE_STYLES, tint
@@ -89,6 +89,8 @@ class DraftTreeView(QWidget):
         self.layout_, self.texts, self.next_pos = [], [], None
         if self.tree is None:
             self.setFixedHeight(40)
+            self.setMinimumWidth(0)
+            self._sync_scroll_height()
             return
         tokens, parents = self.tree["tokens"], self.tree["parents"]
         kids: dict[int, list[int]] = {}
@@ -133,8 +135,14 @@ class DraftTreeView(QWidget):
                 rows_used += 1
             self.next_pos = (col, row)
         self.setFixedHeight(int(rows_used * self.ROW_H + 16))
+        self._sync_scroll_height()
         max_depth = max([d for d, _ in self.layout_] + [self.next_pos[0] if self.next_pos else 0])
         self.setMinimumWidth(int((max_depth + 2) * self.COL_W + 20))
+
+    def _sync_scroll_height(self) -> None:
+        scroll = self.parent().parent() if self.parent() is not None else None
+        if isinstance(scroll, QScrollArea):  # room for the tree and a horizontal scroll bar
+            scroll.setFixedHeight(self.height() + scroll.horizontalScrollBar().sizeHint().height() + 2)
 
     def _node_rect(self, col: float, row: float) -> QRectF:
         return QRectF(8 + col * self.COL_W, 8 + row * self.ROW_H, self.COL_W - 22, self.NODE_H)
@@ -338,7 +346,13 @@ class InternalsPanel(QWidget):
         v = QVBoxLayout(body)
         v.setContentsMargins(4, 4, 4, 4)
         v.addWidget(self.summary)
-        v.addWidget(self.tree_view)
+        tree_scroll = QScrollArea()  # wide trees scroll sideways; the text around them still wraps
+        tree_scroll.setWidget(self.tree_view)
+        tree_scroll.setWidgetResizable(True)
+        tree_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        tree_scroll.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.tree_scroll = tree_scroll
+        v.addWidget(tree_scroll)
         v.addWidget(self.details)
         v.addWidget(self.window_title)
         v.addWidget(self.window_grid)

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QGridLayout,
-                               QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QSpinBox,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QGridLayout,
+                               QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox,
                                QStackedWidget, QStyle, QToolButton, QVBoxLayout, QWidget)
 
 from app.forms import ConfigForm
@@ -29,6 +29,20 @@ DTYPE_TIPS = {
 
 
 # ------------------------------------------------------------------------------------ memory
+def memory_split() -> tuple[int, int] | None:
+    """(private, file-mapped) resident bytes on Linux: mapped model files are reclaimable."""
+    try:
+        fields = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("RssAnon", "RssFile", "RssShmem"):
+                    fields[key] = int(rest.split()[0]) * 1024
+        return fields["RssAnon"] + fields.get("RssShmem", 0), fields["RssFile"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
 def process_rss() -> int | None:
     """Resident memory of this process in bytes (None where it cannot be read)."""
     try:
@@ -59,11 +73,13 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def memory_text() -> str:
+def memory_text(short: bool = False) -> str:
     parts = []
     rss = process_rss()
     if rss is not None:
-        parts.append(f"RAM {gib(rss)}")
+        split = None if short else memory_split()
+        extra = f" ({gib(split[0])} private, {gib(split[1])} mapped files)" if split and split[1] > 2**28 else ""
+        parts.append(f"RAM {gib(rss)}{extra}")
     cuda = cuda_memory()
     if cuda is not None:
         parts.append(f"CUDA {gib(cuda[0])} (reserved {gib(cuda[1])})")
@@ -285,6 +301,8 @@ class PromptPanel(QWidget):
         super().__init__()
         self.presets = load_presets()
         self.preset = QComboBox()
+        self.preset.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.preset.setMinimumContentsLength(14)
         self.preset.addItem("Presets…", None)
         for p in self.presets:
             self.preset.addItem(f"{p.get('category', 'prompt')}: {p.get('name', p['prompt'][:30])}", p["prompt"])
@@ -310,6 +328,8 @@ class PromptPanel(QWidget):
         self.top_p.setValue(1.0)
         self.seed = QSpinBox()
         self.seed.setRange(0, 2**31 - 1)
+        for box in (self.max_new_tokens, self.temperature, self.top_p, self.seed):
+            box.setMinimumWidth(64)
         grid = QGridLayout()
         grid.addWidget(QLabel("Max new tokens"), 0, 0)
         grid.addWidget(self.max_new_tokens, 0, 1)
@@ -378,12 +398,21 @@ class MethodsPanel(QWidget):
         head = QHBoxLayout()
         head.addWidget(self.combo, 1)
         head.addWidget(reset)
+        body = QWidget()
+        inner = QVBoxLayout(body)
+        inner.setContentsMargins(0, 0, 0, 0)
+        inner.addWidget(self.summary)
+        inner.addWidget(self.badges)
+        inner.addWidget(self.stack)
+        inner.addStretch(1)
+        scroll = QScrollArea()  # long forms scroll instead of forcing the window taller than the screen
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setWidget(body)
         layout = QVBoxLayout(self)
         layout.addLayout(head)
-        layout.addWidget(self.summary)
-        layout.addWidget(self.badges)
-        layout.addWidget(self.stack)
-        layout.addStretch(1)
+        layout.addWidget(scroll, 1)
         self.draft_available = False
         self._on_changed()
 

@@ -184,6 +184,7 @@ class TokenView(QTextEdit):
 
     def leaveEvent(self, event):  # noqa: N802 (Qt name)
         super().leaveEvent(event)
+        QToolTip.hideText()
         if self._hovered is not None:
             self._hovered = None
             self._highlight()

@@ -25,7 +25,7 @@ from app.compare_view import CompareView
 from app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
 from app.history_panel import HistoryPanel
 from app.internals import InternalsPanel
-from app.panels import MethodsPanel, ModelsPanel, PromptPanel
+from app.panels import MethodsPanel, ModelsPanel, PromptPanel, memory_text
 from app.settings import AppSettings, open_settings
 from app.tokenview import FateLegend, TokenView
 from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
@@ -52,6 +52,7 @@ class LiveView(QWidget):
         super().__init__()
         self.title = QLabel("<b>No run yet</b>")
         self.stats = QLabel("")
+        self.stats.setWordWrap(True)
         self.stats.setStyleSheet("QLabel { color: #444444; }")
         self.show_rejected = QCheckBox("show rejected drafts")
         self.show_rejected.setChecked(True)
@@ -110,6 +111,9 @@ class MainWindow(QMainWindow):
         configure_pyqtgraph()
         self.setWindowTitle("SpecPlay")
         self.setDockNestingEnabled(True)
+        # side panels run the full height; charts and history sit under the central view only
+        self.setCorner(Qt.Corner.BottomLeftCorner, Qt.DockWidgetArea.LeftDockWidgetArea)
+        self.setCorner(Qt.Corner.BottomRightCorner, Qt.DockWidgetArea.RightDockWidgetArea)
         self.settings = settings if settings is not None else AppSettings.load()
         self.history = history if history is not None else History()
         self.models: ModelsLoaded | None = None
@@ -123,6 +127,7 @@ class MainWindow(QMainWindow):
         self._token_texts: dict[int, str] = {}
         self.last_error = ""
         self.last_export: Path | None = None
+        self._shown_once = False
         # File work (history reading, exports) runs here, off the GUI thread; never model work.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specplay-io")
 
@@ -153,9 +158,6 @@ class MainWindow(QMainWindow):
         self._dock("history", "History", self.history_panel, bottom)
         self.tabifyDockWidget(self.docks["charts"], self.docks["history"])
         self.docks["charts"].raise_()
-        self.resizeDocks([self.docks["models"], self.docks["xray"]], [390, 400], Qt.Orientation.Horizontal)
-        self.resizeDocks([self.docks["xray"], self.docks["internals"]], [300, 420], Qt.Orientation.Vertical)
-        self.resizeDocks([self.docks["charts"]], [330], Qt.Orientation.Vertical)
         self._default_state = self.saveState()
 
         self._build_actions()
@@ -284,12 +286,38 @@ class MainWindow(QMainWindow):
         self.methods_panel.set_method(s.method)
         self.compare.set_selected(s.compare_methods)
         self.live.show_rejected.setChecked(s.show_rejected)
-        if s.geometry is not None:
-            self.restoreGeometry(s.geometry)
-        else:
-            self.resize(1560, 980)
+        self.compare.show_rejected.setChecked(s.show_rejected)
+        # one setting for every token view
+        self.live.show_rejected.toggled.connect(self.compare.show_rejected.setChecked)
+        self.compare.show_rejected.toggled.connect(self.live.show_rejected.setChecked)
+        if s.geometry is None or not self.restoreGeometry(s.geometry):
+            self._default_size()
         if s.window_state is not None:
             self.restoreState(s.window_state)
+
+    def showEvent(self, event):  # noqa: N802 (Qt name)
+        super().showEvent(event)
+        if not self._shown_once:
+            self._shown_once = True
+            if self.settings.window_state is None:
+                QTimer.singleShot(150, self._default_dock_sizes)
+
+    def _default_dock_sizes(self) -> None:
+        d = self.docks
+        h = max(600, self.height() - 90)
+        self.resizeDocks([d["models"], d["xray"]], [400, 380], Qt.Orientation.Horizontal)
+        self.resizeDocks([d["models"], d["prompt"], d["method"]], [int(h * 0.38), int(h * 0.27), int(h * 0.35)],
+                         Qt.Orientation.Vertical)
+        self.resizeDocks([d["xray"], d["internals"]], [int(h * 0.42), int(h * 0.58)], Qt.Orientation.Vertical)
+        self.resizeDocks([d["charts"]], [int(h * 0.36)], Qt.Orientation.Vertical)
+
+    def _default_size(self) -> None:
+        """1560×980, or less on a smaller screen."""
+        screen = self.screen().availableGeometry() if self.screen() is not None else None
+        w, h = 1560, 980
+        if screen is not None and screen.width() > 0:
+            w, h = min(w, int(screen.width() * 0.96)), min(h, int(screen.height() * 0.92))
+        self.resize(w, h)
 
     def collect_settings(self) -> AppSettings:
         s = self.settings
@@ -403,7 +431,7 @@ class MainWindow(QMainWindow):
 
     def _refresh_memory(self) -> None:
         self.models_panel.refresh_memory()
-        self.memory_label.setText(self.models_panel.memory.text())
+        self.memory_label.setText(memory_text(short=True))
 
     # ------------------------------------------------------------------------ models
     async def load_models(self, target: str | None = None, draft: str | None = None, device: str | None = None,
@@ -606,6 +634,7 @@ class MainWindow(QMainWindow):
             "Same prompt, seed and settings for every method, each after a short warm-up. "
             + ("Temperature 0: every lossless method must match autoregressive token for token."
                if greedy else "Temperature > 0: outputs differ run to run; the distribution is what is preserved."))
+        await asyncio.sleep(0.05)  # let the new columns lay out before the first timed run starts
         records: list[dict] = []
         for i, name in enumerate(names):
             if self._stop_requested:

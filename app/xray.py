@@ -100,7 +100,8 @@ class AcceptBar(QWidget):
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
         r = QRectF(4, 6, self.width() - 8, 12)
         p.setPen(QPen(QColor("#999999"), 1))
-        p.setBrush(tint(FATE_STYLES[Fate.REJECTED].colour, 0.25))
+        # the reject zone is tinted only when there is an acceptance probability to compare with
+        p.setBrush(tint(FATE_STYLES[Fate.REJECTED].colour, 0.25) if self.accept is not None else QColor("#f4f4f4"))
         p.drawRect(r)
         if self.accept is not None:
             p.setPen(Qt.PenStyle.NoPen)
@@ -144,6 +145,8 @@ class XRayPanel(QWidget):
         for key in self.FIELDS:
             value = QLabel("–")
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            value.setWordWrap(key in ("fate", "depth", "rule", "step", "token"))
+            value.setMinimumWidth(60)
             if key in ("p", "q", "u", "accept", "token"):
                 value.setFont(mono)
             label = QLabel(self.LABELS[key])

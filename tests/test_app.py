@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("pytestqt")
 qasync = pytest.importorskip("qasync")
 
-from PySide6.QtCore import QPoint  # noqa: E402
+from PySide6.QtCore import QPoint, Qt  # noqa: E402
 from PySide6.QtGui import QTextCursor  # noqa: E402
 from tiny import save_tiny_model  # noqa: E402
 
@@ -115,6 +115,36 @@ def test_a_missing_model_fails_visibly_and_the_window_recovers(qtbot, aloop, tmp
     assert not w.busy and not w.run_action.isEnabled() and w.models_panel.load_button.isEnabled()
     assert run(qtbot, w.load_models(str(model_dirs["target"]), "", "cpu", "float32")) is not None
     assert w.run_action.isEnabled()
+    w.close()
+
+
+def test_loading_shows_progress_and_cancel_stops_it(qtbot, aloop, monkeypatch):
+    """A slow load (as a first-time conversion is) reports progress, keeps the window live and cancels."""
+    import time
+
+    import core.models
+    from core.errors import Cancelled
+
+    def slow_load(spec, device, dtype, progress, should_cancel, **kw):
+        for i in range(400):
+            if should_cancel():
+                raise Cancelled(f"loading {spec} was cancelled")
+            progress(f"Converting {spec}", i / 400)
+            time.sleep(0.01)
+        raise AssertionError("the load was never cancelled")
+
+    monkeypatch.setattr(core.models, "load_model", slow_load)
+    w = make_window(qtbot)
+    task = asyncio.ensure_future(w.load_models("some-model", "", "cpu", "float32"))
+    qtbot.waitUntil(lambda: w.models_panel.progress.value() > 0, timeout=TIMEOUT)
+    assert "Converting some-model" in w.models_panel.stage.text()
+    assert w.models_panel.cancel_button.isEnabled() and not w.models_panel.load_button.isEnabled()
+    assert not w.run_action.isEnabled()
+    qtbot.mouseClick(w.models_panel.cancel_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(task.done, timeout=TIMEOUT)
+    assert task.result() is None
+    assert "cancelled" in w.models_panel.messages.text() and "cancelled" in w.last_error
+    assert w.models_panel.load_button.isEnabled() and not w.busy
     w.close()
 
 
@@ -454,15 +484,15 @@ def test_compare_fills_the_table_with_identical_flags(window, qtbot):
     assert table.rowCount() == 3
     for row, r in enumerate(records):
         assert r["identical_to_baseline"] is True
-        assert table.item(row, 7).text() == "✓"
-        assert table.item(row, 1).text() == f"{r['tokens_per_s']:.2f}"
+        assert table.item(row, 1).text() == "✓"
+        assert table.item(row, 2).text() == f"{r['tokens_per_s']:.2f}"
         assert abs(r["speedup"] - r["tokens_per_s"] / records[0]["tokens_per_s"]) < 1e-9
-    assert table.item(0, 2).text() == "1.00×"
+    assert table.item(0, 3).text() == "1.00×"
     # side by side: one column per method, each showing that run's text
     for r in records:
         assert window.compare.column(r["method"]).view.committed_text() == r["text"]
     bars = window.compare.speedup_bars.opts
-    assert list(bars["height"]) == pytest.approx([r["speedup"] for r in records])
+    assert list(bars["width"]) == pytest.approx([r["speedup"] for r in records])
     # each run went to the history as soon as it ended
     assert [r["method"] for r in window.history.load()[-3:]] == names
 
@@ -483,7 +513,7 @@ def test_compare_at_temperature_above_zero_does_not_claim_identity(window, qtbot
     window.prompt_panel.temperature.setValue(0.8)
     records = run(qtbot, window.run_compare(["autoregressive", "speculative"]), timeout=60_000)
     assert all(r["identical_to_baseline"] is None for r in records)
-    assert window.compare.table.item(1, 7).text() == "–"
+    assert window.compare.table.item(1, 1).text() == "–"
 
 
 # ----------------------------------------------------------------------------------- history and export
