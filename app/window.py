@@ -128,6 +128,7 @@ class MainWindow(QMainWindow):
         self.last_error = ""
         self.last_export: Path | None = None
         self._shown_once = False
+        self._internals_view: TokenView | None = None  # whose run the internals panel shows
         # File work (history reading, exports) runs here, off the GUI thread; never model work.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specplay-io")
 
@@ -262,7 +263,7 @@ class MainWindow(QMainWindow):
 
     def _connect_token_view(self, view: TokenView) -> None:
         view.sig_token_hovered.connect(self.xray.show_token)
-        view.sig_token_clicked.connect(self._on_token_clicked)
+        view.sig_token_clicked.connect(lambda token, step, v=view: self._on_token_clicked(token, step, v))
 
     # ------------------------------------------------------------------------ settings
     def apply_settings(self, s: AppSettings) -> None:
@@ -573,8 +574,8 @@ class MainWindow(QMainWindow):
             rate = e.total_new_tokens / e.elapsed_s if e.elapsed_s > 0 else 0.0
             self.live.stats.setText(f"{e.total_new_tokens} tokens · step {e.step + 1} · {rate:.1f} tok/s so far")
 
-        sinks = [self.live.view.append_step, lambda e: self.charts.add_step(method, e), self.internals.add_step,
-                 live_stats]
+        sinks = [self.live.view.append_step, lambda e: self.charts.add_step(method, e),
+                 self._internals_sink(self.live.view), live_stats]
         self.set_status(f"Running {METHODS[method].title}…")
         result = await self._run(request, sinks)
         self._set_busy(None)
@@ -583,17 +584,27 @@ class MainWindow(QMainWindow):
         record = self._record(result, request.prompt, request.chat_template)
         self._save_to_history(record)
         self.charts.finish_run(method, result.metrics.to_dict())
-        self.internals.set_steps(result.events)
+        if self._internals_view is self.live.view:
+            self.internals.set_steps(result.events)
         self.live.stats.setText(self._stats_text(record))
         state = "Cancelled" if result.cancelled else "Done"
         self.set_status(f"{state}: {self._stats_text(record)} ({time.perf_counter() - started:.1f} s)")
+        self._report_run_error(result)
         return result
+
+    def _report_run_error(self, result: RunResult) -> None:
+        """A run the engine ended early (out of memory): what it made is kept, and the reason shown."""
+        if getattr(result.stop_reason, "value", None) == "error":
+            title = METHODS[result.method].title if result.method in METHODS else result.method
+            self.show_error(f"{title} stopped early: {getattr(result, 'error', None) or 'an error in the engine'}. "
+                            f"The {len(result.token_ids)} token(s) it made are kept.")
 
     def _begin_live(self, method: str, title: str | None = None) -> None:
         spec = METHODS.get(method)
         self.live.title.setText(f"<b>{title or (spec.title if spec else method)}</b>")
         self.live.stats.setText("")
         self.live.view.clear_run()
+        self._internals_view = self.live.view
         self.internals.clear()
         self.charts.begin_run(method)
         self.xray.show_token(None, None)
@@ -642,14 +653,15 @@ class MainWindow(QMainWindow):
             col = self.compare.column(name)
             self._connect_token_view(col.view)
             self.charts.begin_run(name)
+            self._internals_view = col.view
             self.internals.clear()
 
             def col_stats(e: StepEvent, col=col) -> None:
                 rate = e.total_new_tokens / e.elapsed_s if e.elapsed_s > 0 else 0.0
                 col.stats.setText(f"{e.total_new_tokens} tokens · {rate:.1f} tok/s so far")
 
-            sinks = [col.view.append_step, lambda e, n=name: self.charts.add_step(n, e), self.internals.add_step,
-                     col_stats]
+            sinks = [col.view.append_step, lambda e, n=name: self.charts.add_step(n, e),
+                     self._internals_sink(col.view), col_stats]
             col.stats.setText("warming up…")
             self.set_status(f"Comparing: {METHODS[name].title} ({i + 1}/{len(names)})…")
             result = await self._run(requests[name], sinks)
@@ -661,9 +673,10 @@ class MainWindow(QMainWindow):
             records.append(record)
             self.charts.finish_run(name, result.metrics.to_dict())
             col.stats.setText(self._stats_text(record))
+            self._report_run_error(result)
             annotate(records, greedy)
             self.compare.set_records(records)
-            if result.cancelled:
+            if result.cancelled or getattr(result.stop_reason, "value", None) == "error":
                 break
         annotate(records, greedy)
         self.compare.set_records(records)
@@ -763,8 +776,18 @@ class MainWindow(QMainWindow):
         return True
 
     # ------------------------------------------------------------------------ misc
-    def _on_token_clicked(self, token, step) -> None:
+    def _internals_sink(self, view: TokenView):
+        """Steps of the run shown in ``view`` feed the internals panel while it shows that view's run."""
+        def sink(event: StepEvent) -> None:
+            if self._internals_view is view:
+                self.internals.add_step(event)
+        return sink
+
+    def _on_token_clicked(self, token, step, view: TokenView) -> None:
         self.xray.show_token(token, step)
+        if self._internals_view is not view:  # a token of another run (a compare column): show that run
+            self._internals_view = view
+            self.internals.set_steps(view.steps)
         self.internals.select_step(step)
 
     def _explain_colours(self) -> None:

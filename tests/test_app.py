@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import pytest
 
 pytest.importorskip("pytestqt")
-qasync = pytest.importorskip("qasync")
-
-from PySide6.QtCore import QPoint, Qt  # noqa: E402
+from PySide6.QtCore import QPoint, Qt  # noqa: E402  (PySide6 before qasync, so qasync binds to it)
 from PySide6.QtGui import QTextCursor  # noqa: E402
+
+qasync = pytest.importorskip("qasync")
 from tiny import save_tiny_model  # noqa: E402
 
 from core.types import Fate, StepEvent, StepTiming, TokenEvent  # noqa: E402
@@ -475,6 +475,26 @@ def test_engine_errors_appear_in_the_window(window, qtbot):
     assert run(qtbot, window.run_single()) is None and "empty" in window.last_error
 
 
+def test_a_run_the_engine_ends_early_keeps_its_tokens_and_says_why(window, qtbot, monkeypatch):
+    import dataclasses as dc
+
+    import core.engine
+    from core.types import StopReason
+
+    real = core.engine.drain
+
+    def failing_drain(gen, on_event=None):  # the engine's out-of-memory path, as RunResult reports it
+        result = real(gen, on_event)
+        return dc.replace(result, stop_reason=StopReason.ERROR, error="out of memory while generating")
+
+    if not hasattr(StopReason, "ERROR"):
+        pytest.skip("this core has no error stop reason")
+    monkeypatch.setattr(core.engine, "drain", failing_drain)
+    result = run(qtbot, window.run_single())
+    assert result.token_ids and "out of memory while generating" in window.live.banner.text()
+    assert window.history.load()[-1]["stop_reason"] == "error"
+
+
 # ----------------------------------------------------------------------------------- compare
 def test_compare_fills_the_table_with_identical_flags(window, qtbot):
     names = ["autoregressive", "speculative", "prompt_lookup"]
@@ -495,6 +515,14 @@ def test_compare_fills_the_table_with_identical_flags(window, qtbot):
     assert list(bars["width"]) == pytest.approx([r["speedup"] for r in records])
     # each run went to the history as soon as it ended
     assert [r["method"] for r in window.history.load()[-3:]] == names
+    # clicking a token of one column shows that run's step in the X-ray and the internals
+    window.show()
+    qtbot.waitExposed(window)
+    view = window.compare.column("speculative").view
+    qtbot.mouseClick(view.viewport(), Qt.MouseButton.LeftButton, pos=view.token_rect(2).center())
+    token, step = view.token(2)
+    assert window.xray.token is token
+    assert window.internals.steps == view.steps and window.internals.step_box.value() == view.steps.index(step)
 
 
 def test_compare_table_marks_a_differing_output():
