@@ -20,6 +20,16 @@ def run_app(argv: list[str]) -> int:
     app.setApplicationName("SpecPlay")
     app.setOrganizationName("SpecPlay")
     app.setApplicationDisplayName("SpecPlay")
+    app.setDesktopFileName("specplay")  # matches packaging/specplay.desktop (Wayland uses it for the icon)
+    from PySide6.QtGui import QIcon
+
+    from core.paths import assets_dir
+
+    icons = assets_dir() / "icons"
+    icon = QIcon()
+    for png in sorted(icons.glob("specplay-*.png")):
+        icon.addFile(str(png))
+    app.setWindowIcon(icon)
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     with loop:

@@ -17,6 +17,7 @@ from app.forms import ConfigForm
 from core.errors import ConfigError
 from core.methods import METHODS
 from core.models.catalog import CATALOG
+from core.models.convert import catalog_status
 from core.models.loader import DEVICES, DTYPES
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class ModelPicker(QWidget):
         if allow_none:
             self.combo.addItem(NO_DRAFT, "")
         for entry in CATALOG.values():
-            note = "" if entry.installed() else "  (not installed)"
+            note = "" if catalog_status(entry) != "not installed" else "  (not installed)"
             self.combo.addItem(f"{entry.id}{note}", entry.id)
             self.combo.setItemData(self.combo.count() - 1, entry.title, Qt.ItemDataRole.ToolTipRole)
         folder = QToolButton()

@@ -249,12 +249,12 @@ def cmd_compare(args) -> int:
 
 def cmd_models(args) -> int:
     from core.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
-    from core.models.convert import converted_dir_for, is_converted, prepare_catalog_model
+    from core.models.convert import catalog_status, prepare_catalog_model
 
     if args.models_command == "list":
         for e in CATALOG.values():
             role = " (default target)" if e.id == DEFAULT_TARGET else " (default draft)" if e.id == DEFAULT_DRAFT else ""
-            state = "ready" if is_converted(converted_dir_for(e.id)) else ("installed" if e.installed() else "not installed")
+            state = catalog_status(e)
             print(f"{e.id:32s} {state:14s} {e.title}{role}")
             if state == "not installed":
                 print(f"{'':32s} install: {e.install_hint}")

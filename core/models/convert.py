@@ -54,6 +54,13 @@ def is_converted(path: Path) -> bool:
     return (path / MARKER).is_file() and (path / "config.json").is_file()
 
 
+def catalog_status(entry: CatalogEntry) -> str:
+    """"ready" (converted in the cache), "installed" (its packages are there), or "not installed"."""
+    if is_converted(converted_dir_for(entry.id)):
+        return "ready"
+    return "installed" if entry.installed() else "not installed"
+
+
 def _copy_hashing(sources: Iterable[Path], dest: Path | None, total: int, progress: Progress,
                   should_cancel: ShouldCancel, stage: str) -> str:
     """Stream ``sources`` (concatenated) into ``dest`` (or nowhere) and return their sha256."""
