@@ -8,6 +8,7 @@ import torch
 from core.engine import drain, generate
 from core.errors import ConfigError
 from core.methods import build_method
+from core.methods.base import best_draft_length
 from core.methods.prompt_lookup import PromptLookupConfig
 from core.methods.speculative import SpeculativeConfig
 from core.types import Fate, GenerationConfig, SamplingConfig, StopReason
@@ -194,3 +195,37 @@ def test_empty_prompt_and_context_overflow_are_rejected(models):
         run(target, "autoregressive", prompt=[])
     with pytest.raises(ConfigError, match="context"):
         run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=10_000))
+
+
+def test_best_draft_length_weighs_acceptance_against_cost():
+    from core.methods.base import best_draft_length
+
+    assert best_draft_length(0.9, 0.0, 10) == 10  # free verification: propose everything
+    assert best_draft_length(0.9, 0.05, 10) == 10
+    assert best_draft_length(0.2, 0.05, 10) == 1  # weak guesses: one token
+    assert best_draft_length(0.02, 0.05, 10) == 0  # hopeless guesses: plain decoding
+    assert 1 < best_draft_length(0.6, 0.1, 10) < 10
+
+
+def test_verify_cost_model_fits_slope_over_intercept():
+    from core.methods.base import VerifyCostModel
+
+    m = VerifyCostModel(prior=0.5)
+    assert m.cost == 0.5
+    for k in [1, 2, 4, 8, 1, 3, 6, 11]:
+        m.add(k, 0.040 + 0.002 * k)
+    assert m.cost == pytest.approx(0.002 / 0.040)
+
+
+def test_adaptive_prompt_lookup_learns_to_propose_less_after_rejections(models):
+    target, *_ = models
+    method = build_method("prompt_lookup", PromptLookupConfig(), target)
+    res = drain(generate(target.model, target.tokenizer, method, PROMPT, GenerationConfig(max_new_tokens=60,
+                                                                                         stop_at_eos=False)))
+    proposed = [e.internals["match"]["proposed"] for e in res.events if e.internals.get("match")]
+    assert proposed and max(proposed) <= 10
+    assert len(set(proposed)) > 1  # the length adapted during the run
+    weak = [n for n in range(1, 4) if method.misses[n] > method.hits[n]]
+    assert weak  # the tiny model's unigram matches mostly fail
+    for n in weak:  # where guesses mostly fail, short proposals
+        assert best_draft_length(method.acceptance(n), method.cost.cost, 10) <= 2

@@ -3,7 +3,14 @@
 No draft model: the text so far (prompt included) is the draft source. An index from every
 n-gram (n = 1..max) to the position after its most recent occurrence is updated as tokens
 are committed, so a lookup costs O(max n) instead of a scan. The longest matching n wins;
-its continuation (up to ``num_tokens``) is proposed as a deterministic chain.
+its continuation is proposed as a deterministic chain.
+
+How much of it to propose: verifying k extra tokens is not free (on a CPU each costs a few
+percent of a step), and a one-token match is a much weaker guess than a three-token one.
+With ``adaptive`` (the default) the method learns, per match length, how often its guesses
+are accepted, measures what an extra verified token costs on this machine, and proposes
+the length that maximises expected tokens per unit of time (possibly none). Without it,
+every match proposes ``num_tokens``.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.errors import ConfigError
-from core.methods.base import Method, MethodConfig, RunContext, param
+from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, VerifyCostModel, best_draft_length, param
 from core.types import Draft
 
 
@@ -19,7 +26,9 @@ from core.types import Draft
 class PromptLookupConfig(MethodConfig):
     max_ngram: int = param(3, "Longest n-gram to match (tried first)", label="max n", minimum=1, maximum=16)
     min_ngram: int = param(1, "Shortest n-gram to match", label="min n", minimum=1, maximum=16)
-    num_tokens: int = param(10, "Tokens proposed after a match", label="tokens", minimum=1, maximum=64)
+    num_tokens: int = param(10, "Most tokens proposed after a match", label="tokens", minimum=1, maximum=64)
+    adaptive: bool = param(True, "Propose as many tokens as pays off, learned from this run's acceptance and "
+                           "verification cost", label="adaptive length", cli="--adaptive-lookup")
 
     def __post_init__(self):
         super().__post_init__()
@@ -57,9 +66,16 @@ class PromptLookup(Method):
         super().__init__(config)
         self.max_draft_nodes = config.num_tokens
         self.index = NgramIndex(config.max_ngram)
+        self.cost = VerifyCostModel()
+        # Per match length n: accepted draft tokens and rejections (a Beta(1, 1) prior).
+        self.hits = [1.0] * (config.max_ngram + 1)
+        self.misses = [1.0] * (config.max_ngram + 1)
 
     def start(self, ctx: RunContext) -> None:
         self.index = NgramIndex(self.config.max_ngram)
+
+    def acceptance(self, n: int) -> float:
+        return self.hits[n] / (self.hits[n] + self.misses[n])
 
     def propose(self, ctx: RunContext, budget: int) -> Draft:
         tokens = ctx.tokens
@@ -70,5 +86,17 @@ class PromptLookup(Method):
         if hit is None:
             return Draft(info={"match": None})
         n, end = hit
+        if self.config.adaptive:
+            k = best_draft_length(self.acceptance(n), self.cost.cost, k)
         proposal = tokens[end:end + k]
-        return Draft.chain(proposal, info={"match": {"ngram": n, "at": end, "proposed": len(proposal)}})
+        info = {"match": {"ngram": n, "at": end, "proposed": len(proposal)},
+                "acceptance": round(self.acceptance(n), 3), "cost_per_token": round(self.cost.cost, 4)}
+        return Draft.chain(proposal, info=info)
+
+    def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
+        self.cost.add(outcome.forward_tokens, outcome.verify_s)
+        match = outcome.draft.info.get("match")
+        if match and len(outcome.draft):
+            n, accepted = match["ngram"], len(outcome.verdict.accepted)
+            self.hits[n] += accepted
+            self.misses[n] += accepted < len(outcome.draft)
