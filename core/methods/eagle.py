@@ -89,12 +89,15 @@ class EagleHead(nn.Module):
 class EagleDrafter:
     """The head at inference: its own KV cache, explicit positions and tree masks (batch size 1)."""
 
-    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], storage: str, embed):
+    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], storage: str, embed,
+                 device: str = "cpu"):
+        self.device = torch.device(device)
+
         def w(name):
-            return weights[name].float()
+            return weights[name].float().to(self.device)
 
         def b(name):
-            return weights[name].float() if name in weights else None
+            return weights[name].float().to(self.device) if name in weights else None
 
         self.cfg = cfg
         self.embed = embed
@@ -110,8 +113,8 @@ class EagleDrafter:
             down=make_linear(w("down_proj.weight"), b("down_proj.bias"), storage),
             ln_in=w("input_layernorm"), ln_post=w("post_attention_layernorm"),
         )
-        self.inv_freq = torch.tensor(cfg.inv_freq)
-        self.kv = torch.zeros(2, cfg.num_kv_heads, 256, cfg.head_dim)
+        self.inv_freq = torch.tensor(cfg.inv_freq, device=self.device)
+        self.kv = torch.zeros(2, cfg.num_kv_heads, 256, cfg.head_dim, device=self.device)
         self.len = 0
 
     def run(self, feats: torch.Tensor, tokens: list[int], positions: torch.Tensor,
@@ -122,13 +125,17 @@ class EagleDrafter:
         """
         n = len(tokens)
         if self.len + n > self.kv.shape[2]:
-            grown = torch.zeros(2, self.cfg.num_kv_heads, max(2 * self.kv.shape[2], self.len + n), self.cfg.head_dim)
+            grown = torch.zeros(2, self.cfg.num_kv_heads, max(2 * self.kv.shape[2], self.len + n), self.cfg.head_dim,
+                                device=self.device)
             grown[:, :, : self.len] = self.kv[:, :, : self.len]
             self.kv = grown
         if mask is None and n > 1:
             mask = torch.ones(n, self.len + n, dtype=torch.bool)
             mask[:, self.len:] = torch.ones(n, n, dtype=torch.bool).tril()
-        emb = self.embed(torch.tensor(tokens)).float()
+        if mask is not None:
+            mask = mask.to(self.device)
+        positions = positions.to(self.device)
+        emb = self.embed(torch.tensor(tokens, device=self.device)).float()
         x = self.fc(torch.cat([emb, feats.float()], dim=-1))
         cos, sin = rope_tables(positions, self.inv_freq, self.cfg.rope_scaling, torch.float32)
         out = layer_forward(self.cfg, self.layer, x, cos, sin, self.kv, self.len, None if mask is None else mask[None, None])
@@ -169,21 +176,21 @@ class Eagle(Method):
         cfg = head_config(target.cfg, manifest.get("intermediate_size"))
         storage = "int8" if target.info.dtype == "int8" else "float"
         try:
-            self.drafter = EagleDrafter(cfg, tensors, storage, target.embed)
+            self.drafter = EagleDrafter(cfg, tensors, storage, target.embed, target.info.device)
         except (KeyError, RuntimeError) as exc:
             raise ModelError(f"{path}: weights do not fit an EAGLE head for '{target_spec}': {exc}") from None
-        self.vocab_ids = tensors["vocab_ids"]
+        self.vocab_ids = tensors["vocab_ids"].to(target.info.device)
         self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
         c = config
         self.max_draft_nodes = c.depth if c.tree == "chain" else c.total_tokens
-        self.features = torch.zeros(0, target.info.hidden_size)
+        self.features = torch.zeros(0, target.info.hidden_size, device=target.info.device)
         self.n_features = 0
 
     # ------------------------------------------------------------------ feature bookkeeping
     def _add_features(self, feats: torch.Tensor) -> None:
         need = self.n_features + feats.shape[0]
         if need > self.features.shape[0]:
-            grown = torch.zeros(max(2 * self.features.shape[0], need, 256), feats.shape[1])
+            grown = torch.zeros(max(2 * self.features.shape[0], need, 256), feats.shape[1], device=self.features.device)
             grown[: self.n_features] = self.features[: self.n_features]
             self.features = grown
         self.features[self.n_features:need] = feats.float()

@@ -111,8 +111,9 @@ class Medusa(Method):
             self.heads.load_state_dict({k: v for k, v in tensors.items() if k.startswith("blocks.")})
         except RuntimeError as exc:
             raise ModelError(f"{path}: weights do not fit {num_heads} Medusa heads: {exc}") from None
-        self.heads.eval()
-        self.vocab_ids = tensors["vocab_ids"]
+        device = torch.device(target.info.device)
+        self.heads.eval().to(device)
+        self.vocab_ids = tensors["vocab_ids"].to(device)
         self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
         self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads)
         self.max_draft_nodes = len(self.tree)
