@@ -40,8 +40,12 @@ class Question:
     turns: tuple[str, ...]
 
 
-def load_questions(source: str, categories: list[str] | None = None, limit: int | None = None) -> list[Question]:
-    """Read a Spec-Bench question file (or a built-in set name); bad lines are errors that name the line."""
+def load_questions(source: str, categories: list[str] | None = None, limit: int | None = None,
+                   per_category: int | None = None) -> list[Question]:
+    """Read a Spec-Bench question file (or a built-in set name); bad lines are errors that name the line.
+
+    ``per_category`` keeps the first N questions of each category; ``limit`` the first N overall.
+    """
     path = Path(source)
     if source in BUILTIN_SETS:
         path = assets_dir() / "prompts" / BUILTIN_SETS[source]
@@ -72,6 +76,14 @@ def load_questions(source: str, categories: list[str] | None = None, limit: int 
         if "mt_bench" in wanted:
             wanted |= MT_BENCH
         questions = [q for q in questions if q.category in wanted]
+    if per_category is not None:
+        seen: dict[str, int] = {}
+        kept = []
+        for q in questions:
+            seen[q.category] = seen.get(q.category, 0) + 1
+            if seen[q.category] <= per_category:
+                kept.append(q)
+        questions = kept
     if limit is not None:
         questions = questions[:limit]
     if not questions:

@@ -272,7 +272,7 @@ def cmd_bench(args) -> int:
 
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_methods(names)
-    questions = load_questions(args.prompts, args.categories, args.limit)
+    questions = load_questions(args.prompts, args.categories, args.limit, args.per_category)
     configs = {n: config_for(n, args) for n in names if n not in PEERS}
     need_draft = any(n == "hf_assisted" or (n not in PEERS and get_spec(n).needs_draft) for n in names)
     target, draft = _load_models(args, need_draft)
@@ -348,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="code", help="a Spec-Bench question file, or a built-in set: code, spec_bench")
     p.add_argument("--categories", nargs="*", help="only these categories (mt_bench = the 8 MT-bench ones)")
     p.add_argument("--limit", type=int, help="first N questions")
+    p.add_argument("--per-category", type=int, help="first N questions of each category")
     p.add_argument("--methods", required=True, help="comma-separated methods and peers (hf_generate, hf_assisted, hf_prompt_lookup)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -59,6 +59,9 @@ def test_question_files_are_validated_line_by_line(tmp_path):
     with pytest.raises(ConfigError, match="not valid UTF-8"):
         load_questions(str(p))
     assert len(load_questions("code")) == 32
+    two_each = load_questions("spec_bench", per_category=2)
+    cats = {q.category for q in two_each}
+    assert len(two_each) == 2 * len(cats) and len(cats) == 13
     assert {q.category for q in load_questions("spec_bench", ["mt_bench"])} <= {
         "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
