@@ -60,6 +60,8 @@ def method_options() -> dict[str, dict]:
         for f in dataclasses.fields(spec.config_class):
             flag = f.metadata.get("cli") or "--" + f.name.replace("_", "-")
             typ = _field_type(spec.config_class, f)
+            if typ is bool and f.default is True:  # a switch that is on by default is turned off
+                flag = "--no-" + flag[2:]
             entry = opts.setdefault(flag, {"dest": "m_" + flag[2:].replace("-", "_"), "type": typ, "helps": [],
                                            "fields": []})
             if entry["type"] is not typ:
@@ -74,7 +76,8 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
     for flag, o in method_options().items():
         help_text = "; ".join(o["helps"]).replace("%", "%%")
         if o["type"] is bool:
-            group.add_argument(flag, dest=o["dest"], action="store_const", const=True, default=None, help=help_text)
+            group.add_argument(flag, dest=o["dest"], action="store_const", const=not flag.startswith("--no-"),
+                               default=None, help=help_text)
         else:
             group.add_argument(flag, dest=o["dest"], type=o["type"], default=None, help=help_text)
 

@@ -137,7 +137,7 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         t3 = time.perf_counter()
         if stop is None:
             method.observe(ctx, StepOutcome(draft=draft, verdict=verdict, target_out=out, kept_rows=kept_rows,
-                                            new_tokens=new, verify_s=t2 - t1, forward_tokens=len(tokens)))
+                                            new_tokens=new))
         t4 = time.perf_counter()
 
         accepted_len = min(len(verdict.accepted), len(new))

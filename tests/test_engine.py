@@ -8,7 +8,7 @@ import torch
 from core.engine import drain, generate
 from core.errors import ConfigError
 from core.methods import build_method
-from core.methods.base import best_draft_length
+from core.costmodel import CostCurve, best_size
 from core.methods.prompt_lookup import PromptLookupConfig
 from core.methods.speculative import SpeculativeConfig
 from core.types import Fate, GenerationConfig, SamplingConfig, StopReason
@@ -103,13 +103,13 @@ def test_full_acceptance_and_zero_acceptance_keep_both_caches_consistent(models)
 def test_prompt_lookup_greedy_equals_autoregressive(models):
     target, *_ = models
     base = run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False))
-    for cfg in (PromptLookupConfig(), PromptLookupConfig(max_ngram=1, num_tokens=2),
-                PromptLookupConfig(max_ngram=5, min_ngram=2, num_tokens=20)):
+    for cfg in (PromptLookupConfig(), PromptLookupConfig(max_ngram=1, num_tokens=2, adaptive=False),
+                PromptLookupConfig(max_ngram=5, min_ngram=2, num_tokens=20, adaptive=False)):
         res = run(target, "prompt_lookup", cfg, gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False))
         assert res.token_ids == base.token_ids
         check_target_cache(target, res)
-    # Greedy output of a tiny model repeats itself, so lookup must have found matches.
-    assert res.metrics.accepted > 0
+        # Greedy output of a tiny model repeats itself, so lookup must find matches that hold.
+        assert cfg.adaptive or res.metrics.accepted > 0
 
 
 def test_eos_inside_an_accepted_draft_stops_there(models):
@@ -197,29 +197,10 @@ def test_empty_prompt_and_context_overflow_are_rejected(models):
         run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=10_000))
 
 
-def test_best_draft_length_weighs_acceptance_against_cost():
-    from core.methods.base import best_draft_length
-
-    assert best_draft_length(0.9, 0.0, 10) == 10  # free verification: propose everything
-    assert best_draft_length(0.9, 0.05, 10) == 10
-    assert best_draft_length(0.2, 0.05, 10) == 1  # weak guesses: one token
-    assert best_draft_length(0.02, 0.05, 10) == 0  # hopeless guesses: plain decoding
-    assert 1 < best_draft_length(0.6, 0.1, 10) < 10
-
-
-def test_verify_cost_model_fits_slope_over_intercept():
-    from core.methods.base import VerifyCostModel
-
-    m = VerifyCostModel(prior=0.5)
-    assert m.cost == 0.5
-    for k in [1, 2, 4, 8, 1, 3, 6, 11]:
-        m.add(k, 0.040 + 0.002 * k)
-    assert m.cost == pytest.approx(0.002 / 0.040)
-
-
 def test_adaptive_prompt_lookup_learns_to_propose_less_after_rejections(models):
     target, *_ = models
     method = build_method("prompt_lookup", PromptLookupConfig(), target)
+    method.cost = CostCurve.linear(0.05)  # a CPU-like curve, so the test does not depend on timing
     res = drain(generate(target.model, target.tokenizer, method, PROMPT, GenerationConfig(max_new_tokens=60,
                                                                                          stop_at_eos=False)))
     proposed = [e.internals["match"]["proposed"] for e in res.events if e.internals.get("match")]
@@ -228,4 +209,4 @@ def test_adaptive_prompt_lookup_learns_to_propose_less_after_rejections(models):
     weak = [n for n in range(1, 4) if method.misses[n] > method.hits[n]]
     assert weak  # the tiny model's unigram matches mostly fail
     for n in weak:  # where guesses mostly fail, short proposals
-        assert best_draft_length(method.acceptance(n), method.cost.cost, 10) <= 2
+        assert best_size([method.acceptance(n) ** i for i in range(1, 11)], method.cost) <= 2

@@ -73,7 +73,7 @@ def test_choose_tree_takes_the_most_probable_paths():
 
 
 # ------------------------------------------------------------------------------ method
-@pytest.mark.parametrize("tree", ["default", "chain", "small", "large"])
+@pytest.mark.parametrize("tree", ["auto", "chain", "small", "large"])
 def test_medusa_greedy_equals_autoregressive(target, tmp_path, tree):
     heads = make_heads_file(tmp_path / "heads.safetensors")
     gen = GenerationConfig(max_new_tokens=50, stop_at_eos=False)

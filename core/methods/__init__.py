@@ -34,7 +34,7 @@ METHODS: dict[str, MethodSpec] = {
                    lambda c, t, d: Speculative(c, d.model),
                    "A small draft model proposes γ tokens; the target verifies them in one pass."),
         MethodSpec("prompt_lookup", "Prompt lookup", PromptLookupConfig, False,
-                   lambda c, t, d: PromptLookup(c),
+                   lambda c, t, d: PromptLookup(c, t.model),
                    "Copies what followed an earlier occurrence of the last n tokens; no extra model."),
         MethodSpec("lookahead", "Lookahead", LookaheadConfig, False, lambda c, t, d: Lookahead(c),
                    "Jacobi iteration over a window collects n-grams; matching ones are verified in the same pass."),

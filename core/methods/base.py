@@ -55,58 +55,6 @@ class StepOutcome:
     target_out: ForwardOutput
     kept_rows: list[int]
     new_tokens: list[int]
-    verify_s: float = 0.0  # time of the target's forward pass and the verification
-    forward_tokens: int = 1  # tokens in that forward pass
-
-
-class VerifyCostModel:
-    """How much each extra token in a verification pass costs, relative to a one-token pass.
-
-    Fits time = a + b * tokens over the steps seen (least squares) and reports c = b / a;
-    until the step sizes vary enough to fit, it reports ``prior``. On a CPU with int8 storage
-    c is about 0.03-0.05; on a GPU, nearly 0.
-    """
-
-    def __init__(self, prior: float = 0.05):
-        self.prior = prior
-        self.n = 0
-        self.sx = self.sy = self.sxx = self.sxy = 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        self.n += 1
-        self.sx += tokens
-        self.sy += seconds
-        self.sxx += tokens * tokens
-        self.sxy += tokens * seconds
-
-    @property
-    def cost(self) -> float:
-        if self.n < 8:
-            return self.prior
-        var = self.sxx - self.sx * self.sx / self.n
-        if var < 1.0:
-            return self.prior
-        slope = (self.sxy - self.sx * self.sy / self.n) / var
-        intercept = (self.sy - slope * self.sx) / self.n
-        if intercept <= 0:
-            return self.prior
-        return min(1.0, max(0.0, slope / intercept))
-
-
-def best_draft_length(acceptance: float, cost: float, longest: int) -> int:
-    """The draft length k (0..longest) that maximises expected tokens per unit of step time.
-
-    With per-token acceptance α (a draft token survives if it and all before it are
-    accepted), a step of k draft tokens yields 1 + α + α² + … + α^k tokens on average and
-    costs 1 + c·k one-token passes.
-    """
-    best_k, best_rate, expected = 0, 1.0, 1.0
-    for k in range(1, longest + 1):
-        expected += acceptance ** k
-        rate = expected / (1.0 + cost * k)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
 
 
 def param(default, help: str, *, label: str | None = None, minimum=None, maximum=None, choices=None,

@@ -14,19 +14,22 @@ cheaper per draft step (measured in docs/benchmarks.md), and tokens outside it a
 Drafting: ``chain`` follows the top token for ``depth`` steps (EAGLE-1). ``dynamic``
 (EAGLE-2) takes the ``top_k`` children of the root, then at each further level expands the
 ``top_k`` frontier nodes with the highest cumulative log-probability, and finally keeps the
-``total_tokens`` best nodes of all levels for verification. The head keeps its own KV
+best nodes of all levels for verification: at most ``total_tokens``, and with ``auto_size``
+only as many as pay for their verification on this machine (:mod:`core.costmodel`). The head keeps its own KV
 cache of (true feature, token) pairs across steps; draft-time entries are cropped after
 each step and the accepted tokens re-enter with the target's true features.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.costmodel import best_size, cost_curve
 from core.errors import ModelError
 from core.heads import draft_lm_rows, load_heads, resolve_heads_path
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
@@ -156,8 +159,11 @@ class EagleConfig(MethodConfig):
     depth: int = param(5, "Draft levels per step", label="depth", minimum=1, maximum=16, cli="--depth")
     top_k: int = param(4, "Children per expanded node and nodes expanded per level (dynamic)", label="top-k",
                        minimum=1, maximum=16, cli="--top-k")
-    total_tokens: int = param(16, "Draft nodes kept for verification (dynamic)", label="total tokens", minimum=1,
-                              maximum=256, cli="--total-tokens")
+    total_tokens: int = param(32, "Most draft nodes kept for verification (dynamic)", label="total tokens",
+                              minimum=1, maximum=256, cli="--total-tokens")
+    auto_size: bool = param(True, "Each step, keep only as many nodes as pay for their verification on this machine "
+                            "(by the draft's confidence and the measured verification cost)", label="auto size",
+                            cli="--auto-size")
 
 
 class Eagle(Method):
@@ -183,6 +189,7 @@ class Eagle(Method):
         self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
         c = config
         self.max_draft_nodes = c.depth if c.tree == "chain" else c.total_tokens
+        self.cost = cost_curve(target) if (c.auto_size and c.tree == "dynamic") else None
         self.features = torch.zeros(0, target.info.hidden_size, device=target.info.device)
         self.n_features = 0
 
@@ -284,8 +291,13 @@ class Eagle(Method):
                     parent_feat[kid] = outs[row]
                 frontier += kids
         # Keep the best nodes overall; a child never outscores its parent, and ties go to the
-        # earlier (parent) node, so the kept set is closed under parents.
-        keep = sorted(sorted(range(len(tok)), key=lambda n: (-score[n], n))[:total])
+        # earlier (parent) node, so any top-ranked prefix is closed under parents.
+        ranked = sorted(range(len(tok)), key=lambda n: (-score[n], n))[:total]
+        if self.cost is not None:
+            # The draft's cumulative probability estimates each node's chance of acceptance.
+            size = best_size([math.exp(score[n]) for n in ranked], self.cost)
+            ranked = ranked[:max(1, size)]
+        keep = sorted(ranked)
         new_index = {old: i for i, old in enumerate(keep)}
         parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
         return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],

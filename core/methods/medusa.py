@@ -12,8 +12,10 @@ small (2.4 M parameters each) and makes drafting and training cheap on a CPU. To
 outside the draft vocabulary are never drafted; the target still produces them.
 
 Candidates: each depth's top-k tokens from its head form a static tree declared as paths
-of ranks (:class:`core.tree.TreeSpec`); the default tree is chosen from the heads'
-measured accuracies under a size budget. The target verifies the tree in one pass;
+of ranks (:class:`core.tree.TreeSpec`). The default tree takes the paths with the highest
+estimated acceptance (the product of the heads' measured accuracies), as many as pay for
+their verification on this machine (:mod:`core.costmodel`): a handful on a CPU, dozens on
+a GPU. The target verifies the tree in one pass;
 candidates are deterministic, so verification is exact (and lossless at temperature > 0).
 Medusa's typical acceptance is available as an option and is labelled lossy.
 """
@@ -28,14 +30,16 @@ import torch
 from torch import nn
 
 from core.errors import ConfigError, ModelError
+from core.costmodel import CostCurve, best_size, cost_curve
 from core.heads import draft_lm_rows, load_heads, resolve_heads_path
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.tree import TreeSpec, choose_tree
 from core.types import Draft
 
-NAMED_TREES = {"chain": "top-1 of every head", "default": "chosen from measured accuracy, 16 nodes",
-               "small": "chosen, 8 nodes", "large": "chosen, 32 nodes"}
-_BUDGETS = {"default": 16, "small": 8, "large": 32}
+NAMED_TREES = {"auto": "the most valuable paths by measured accuracy, as many as pay for their verification here",
+               "chain": "top-1 of every head", "small": "the 8 most valuable paths", "large": "the 32 most valuable paths"}
+_BUDGETS = {"small": 8, "large": 32}
+_AUTO_MAX = 64
 
 
 class ResBlock(nn.Module):
@@ -65,8 +69,8 @@ class MedusaHeads(nn.Module):
 class MedusaConfig(MethodConfig):
     heads: str = param("", "Medusa heads file (.safetensors); empty = the heads shipped for the target",
                        label="heads file", kind="file", cli="--heads")
-    tree: str = param("default", "Candidate tree: default, small, large, chain, or a JSON file with a list of "
-                      "rank paths", label="tree", cli="--tree")
+    tree: str = param("auto", "Candidate tree: auto (sized to this machine's verification cost), small, large, "
+                      "chain, or a JSON file with a list of rank paths", label="tree", cli="--tree")
     top_k: int = param(10, "Candidates considered per head when choosing a tree", label="top-k", minimum=1,
                        maximum=64, cli="--medusa-top-k")
     typical: bool = param(False, "Medusa's typical acceptance at temperature > 0 (LOSSY: output no longer follows "
@@ -77,11 +81,24 @@ class MedusaConfig(MethodConfig):
                                    minimum=0.0, maximum=1.0, lossy=True, cli="--posterior-alpha")
 
 
-def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int) -> TreeSpec:
+def path_value(path: tuple[int, ...], accuracy: list[list[float]]) -> float:
+    """Estimated probability that a tree path is accepted: the product of its ranks' accuracies."""
+    value = 1.0
+    for depth, rank in enumerate(path):
+        value *= accuracy[depth][rank]
+    return value
+
+
+def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, target=None) -> TreeSpec:
     if tree == "chain":
         return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
     if tree in _BUDGETS:
         return TreeSpec.from_paths(choose_tree(accuracy, _BUDGETS[tree]))
+    if tree == "auto":
+        paths = choose_tree(accuracy, _AUTO_MAX)  # best first, parents before children
+        curve = cost_curve(target) if target is not None else CostCurve.linear(0.035)
+        size = max(1, best_size([path_value(p, accuracy) for p in paths], curve))
+        return TreeSpec.from_paths(paths[:size])
     path = Path(tree).expanduser()
     if not path.is_file():
         raise ConfigError(f"unknown tree '{tree}': use {', '.join(NAMED_TREES)} or a JSON file of rank paths")
@@ -115,7 +132,7 @@ class Medusa(Method):
         self.heads.eval().to(device)
         self.vocab_ids = tensors["vocab_ids"].to(device)
         self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
-        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads)
+        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads, target)
         self.max_draft_nodes = len(self.tree)
         if config.typical:
             self.typical = (config.posterior_threshold, config.posterior_alpha)

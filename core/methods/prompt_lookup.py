@@ -8,9 +8,9 @@ its continuation is proposed as a deterministic chain.
 How much of it to propose: verifying k extra tokens is not free (on a CPU each costs a few
 percent of a step), and a one-token match is a much weaker guess than a three-token one.
 With ``adaptive`` (the default) the method learns, per match length, how often its guesses
-are accepted, measures what an extra verified token costs on this machine, and proposes
-the length that maximises expected tokens per unit of time (possibly none). Without it,
-every match proposes ``num_tokens``.
+are accepted and, with the target's measured verification cost (:mod:`core.costmodel`),
+proposes the length that maximises expected tokens per unit of time (possibly none).
+Without it, every match proposes ``num_tokens``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from core.errors import ConfigError
-from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, VerifyCostModel, best_draft_length, param
+from core.costmodel import best_size, cost_curve
+from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.types import Draft
 
 
@@ -62,11 +63,11 @@ class NgramIndex:
 class PromptLookup(Method):
     name = "prompt_lookup"
 
-    def __init__(self, config: PromptLookupConfig):
+    def __init__(self, config: PromptLookupConfig, target=None):
         super().__init__(config)
         self.max_draft_nodes = config.num_tokens
         self.index = NgramIndex(config.max_ngram)
-        self.cost = VerifyCostModel()
+        self.cost = cost_curve(target) if (config.adaptive and target is not None) else None
         # Per match length n: accepted draft tokens and rejections (a Beta(1, 1) prior).
         self.hits = [1.0] * (config.max_ngram + 1)
         self.misses = [1.0] * (config.max_ngram + 1)
@@ -86,15 +87,16 @@ class PromptLookup(Method):
         if hit is None:
             return Draft(info={"match": None})
         n, end = hit
-        if self.config.adaptive:
-            k = best_draft_length(self.acceptance(n), self.cost.cost, k)
+        info = {"match": {"ngram": n, "at": end}}
+        if self.cost is not None:
+            alpha = self.acceptance(n)
+            k = best_size([alpha ** i for i in range(1, k + 1)], self.cost)
+            info["acceptance"] = round(alpha, 3)
         proposal = tokens[end:end + k]
-        info = {"match": {"ngram": n, "at": end, "proposed": len(proposal)},
-                "acceptance": round(self.acceptance(n), 3), "cost_per_token": round(self.cost.cost, 4)}
+        info["match"]["proposed"] = len(proposal)
         return Draft.chain(proposal, info=info)
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
-        self.cost.add(outcome.forward_tokens, outcome.verify_s)
         match = outcome.draft.info.get("match")
         if match and len(outcome.draft):
             n, accepted = match["ngram"], len(outcome.verdict.accepted)

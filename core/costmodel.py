@@ -1,0 +1,99 @@
+"""What verifying n tokens costs, relative to one, for this model on this machine.
+
+This ratio decides whether and how far to speculate. On a GPU a step of 16 tokens costs
+about what one costs; on a CPU each extra token adds a few percent, and past ~8 tokens the
+int8 kernels become compute-bound and the cost climbs faster (docs/benchmarks.md). So the
+methods that can choose how much to draft (prompt lookup's proposal length, Medusa's tree,
+EAGLE's dynamic tree) measure the curve once per model and pick the size that maximises
+expected tokens per unit of time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """T(n) / T(1) at measured block sizes, interpolated linearly (extrapolated past the last)."""
+
+    sizes: tuple[int, ...]
+    relative: tuple[float, ...]
+
+    def __call__(self, n: int) -> float:
+        s, r = self.sizes, self.relative
+        if n <= s[0]:
+            return r[0]
+        for i in range(1, len(s)):
+            if n <= s[i]:
+                return r[i - 1] + (r[i] - r[i - 1]) * (n - s[i - 1]) / (s[i] - s[i - 1])
+        slope = (r[-1] - r[-2]) / (s[-1] - s[-2])
+        return r[-1] + slope * (n - s[-1])
+
+    @staticmethod
+    def linear(per_token: float) -> "CostCurve":
+        """A curve where each extra token costs ``per_token`` of a one-token step."""
+        return CostCurve((1, 2), (1.0, 1.0 + per_token))
+
+    def to_dict(self) -> dict:
+        return {str(n): round(r, 3) for n, r in zip(self.sizes, self.relative)}
+
+
+_CURVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def measure(model, sizes: Sequence[int] = SIZES, context: int = 64, repeats: int = 3) -> CostCurve:
+    """Time forward passes of each block size after ``context`` cached tokens; the cache is reset after."""
+    vocab = model.info.vocab_size
+    g = torch.Generator().manual_seed(0)
+    model.reset()
+    model.forward_chain(torch.randint(0, vocab, (context,), generator=g))
+    medians = []
+    for n in sizes:
+        samples = []
+        for _ in range(repeats):
+            block = torch.randint(0, vocab, (n,), generator=g)
+            start = time.perf_counter()
+            model.forward(block)
+            samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples))
+    model.reset()
+    # A bigger block never costs less (timing noise or an odd kernel choice aside).
+    relative, peak = [], 0.0
+    for t in medians:
+        peak = max(peak, t / medians[0])
+        relative.append(peak)
+    return CostCurve(tuple(sizes), tuple(relative))
+
+
+def cost_curve(model) -> CostCurve:
+    """The model's cost curve, measured on first use (about a second on a CPU) and kept."""
+    curve = _CURVES.get(model)
+    if curve is None:
+        curve = _CURVES[model] = measure(model)
+    return curve
+
+
+def best_size(values: Sequence[float], curve: CostCurve, fixed: int = 1, cap: int | None = None) -> int:
+    """How many candidates (taken in the given order) maximise expected tokens per unit of time.
+
+    ``values[i]`` is candidate i's probability of being accepted (in descending order, each
+    candidate's ancestors before it); a step yields 1 + their sum and costs
+    ``curve(fixed + k)``, ``fixed`` being the tokens the forward pass always holds (the root).
+    """
+    limit = len(values) if cap is None else min(cap, len(values))
+    best_k, best_rate, expected = 0, 1.0 / curve(fixed), 1.0
+    for k in range(1, limit + 1):
+        expected += values[k - 1]
+        rate = expected / curve(fixed + k)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k

@@ -1,0 +1,40 @@
+"""The verification cost curve and the size choice built on it."""
+
+import pytest
+import torch
+
+from core.costmodel import CostCurve, best_size, cost_curve, measure
+from tiny import native_from_hf, tiny_hf_model
+
+
+def test_curve_interpolates_and_extrapolates():
+    c = CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.2, 1.6))
+    assert c(1) == 1.0 and c(3) == pytest.approx(1.15) and c(6) == pytest.approx(1.4)
+    assert c(12) == pytest.approx(2.0)  # the last slope, 0.1 per token
+    assert CostCurve.linear(0.05)(11) == pytest.approx(1.5)
+
+
+def test_best_size_weighs_acceptance_against_cost():
+    free = CostCurve.linear(0.0)
+    cpu = CostCurve.linear(0.05)
+    chain = lambda a, k: [a ** i for i in range(1, k + 1)]  # noqa: E731
+    assert best_size(chain(0.9, 10), free) == 10  # free verification: propose everything
+    assert best_size(chain(0.9, 10), cpu) == 10
+    assert best_size(chain(0.2, 10), cpu) == 1  # weak guesses: one token
+    assert best_size(chain(0.02, 10), cpu) == 0  # hopeless guesses: plain decoding
+    assert 1 < best_size(chain(0.6, 10), CostCurve.linear(0.1)) < 10
+    assert best_size(chain(0.9, 10), cpu, cap=3) == 3
+    # Fading candidates: a curve that turns steep past 8 tokens stops at the bend (7 + the root).
+    fading = [0.6 * 0.8 ** i for i in range(16)]
+    assert best_size(fading, CostCurve((1, 8, 16), (1.0, 1.2, 2.0))) == 7
+    assert best_size(fading, CostCurve.linear(0.02)) == 11
+    assert best_size(fading, CostCurve.linear(0.0)) == 16
+
+
+def test_measured_curve_is_nondecreasing_cached_and_leaves_the_cache_empty():
+    model = native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32))
+    curve = measure(model, sizes=(1, 2, 4, 8), context=8, repeats=2)
+    assert curve.relative[0] == 1.0
+    assert all(b >= a for a, b in zip(curve.relative, curve.relative[1:]))
+    assert model.cache_len == 0
+    assert cost_curve(model) is cost_curve(model)
