@@ -208,5 +208,5 @@ def test_adaptive_prompt_lookup_learns_to_propose_less_after_rejections(models):
     assert len(set(proposed)) > 1  # the length adapted during the run
     weak = [n for n in range(1, 4) if method.misses[n] > method.hits[n]]
     assert weak  # the tiny model's unigram matches mostly fail
-    for n in weak:  # where guesses mostly fail, short proposals
-        assert best_size([method.acceptance(n) ** i for i in range(1, 11)], method.cost) <= 2
+    for n in weak:  # where guesses mostly fail (α < 0.5), at most 3 of the 10 tokens pay off at 5% a token
+        assert best_size([method.acceptance(n) ** i for i in range(1, 11)], method.cost) <= 3
