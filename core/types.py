@@ -15,6 +15,10 @@ import torch
 from core.errors import ConfigError
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class Fate(str, Enum):
     """What happened to a token in a step."""
 
@@ -34,10 +38,12 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
-            raise ConfigError(f"temperature must be a number >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -52,10 +58,10 @@ class GenerationConfig:
     stop_at_eos: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ConfigError(f"max new tokens must be a positive integer, got {self.max_new_tokens}")
-        if any(not s for s in self.stop_strings):
-            raise ConfigError("stop strings must not be empty")
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ConfigError(f"max new tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise ConfigError("stop strings must be non-empty text")
 
 
 @dataclass

@@ -77,18 +77,34 @@ class MethodConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def _check_ranges(self) -> None:
+        """Each field must have its declared type, be finite, and lie within its bounds and choices."""
+        import math
+        import typing
+
         from core.errors import ConfigError
 
+        hints = typing.get_type_hints(type(self))
         for f in fields(self):
             value = getattr(self, f.name)
             meta = f.metadata
             label = meta.get("label") or f.name
+            allowed = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+            if value is None and len(allowed) < len(typing.get_args(hints[f.name]) or (0,)):
+                continue  # Optional field left empty
+            kind = allowed[0]
+            ok = (isinstance(value, bool) if kind is bool else
+                  isinstance(value, int) and not isinstance(value, bool) if kind is int else
+                  isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else
+                  isinstance(value, kind))
+            if not ok:
+                raise ConfigError(f"{label} must be {'an integer' if kind is int else 'a number' if kind is float else kind.__name__}"
+                                  f", got {value!r}")
+            if kind is float and not math.isfinite(value):
+                raise ConfigError(f"{label} must be a finite number, got {value}")
             lo, hi, choices = meta.get("min"), meta.get("max"), meta.get("choices")
-            if isinstance(value, bool) or value is None:
-                continue
             if choices is not None and value not in choices:
                 raise ConfigError(f"{label} must be one of {', '.join(map(str, choices))}, got {value!r}")
-            if isinstance(value, (int, float)):
+            if kind in (int, float):
                 if lo is not None and value < lo:
                     raise ConfigError(f"{label} must be >= {lo}, got {value}")
                 if hi is not None and value > hi:
