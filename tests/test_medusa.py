@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from core.engine import drain, generate
-from core.errors import ConfigError, ModelError
-from core.heads import save_heads
+from core.errors import Cancelled, ConfigError, ModelError
+from core.heads import load_heads, save_heads
 from core.methods import build_method
 from core.methods.medusa import MedusaConfig, MedusaHeads
 from core.training.common import TrainSettings
@@ -176,3 +176,43 @@ def test_bad_tree_files_are_clear_errors(target, tmp_path):
         build_method("medusa", MedusaConfig(heads=str(heads), tree=str(deep)), target)
     with pytest.raises(ConfigError, match="unknown tree"):
         build_method("medusa", MedusaConfig(heads=str(heads), tree="bushy"), target)
+
+
+def test_cancelled_training_resumes_where_it_stopped(target, tmp_path):
+    """A resumed run continues from the checkpoint (same batches, same weights as an
+    uninterrupted run) and counts the seconds of the interrupted session."""
+    model = target.model
+    g = torch.Generator().manual_seed(1)
+    data = target_features(model, [torch.randint(3, 64, (30,), generator=g).tolist() for _ in range(6)])
+    settings = TrainSettings(steps=12, batch_size=16, lr=3e-3, eval_every=12, warmup=2, checkpoint_every=4)
+    args = (data, model.lm_head_weight(), torch.arange(64), 64, 2, settings)
+    straight, _, _ = train_medusa(*args)
+
+    seen = []
+    with pytest.raises(Cancelled, match="cancelled at step 5"):
+        train_medusa(*args, workdir=tmp_path, progress=seen.append, should_cancel=lambda: len(seen) == 5)
+    interrupted = seen[-1].elapsed_s
+    seen.clear()
+    resumed, _, steps = train_medusa(*args, workdir=tmp_path, progress=seen.append, resume=True)
+    assert steps == 12 and [p.step for p in seen] == list(range(6, 13))
+    assert seen[0].elapsed_s > interrupted
+    for name, tensor in straight.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+
+
+def test_heads_files_store_matrices_in_int8_with_row_scales(tmp_path):
+    """Matrices are stored as int8 plus a per-row scale (half the bytes of float16); loading
+    restores them to within half a quantisation step of each row, vectors exactly as float16."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scale
+    bias = torch.randn(48, generator=g)
+    path = tmp_path / "h.safetensors"
+    save_heads(path, {"w": w, "b": bias, "ids": torch.arange(5)},
+               {"kind": "medusa", "target": "tiny", "hidden_size": 32, "vocab_size": 64})
+    info = type("Info", (), {"hidden_size": 32, "vocab_size": 64, "name": "tiny"})
+    loaded_tensors, _ = load_heads(path, "medusa", type("T", (), {"info": info})())
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((loaded_tensors["w"] - w).abs() <= step * 0.5 + step * 1e-3).all()
+    assert torch.equal(loaded_tensors["b"], bias.half().float())
+    assert torch.equal(loaded_tensors["ids"], torch.arange(5))
+    assert set(loaded_tensors) == {"w", "b", "ids"}
