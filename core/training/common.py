@@ -45,7 +45,7 @@ class TrainProgress:
 
     step: int
     total: int
-    elapsed_s: float
+    elapsed_s: float  # training seconds so far, earlier sessions of a resumed run included
     metrics: dict = field(default_factory=dict)
 
 
@@ -106,16 +106,20 @@ def run_loop(module: torch.nn.Module, loss_fn: Callable[[torch.Tensor], torch.Te
     torch.manual_seed(settings.seed)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    step = 0
+    step, before = 0, 0.0  # seconds spent by earlier sessions of a resumed training
     if resume and checkpoint is not None:
-        step, _ = checkpoint.load(module, optimizer)
+        step, extra = checkpoint.load(module, optimizer)
+        before = float(extra.get("elapsed_s", 0.0))
     module.train()
     started = time.perf_counter()
+
+    def elapsed() -> dict:
+        return {"elapsed_s": before + time.perf_counter() - started}
     last_eval: dict = {}
     while step < settings.steps:
         if should_cancel():
             if checkpoint is not None:
-                checkpoint.save(module, optimizer, step, {})
+                checkpoint.save(module, optimizer, step, elapsed())
             raise Cancelled(f"training cancelled at step {step} (resume with --resume)")
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, settings)
@@ -134,9 +138,8 @@ def run_loop(module: torch.nn.Module, loss_fn: Callable[[torch.Tensor], torch.Te
             module.train()
             metrics.update(last_eval)
         if checkpoint is not None and (step % settings.checkpoint_every == 0 or step == settings.steps):
-            checkpoint.save(module, optimizer, step, {})
+            checkpoint.save(module, optimizer, step, elapsed())
         if progress:
-            progress(TrainProgress(step=step, total=settings.steps, elapsed_s=time.perf_counter() - started,
-                                   metrics=metrics))
+            progress(TrainProgress(step=step, total=settings.steps, elapsed_s=elapsed()["elapsed_s"], metrics=metrics))
     module.eval()
     return step, last_eval

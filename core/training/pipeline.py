@@ -16,7 +16,7 @@ import torch
 
 from core.heads import save_heads
 from core.paths import cache_dir, data_dir
-from core.training.common import ProgressFn, TrainSettings
+from core.training.common import ProgressFn, TrainProgress, TrainSettings
 from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_responses,
                                 instruction_prompts)
 
@@ -81,7 +81,13 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
                 progress: Progress = lambda s, f: None, on_step: ProgressFn | None = None,
                 should_cancel: Callable[[], bool] = lambda: False) -> tuple[Path, dict]:
     """Build data, train ``kind`` ("medusa" or "eagle") heads for ``target``, save them; return (path, manifest)."""
-    started = time.perf_counter()
+    trained = {"seconds": 0.0}  # the training loop's time, earlier sessions of a resumed run included
+
+    def step_done(p: TrainProgress) -> None:
+        trained["seconds"] = p.elapsed_s
+        if on_step:
+            on_step(p)
+
     workdir = workdir or default_workdir(target.spec)
     out = out or default_output(kind, target.spec)
     features, stats = prepare_data(target, data, workdir, progress, should_cancel)
@@ -98,7 +104,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
         from core.training.medusa import train_medusa
 
         heads, accuracy, steps = train_medusa(features, lm_rows, vocab_ids, model.info.vocab_size, num_heads, settings,
-                                              workdir, on_step, should_cancel, resume)
+                                              workdir, step_done, should_cancel, resume)
         tensors = dict(heads.state_dict())
         manifest.update(num_heads=num_heads, accuracy=[[round(a, 4) for a in row] for row in accuracy],
                         top1=[round(row[0], 4) for row in accuracy], top5=[round(sum(row[:5]), 4) for row in accuracy])
@@ -109,7 +115,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
         cfg = head_config(model.cfg, intermediate)
         head = EagleHead(cfg)
         accuracy, steps = train_eagle(features, head, model.embed, lm_rows, vocab_ids, model.info.vocab_size, settings,
-                                      window=window, workdir=workdir, progress=on_step, should_cancel=should_cancel,
+                                      window=window, workdir=workdir, progress=step_done, should_cancel=should_cancel,
                                       resume=resume)
         tensors = dict(head.state_dict())
         manifest.update(intermediate_size=cfg.intermediate_size, window=window,
@@ -117,7 +123,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     else:
         raise ValueError(f"unknown head kind {kind}")
     tensors["vocab_ids"] = vocab_ids
-    manifest.update(steps=steps, train_seconds=round(time.perf_counter() - started, 1),
+    manifest.update(steps=steps, train_seconds=round(trained["seconds"], 1),
                     date=time.strftime("%Y-%m-%d"))
     save_heads(out, tensors, manifest)
     return out, manifest
