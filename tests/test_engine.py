@@ -210,3 +210,16 @@ def test_adaptive_prompt_lookup_learns_to_propose_less_after_rejections(models):
     assert weak  # the tiny model's unigram matches mostly fail
     for n in weak:  # where guesses mostly fail (α < 0.5), at most 3 of the 10 tokens pay off at 5% a token
         assert best_size([method.acceptance(n) ** i for i in range(1, 11)], method.cost) <= 3
+
+
+def test_runs_past_the_first_cache_allocation_commit_tree_paths():
+    """A run longer than the first 256 cache slots grows the cache inside a forward pass;
+    committing a tree path afterwards (a copy inside the cache) must still work and stay exact."""
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)), spec="target")
+    gen = GenerationConfig(max_new_tokens=300, stop_at_eos=False)
+    base = run(target, "autoregressive", gen=gen)
+    target.model._kv, target.model._capacity = torch.empty(0), 0  # start from the first allocation again
+    target.model.reset()
+    res = run(target, "lookahead", gen=gen)
+    assert res.token_ids == base.token_ids and res.metrics.mean_accepted > 1
+    check_target_cache(target, res)

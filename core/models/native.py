@@ -286,6 +286,7 @@ class NativeDecoder(CausalLM):
         # int8 storage: attention runs in float64 (see forward), so the cache is kept in float64.
         return torch.float64 if self.storage == "int8" else self.dtype
 
+    @torch.inference_mode()  # the cache may have been (re)allocated inside a forward pass
     def commit(self, keep) -> None:
         idx = keep_indices(keep, self._pending)
         if idx != list(range(len(idx))):
