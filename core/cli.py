@@ -309,10 +309,13 @@ def cmd_train(args) -> int:
             if "top1" in m:
                 top1 = m["top1"] if isinstance(m["top1"], list) else [m["top1"]]
                 line += "  top-1 " + " ".join(f"{a:.1%}" for a in top1)
+            if "top1_by_level" in m:
+                line += "  by level " + " ".join(f"{a:.1%}" for a in m["top1_by_level"])
             print(line, file=sys.stderr, flush=True)
 
     path, manifest = train_heads(args.kind, target, data, settings, num_heads=args.num_heads,
                                  draft_vocab=args.draft_vocab, intermediate=args.intermediate, window=args.window,
+                                 unroll=args.unroll,
                                  workdir=args.workdir, out=args.out, resume=args.resume,
                                  command="specplay " + " ".join(sys.argv[1:]), progress=progress, on_step=on_step)
     print(f"saved {path}")
@@ -383,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab", type=int, default=32768, help="tokens the heads can draft")
     g.add_argument("--intermediate", type=int, default=None, help="eagle: MLP width of the head (default: the target's)")
     g.add_argument("--window", type=int, default=128, help="eagle: training window length")
+    g.add_argument("--unroll", type=int, default=1, help="eagle: also train on the head's own predicted features, "
+                   "this many drafting levels deep (costs about this many times the time per step)")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the work folder")
     g.add_argument("--log-every", type=int, default=25)
     g.add_argument("--out", type=Path, help="heads file to write (default: user data folder)")

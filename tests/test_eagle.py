@@ -100,13 +100,14 @@ def test_trained_head_accepts_more_than_one_token_per_step(target):
     assert res.metrics.mean_accepted > 1.5
 
 
-def test_a_training_step_lowers_the_loss(target):
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_a_training_step_lowers_the_loss(target, unroll):
     model = target.model
     g = torch.Generator().manual_seed(0)
     data = target_features(model, [torch.randint(3, 64, (40,), generator=g).tolist() for _ in range(4)])
     head = EagleHead(head_config(model.cfg, 48))
     obj = EagleObjective(head, data, model.embed, model.lm_head_weight().float(), torch.arange(64), 64, window=16,
-                         noise=0.0)
+                         noise=0.0, unroll=unroll)
     starts = obj.window_starts[:8]
     with torch.no_grad():
         before = float(obj.loss(starts))
@@ -117,6 +118,8 @@ def test_a_training_step_lowers_the_loss(target):
         opt.step()
     with torch.no_grad():
         assert float(obj.loss(starts)) < before
+    acc = obj.accuracy(starts)
+    assert len(acc["top1_by_level"]) == 3 and acc["top1_by_level"][0] == acc["top1"]
 
 
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
@@ -143,3 +146,26 @@ def test_heads_for_another_model_or_corrupt_files_are_clear_errors(target, tmp_p
     medusa = make_heads_file(tmp_path / "m.safetensors")
     with pytest.raises(ModelError, match="holds medusa heads"):
         build_method("eagle", EagleConfig(head=str(medusa)), target)
+
+
+def test_unrolled_levels_match_drafting_one_pair_at_a_time():
+    """Level j of the unrolled pass at position t equals what drafting computes: the true
+    pairs up to t-j+1, then j-1 pairs of (predicted feature, next token), one at a time."""
+    torch.manual_seed(0)
+    cfg = head_config(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)).cfg, 48)
+    head = EagleHead(cfg).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    embeds, feats = torch.randn(2, 9, 32, dtype=torch.float64), torch.randn(2, 9, 32, dtype=torch.float64)
+    outs = head.unrolled(embeds, feats, 3)
+    assert torch.allclose(outs[0], head(embeds, feats))
+    for level in (2, 3):
+        for t in range(level - 1, 9):
+            base = t - level + 1
+            f, e = feats[:, : base + 1], embeds[:, : base + 1]
+            pred = head(e, f)[:, -1:]
+            for i in range(2, level + 1):
+                f, e = torch.cat([f, pred], 1), torch.cat([e, embeds[:, base + i - 1: base + i]], 1)
+                pred = head(e, f)[:, -1:]
+            assert torch.allclose(outs[level - 1][:, t], pred[:, 0], atol=1e-10), (level, t)

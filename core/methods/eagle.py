@@ -73,6 +73,41 @@ class EagleHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """``[B, T, h]`` token embeddings (x_{t+1}) and features (f_t) -> predicted f_{t+1}."""
+        x, q, k, v = self._project(embeds, feats)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=self.cfg.num_kv_heads != self.cfg.num_heads)
+        return self._finish(x, attn)
+
+    def unrolled(self, embeds: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Predictions as drafting makes them, ``depth`` levels deep (the first is :meth:`forward`).
+
+        At level j > 1, position t's input feature is level j-1's prediction from position
+        t-1, and its query sees what the drafter's cache holds at that depth: the true
+        pairs up to position t-j+1, then its own chain of predicted pairs, one per level.
+        Positions t < j-1 have no such chain; their outputs are not meaningful.
+        """
+        c = self.cfg
+        x, q, k, v = self._project(embeds, feats)
+        rep = c.num_heads // c.num_kv_heads
+        k1, v1 = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        outs = [self._finish(x, F.scaled_dot_product_attention(q, k1, v1, is_causal=True))]
+        t = feats.shape[1]
+        chain_k, chain_v = [], []  # levels 2..j: keys/values, shifted so index t is the chain of position t
+        for level in range(2, depth + 1):
+            prev = outs[-1]
+            x, q, k, v = self._project(embeds, torch.cat([feats[:, :1], prev[:, :-1]], dim=1))
+            chain_k = [F.pad(kk, (0, 0, 1, 0))[:, :, :t] for kk in chain_k] + [k.repeat_interleave(rep, 1)]
+            chain_v = [F.pad(vv, (0, 0, 1, 0))[:, :, :t] for vv in chain_v] + [v.repeat_interleave(rep, 1)]
+            scores = q @ k1.transpose(-1, -2) / math.sqrt(c.head_dim)
+            visible = torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-(level - 1))
+            scores = scores.masked_fill(~visible, float("-inf"))
+            diag = torch.stack([(q * kk).sum(-1) for kk in chain_k], dim=-1) / math.sqrt(c.head_dim)
+            weights = torch.softmax(torch.cat([scores, diag], dim=-1), dim=-1)
+            attn = weights[..., :t] @ v1 + sum(weights[..., t + i, None] * vv for i, vv in enumerate(chain_v))
+            outs.append(self._finish(x, attn))
+        return outs
+
+    def _project(self, embeds: torch.Tensor, feats: torch.Tensor):
         c = self.cfg
         b, t, _ = feats.shape
         x = self.fc(torch.cat([embeds, feats], dim=-1))
@@ -81,11 +116,12 @@ class EagleHead(nn.Module):
         k = self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope_tables(torch.arange(t), self.inv_freq, c.rope_scaling, q.dtype)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.num_kv_heads != c.num_heads)
+        return x, q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = attn.shape
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        h = _rms_norm(x, self.post_attention_layernorm, c.rms_norm_eps)
+        h = _rms_norm(x, self.post_attention_layernorm, self.cfg.rms_norm_eps)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 

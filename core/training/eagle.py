@@ -5,7 +5,9 @@ head reads (embedding of x_{t+1}, f_t + noise) and predicts f_{t+1}; the loss is
 L1 regression to the target's feature plus 0.1 x the cross-entropy of the mapped tokens
 (the frozen LM head over the draft vocabulary) against the target's own prediction at
 t + 1, EAGLE's recipe. Uniform noise on the input features teaches the head to cope with
-its own imperfect predictions, which it reads back when drafting.
+its own imperfect predictions, which it reads back when drafting; with ``unroll`` > 1 the
+head is also trained on those predictions themselves, level by level as drafting reads
+them (:meth:`EagleHead.unrolled`), the training-time test of EAGLE-3.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ CE_WEIGHT = 0.1
 
 class EagleObjective:
     def __init__(self, head: EagleHead, data: FeatureSet, embed, lm_rows: torch.Tensor, vocab_ids: torch.Tensor,
-                 vocab_size: int, window: int, noise: float):
+                 vocab_size: int, window: int, noise: float, unroll: int = 1):
         self.head, self.data, self.embed, self.lm_rows = head, data, embed, lm_rows
-        self.window = window
+        self.window, self.unroll = window, unroll
         self.labels = vocab_lookup(vocab_ids, vocab_size)[data.labels.long()]
         self.noise = noise * float(data.features[:4096].float().pow(2).mean().sqrt())
         # Windows start anywhere a full window (plus its target) fits inside one sequence.
@@ -52,33 +54,47 @@ class EagleObjective:
         return feats, embeds, d.features[idx + 1].float(), self.labels[idx + 1]
 
     def loss(self, starts: torch.Tensor) -> torch.Tensor:
+        """Feature regression plus a little cross-entropy, averaged over the unrolled levels."""
         feats, embeds, target, labels = self._batch(starts, noisy=True)
-        pred = self.head(embeds, feats)
-        regression = F.smooth_l1_loss(pred.float(), target)
-        logits = pred @ self.lm_rows.T
-        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return regression + CE_WEIGHT * ce
+        total = 0.0
+        for level, pred in enumerate(self.head.unrolled(embeds, feats, self.unroll)):
+            pred, want, lab = pred[:, level:], target[:, level:], labels[:, level:]
+            regression = F.smooth_l1_loss(pred.float(), want)
+            logits = pred @ self.lm_rows.T
+            ce = F.cross_entropy(logits.float().flatten(0, 1), lab.flatten(), ignore_index=-100)
+            total = total + regression + CE_WEIGHT * ce
+        return total / self.unroll
 
     @torch.no_grad()
-    def accuracy(self, starts: torch.Tensor) -> dict:
-        """Teacher-forced next-token accuracy of the head's draft (top-1, top-5) on held-out windows."""
-        hit1 = hit5 = total = 0
+    def accuracy(self, starts: torch.Tensor, levels: int = 3) -> dict:
+        """Next-token accuracy of the head's draft on held-out windows: top-1 and top-5 with the
+        target's features (teacher forced), and top-1 at each drafting level, where the head
+        reads its own predicted features (``top1_by_level``)."""
+        hit1, hit5, total = 0, 0, 0
+        by_level = [[0, 0] for _ in range(levels)]
         for chunk in starts.split(16):
             feats, embeds, _, labels = self._batch(chunk, noisy=False)
-            top = (self.head(embeds, feats) @ self.lm_rows.T).topk(5, dim=-1).indices
-            valid = labels >= 0
-            hit1 += int((top[..., 0] == labels)[valid].sum())
-            hit5 += int((top == labels[..., None]).any(-1)[valid].sum())
-            total += int(valid.sum())
-        return {"top1": hit1 / max(total, 1), "top5": hit5 / max(total, 1)}
+            for level, pred in enumerate(self.head.unrolled(embeds, feats, levels)):
+                top = (pred[:, level:] @ self.lm_rows.T).topk(5, dim=-1).indices
+                lab = labels[:, level:]
+                valid = lab >= 0
+                hits = (top[..., 0] == lab)[valid]
+                by_level[level][0] += int(hits.sum())
+                by_level[level][1] += int(valid.sum())
+                if level == 0:
+                    hit1 += int(hits.sum())
+                    hit5 += int((top == lab[..., None]).any(-1)[valid].sum())
+                    total += int(valid.sum())
+        return {"top1": hit1 / max(total, 1), "top5": hit5 / max(total, 1),
+                "top1_by_level": [h / max(n, 1) for h, n in by_level]}
 
 
 def train_eagle(data: FeatureSet, head: EagleHead, embed, lm_rows: torch.Tensor, vocab_ids: torch.Tensor,
-                vocab_size: int, settings: TrainSettings, window: int = 128, noise: float = 0.1,
+                vocab_size: int, settings: TrainSettings, window: int = 128, noise: float = 0.1, unroll: int = 1,
                 workdir: Path | None = None, progress: ProgressFn | None = None,
                 should_cancel: Callable[[], bool] = lambda: False, resume: bool = False):
     """Train ``head`` in place; return (held-out accuracy, steps)."""
-    objective = EagleObjective(head, data, embed, lm_rows.float(), vocab_ids, vocab_size, window, noise)
+    objective = EagleObjective(head, data, embed, lm_rows.float(), vocab_ids, vocab_size, window, noise, unroll)
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
     cut = int(eval_pos[0])
     train_starts = objective.window_starts[objective.window_starts < cut - window]

@@ -76,7 +76,7 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
 
 
 def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, *, num_heads: int = 4,
-                draft_vocab: int = 32768, intermediate: int | None = None, window: int = 128,
+                draft_vocab: int = 32768, intermediate: int | None = None, window: int = 128, unroll: int = 1,
                 workdir: Path | None = None, out: Path | None = None, resume: bool = False, command: str = "",
                 progress: Progress = lambda s, f: None, on_step: ProgressFn | None = None,
                 should_cancel: Callable[[], bool] = lambda: False) -> tuple[Path, dict]:
@@ -115,11 +115,12 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
         cfg = head_config(model.cfg, intermediate)
         head = EagleHead(cfg)
         accuracy, steps = train_eagle(features, head, model.embed, lm_rows, vocab_ids, model.info.vocab_size, settings,
-                                      window=window, workdir=workdir, progress=step_done, should_cancel=should_cancel,
+                                      window=window, unroll=unroll, workdir=workdir, progress=step_done, should_cancel=should_cancel,
                                       resume=resume)
         tensors = dict(head.state_dict())
-        manifest.update(intermediate_size=cfg.intermediate_size, window=window,
-                        accuracy={k: round(v, 4) for k, v in accuracy.items()})
+        manifest.update(intermediate_size=cfg.intermediate_size, window=window, unroll=unroll,
+                        accuracy={k: [round(a, 4) for a in v] if isinstance(v, list) else round(v, 4)
+                                  for k, v in accuracy.items()})
     else:
         raise ValueError(f"unknown head kind {kind}")
     tensors["vocab_ids"] = vocab_ids
