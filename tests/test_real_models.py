@@ -71,7 +71,8 @@ def test_autoregressive_equals_transformers_generate(draft_f32):
 
 
 def test_default_pair_speculation_is_lossless():
-    """On the default target and draft (int8 storage), every method emits greedy decoding's tokens."""
+    """On the default target and draft (int8 storage), every method emits greedy decoding's tokens,
+    and the shipped Medusa and EAGLE heads draft tokens the target accepts."""
     from core.compare import compare_methods
     from core.models import check_draft_compatible, load_model
     from core.text import encode_prompt
@@ -84,10 +85,12 @@ def test_default_pair_speculation_is_lossless():
     draft = load_model(DEFAULT_DRAFT, "cpu", dtype)
     assert check_draft_compatible(target, draft) == []
     ids = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
-    cmp = compare_methods(target, draft, ["autoregressive", "speculative", "prompt_lookup"], {}, ids,
-                          GenerationConfig(max_new_tokens=48), warmup_tokens=0)
-    assert [r["identical_to_baseline"] for r in cmp.records] == [True, True, True]
+    methods = ["autoregressive", "speculative", "prompt_lookup", "lookahead", "medusa", "eagle"]
+    cmp = compare_methods(target, draft, methods, {}, ids, GenerationConfig(max_new_tokens=48), warmup_tokens=0)
+    assert [r["identical_to_baseline"] for r in cmp.records] == [True] * len(methods)
     assert cmp.results["speculative"].metrics.mean_accepted > 1.5
+    assert cmp.results["medusa"].metrics.mean_accepted > 1.3
+    assert cmp.results["eagle"].metrics.mean_accepted > 1.3
 
 
 def test_cancelling_the_first_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
