@@ -113,3 +113,16 @@ def target_features(model, sequences):
         starts.append(starts[-1] + len(s))
     model.reset()
     return FeatureSet(torch.cat(feats), torch.cat(toks), torch.cat(labels), torch.tensor(starts))
+
+
+def sgd_steps_lower(loss_fn, params, lr: float, steps: int = 3) -> bool:
+    """Whether a few plain gradient steps on ``loss_fn()`` lower it."""
+    with torch.no_grad():
+        before = float(loss_fn())
+    opt = torch.optim.SGD(params, lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_fn().backward()
+        opt.step()
+    with torch.no_grad():
+        return float(loss_fn()) < before
