@@ -115,8 +115,8 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
         cfg = head_config(model.cfg, intermediate)
         head = EagleHead(cfg)
         accuracy, steps = train_eagle(features, head, model.embed, lm_rows, vocab_ids, model.info.vocab_size, settings,
-                                      window=window, unroll=unroll, workdir=workdir, progress=step_done, should_cancel=should_cancel,
-                                      resume=resume)
+                                      window=window, unroll=unroll, workdir=workdir, progress=step_done,
+                                      should_cancel=should_cancel, resume=resume)
         tensors = dict(head.state_dict())
         manifest.update(intermediate_size=cfg.intermediate_size, window=window, unroll=unroll,
                         accuracy={k: [round(a, 4) for a in v] if isinstance(v, list) else round(v, 4)
