@@ -78,6 +78,9 @@ class EngineWorker(QObject):
         self.target = None
         self.draft = None
         self._cache: dict[tuple, object] = {}  # (role, spec, device, dtype) -> LoadedModel
+        # (method, its config) -> the built method, kept while the models stay: building Medusa or
+        # EAGLE reads and prepares its heads, seconds a run would otherwise pay again.
+        self._methods: dict[tuple, object] = {}
 
     # -- called from the GUI thread ------------------------------------------------------------
 
@@ -117,6 +120,7 @@ class EngineWorker(QObject):
             for key in [k for k in self._cache if k not in wanted]:
                 del self._cache[key]
             self.target = self.draft = None
+            self._methods.clear()
             gc.collect()
             _empty_cuda_cache()
 
@@ -157,7 +161,11 @@ class EngineWorker(QObject):
             from core.text import encode_prompt
 
             ids = encode_prompt(self.target.tokenizer, request.prompt, request.chat_template)
-            method = build_method(request.method, request.method_config, self.target, self.draft)
+            key = (request.method, request.method_config)
+            method = self._methods.get(key)
+            if method is None:
+                method = self._methods[key] = build_method(request.method, request.method_config, self.target,
+                                                           self.draft)
             model, tok = self.target.model, self.target.tokenizer
             if request.warmup_tokens > 0 and not should_stop():
                 warm = GenerationConfig(max_new_tokens=request.warmup_tokens, sampling=request.config.sampling)

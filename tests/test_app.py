@@ -150,6 +150,25 @@ def test_loading_shows_progress_and_cancel_stops_it(qtbot, aloop, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------- runs
+def test_a_method_is_built_once_per_loaded_models_and_runs_alike_again(window, qtbot, model_dirs, monkeypatch):
+    """Run after run the worker reuses the built method (Medusa and EAGLE would otherwise read and
+    prepare their heads every time); each run still starts afresh, and loading models rebuilds."""
+    import core.methods
+
+    built = []
+    real = core.methods.build_method
+    monkeypatch.setattr(core.methods, "build_method", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    window.methods_panel.set_method("prompt_lookup")
+    first = run(qtbot, window.run_single())
+    second = run(qtbot, window.run_single())
+    assert built == ["prompt_lookup"]
+    assert second.token_ids == first.token_ids
+    assert [e.num_drafted for e in second.events] == [e.num_drafted for e in first.events]
+    run(qtbot, window.load_models(str(model_dirs["target"]), str(model_dirs["same"]), "cpu", "float32"))
+    run(qtbot, window.run_single())
+    assert built == ["prompt_lookup", "prompt_lookup"]
+
+
 @pytest.mark.parametrize("method", ["autoregressive", "speculative", "prompt_lookup"])
 def test_each_method_streams_into_the_live_view(window, qtbot, method):
     window.methods_panel.set_method(method)

@@ -223,3 +223,13 @@ def test_runs_past_the_first_cache_allocation_commit_tree_paths():
     res = run(target, "lookahead", gen=gen)
     assert res.token_ids == base.token_ids and res.metrics.mean_accepted > 1
     check_target_cache(target, res)
+
+
+def test_adaptive_prompt_lookup_starts_each_run_afresh(models):
+    """What a run learns about match lengths does not carry into the next run of the same method."""
+    target, *_ = models
+    method = build_method("prompt_lookup", PromptLookupConfig(), target)
+    method.cost = CostCurve.linear(0.05)
+    gen = GenerationConfig(max_new_tokens=60, stop_at_eos=False)
+    first, second = (drain(generate(target.model, target.tokenizer, method, PROMPT, gen)) for _ in range(2))
+    assert [e.internals.get("match") for e in second.events] == [e.internals.get("match") for e in first.events]

@@ -66,14 +66,13 @@ class PromptLookup(Method):
     def __init__(self, config: PromptLookupConfig, target=None):
         super().__init__(config)
         self.max_draft_nodes = config.num_tokens
-        self.index = NgramIndex(config.max_ngram)
         self.cost = cost_curve(target) if (config.adaptive and target is not None) else None
-        # Per match length n: accepted draft tokens and rejections (a Beta(1, 1) prior).
-        self.hits = [1.0] * (config.max_ngram + 1)
-        self.misses = [1.0] * (config.max_ngram + 1)
 
     def start(self, ctx: RunContext) -> None:
         self.index = NgramIndex(self.config.max_ngram)
+        # Per match length n: accepted draft tokens and rejections (a Beta(1, 1) prior), learnt afresh each run.
+        self.hits = [1.0] * (self.config.max_ngram + 1)
+        self.misses = [1.0] * (self.config.max_ngram + 1)
 
     def acceptance(self, n: int) -> float:
         return self.hits[n] / (self.hits[n] + self.misses[n])
