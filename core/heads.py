@@ -100,9 +100,8 @@ def resolve_heads_path(given: str, kind: str, target_spec: str) -> Path:
 
 def draft_lm_rows(target, vocab_ids: torch.Tensor, path: Path):
     """The target's frozen LM head restricted to a heads file's draft vocabulary, in the target's storage."""
-    from core.models.linear import make_linear
+    from core.models.linear import make_linear, storage_of
 
     if int(vocab_ids.max()) >= target.info.vocab_size:
         raise ModelError(f"{path}: draft vocabulary has ids beyond the target's {target.info.vocab_size} tokens")
-    storage = "int8" if target.info.dtype == "int8" else "float"
-    return make_linear(target.lm_head_weight()[vocab_ids], None, storage)
+    return make_linear(target.lm_head_weight()[vocab_ids], None, storage_of(target.info))

@@ -33,7 +33,7 @@ from core.costmodel import best_size, cost_curve
 from core.errors import ModelError
 from core.heads import draft_lm_rows, load_heads, resolve_heads_path
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
-from core.models.linear import make_linear
+from core.models.linear import make_linear, storage_of
 from core.models.native import DecoderConfig, _Layer, _rms_norm, _rotate_half, layer_forward, rope_tables
 from core.types import Draft
 
@@ -216,9 +216,8 @@ class Eagle(Method):
             raise ModelError("EAGLE needs the native Llama/Qwen2 path (the head copies the target's layer shape)")
         self.manifest = manifest
         cfg = head_config(target.cfg, manifest.get("intermediate_size"))
-        storage = "int8" if target.info.dtype == "int8" else "float"
         try:
-            self.drafter = EagleDrafter(cfg, tensors, storage, target.embed, target.info.device)
+            self.drafter = EagleDrafter(cfg, tensors, storage_of(target.info), target.embed, target.info.device)
         except (KeyError, RuntimeError) as exc:
             raise ModelError(f"{path}: weights do not fit an EAGLE head for '{target_spec}': {exc}") from None
         self.vocab_ids = tensors["vocab_ids"].to(target.info.device)

@@ -117,6 +117,11 @@ class Int8RowExactLinear:
         return self._nbytes
 
 
+def storage_of(info) -> str:
+    """The storage kind that matches a loaded model's (``ModelInfo``) weights: ``int8`` or ``float``."""
+    return "int8" if info.dtype == "int8" else "float"
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, storage: str):
     """Build the linear layer for a storage kind: ``float`` (the weight's dtype) or ``int8``."""
     if storage == "int8":

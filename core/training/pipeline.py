@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from core.heads import save_heads
+from core.models.linear import storage_of
 from core.paths import cache_dir, data_dir
 from core.training.common import ProgressFn, TrainProgress, TrainSettings
 from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_responses,
@@ -54,15 +55,14 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
         prompts = instruction_prompts(settings.answers, settings.seed)
         done = json.loads(cache.read_text())["sequences"] if cache.is_file() else []
         if len(done) < len(prompts):
-            storage = "int8" if target.model.info.dtype == "int8" else "float"
-
             def save(answers_so_far):
                 tmp = cache.with_name(cache.name + ".tmp")
                 tmp.write_text(json.dumps({"prompts": prompts[: len(answers_so_far)], "sequences": answers_so_far}))
                 tmp.replace(cache)
 
-            done = generate_responses(target.path, prompts, settings.answer_tokens, storage=storage,
-                                      progress=progress, should_cancel=should_cancel, done=done, on_batch=save)
+            done = generate_responses(target.path, prompts, settings.answer_tokens,
+                                      storage=storage_of(target.model.info), progress=progress,
+                                      should_cancel=should_cancel, done=done, on_batch=save)
         answers = done[: len(prompts)]
     sequences = sequences + answers
     features = extract_features(target.model, sequences, workdir / f"features-{settings.key()}", progress=progress,
