@@ -71,6 +71,35 @@ def _token_events(draft: Draft, verdict: Verdict, committed: list[int], pieces: 
     return events
 
 
+def _truncate(new: list[int], eos: set[int], remaining: int) -> tuple[list[int], StopReason | None]:
+    """A step's committed tokens cut at the first end-of-sequence token and at the token budget."""
+    for k, tok in enumerate(new):
+        if tok in eos:
+            return new[: k + 1], StopReason.EOS
+    if len(new) >= remaining:
+        return new[:remaining], StopReason.MAX_TOKENS
+    return new, None
+
+
+def _find_stop(text: str, pieces: list[str], stop_strings: tuple[str, ...]) -> tuple[int, int] | None:
+    """Where the first stop string completes among a step's new tokens.
+
+    ``text`` is the run's text so far, ``pieces`` the text each new token adds. Returns
+    (index of the token that completes a stop string, character offset in the run's text
+    where that stop string starts), or None. Scanning token by token makes the cut the same
+    whichever method produced the tokens, one per step or many.
+    """
+    longest = max(len(s) for s in stop_strings)
+    tail_from = max(0, len(text) - longest + 1)
+    window = text[tail_from:]
+    for k, piece in enumerate(pieces):
+        window += piece
+        hits = [window.find(s) for s in stop_strings if s in window]
+        if hits:
+            return k, tail_from + min(hits)
+    return None
+
+
 def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int], config: GenerationConfig,
              should_stop: Callable[[], bool] | None = None) -> Generator[StepEvent, None, RunResult]:
     """Decode ``prompt_ids`` with ``method``; yield one event per step, return the run."""
@@ -91,7 +120,6 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
     metrics = MetricsRecorder()
     detok = Detokenizer(tokenizer)
     events: list[StepEvent] = []
-    max_stop = max((len(s) for s in config.stop_strings), default=0)
 
     def _step() -> StepEvent:
         """One propose -> verify -> commit -> observe step; sets ``stop`` when the run must end."""
@@ -112,27 +140,20 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         kept_rows = [0] + [i + 1 for i in verdict.accepted]
         target.commit(kept_rows)
         new = [draft.tokens[i] for i in verdict.accepted] + [verdict.next_token]
-        for k, tok in enumerate(new):
-            if tok in eos:
-                new, stop = new[: k + 1], StopReason.EOS
-                break
-        if len(new) >= remaining:
-            new = new[:remaining]
-            stop = stop or StopReason.MAX_TOKENS
-        ctx.tokens.extend(new)
+        new, stop = _truncate(new, eos, remaining)
         pieces = detok.add(new)
         step_text = "".join(pieces)
-        if max_stop:
-            # A stop string may straddle steps; the text streamed so far may then already show
-            # its first characters, but the run's text ends right before it.
-            tail_from = max(0, len(text) - max_stop + 1)
-            window = text[tail_from:] + step_text
-            hits = [window.find(s) for s in config.stop_strings if s in window]
-            if hits:
-                cut = tail_from + min(hits)
-                step_text = step_text[: max(0, cut - len(text))]
-                text = text[:cut]
-                stop = StopReason.STOP_STRING
+        cut = _find_stop(text, pieces, config.stop_strings) if config.stop_strings else None
+        if cut is not None:
+            # The committed tokens end at the one that completes the stop string (every metric
+            # follows); the text ends right before the stop string. It may straddle steps, so
+            # text streamed earlier can already show its first characters.
+            end_token, end_char = cut
+            new, pieces = new[: end_token + 1], pieces[: end_token + 1]
+            step_text = "".join(pieces)[: max(0, end_char - len(text))]
+            text = text[:end_char]
+            stop = StopReason.STOP_STRING
+        ctx.tokens.extend(new)
         text += step_text
         t3 = time.perf_counter()
         if stop is None:

@@ -9,6 +9,7 @@ from core.engine import drain, generate
 from core.errors import ConfigError
 from core.methods import build_method
 from core.costmodel import CostCurve, best_size
+from core.methods.lookahead import LookaheadConfig
 from core.methods.prompt_lookup import PromptLookupConfig
 from core.methods.speculative import SpeculativeConfig
 from core.types import Fate, GenerationConfig, SamplingConfig, StopReason
@@ -144,6 +145,33 @@ def test_stop_string_truncates_text(models):
     res = run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=40, stop_strings=(stop,), stop_at_eos=False))
     assert res.stop_reason is StopReason.STOP_STRING
     assert res.text == base.text[: base.text.index(stop)]
+
+
+@pytest.mark.parametrize("name,config,draft_index", [
+    ("speculative", SpeculativeConfig(gamma=6), 2),
+    ("prompt_lookup", PromptLookupConfig(max_ngram=3, num_tokens=8, adaptive=False), None),
+    ("lookahead", LookaheadConfig(window=3, ngram=3, guesses=3), None),
+])
+def test_a_stop_string_cuts_the_tokens_of_every_method_alike(models, name, config, draft_index):
+    """Tokens drafted past the stop string are not output: ids, counts and τ follow the cut."""
+    target = models[0]
+    base = run(target, "autoregressive")
+    # A stop string completed by a token deep inside the answer, so multi-token steps overshoot it.
+    pieces = [target.tokenizer.decode([t]) for t in base.token_ids]
+    end = 17
+    stop = "".join(pieces[end - 1 : end + 1])
+    first = base.text.index(stop)
+    assert first + len(stop) == len("".join(pieces[: end + 1])), "pick a stop string that first completes at `end`"
+    gen = GenerationConfig(max_new_tokens=40, stop_strings=(stop,), stop_at_eos=False)
+    want = run(target, "autoregressive", gen=gen)
+    assert want.token_ids == base.token_ids[: end + 1] and want.text == base.text[:first]
+    draft = models[draft_index] if draft_index is not None else None
+    res = run(target, name, config, draft, gen=gen)
+    assert res.stop_reason is StopReason.STOP_STRING
+    assert res.token_ids == want.token_ids and res.text == want.text
+    assert res.metrics.new_tokens == len(want.token_ids) == sum(res.metrics.accept_lengths)
+    assert sum(len(e.committed) for e in res.events) == len(want.token_ids)
+    assert max(res.metrics.accept_lengths) > 1, "the method must have drafted multi-token steps for this to test"
 
 
 def test_cancel_returns_what_was_produced(models):
