@@ -27,6 +27,23 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) 
     return probs
 
 
+def align_vocab(logits: torch.Tensor, size: int) -> torch.Tensor:
+    """``[..., vocab]`` logits of a draft resized to the target's vocabulary of ``size`` rows.
+
+    Models that share a tokenizer may pad their embedding matrices to different sizes. Rows
+    the draft lacks get -inf (q = 0: never drafted); draft rows past the target's are dropped
+    (tokens the target cannot emit are never drafted). Either way the verifier sees a q over
+    the target's vocabulary, and stays lossless.
+    """
+    have = logits.shape[-1]
+    if have == size:
+        return logits
+    if have > size:
+        return logits[..., :size]
+    pad = logits.new_full((*logits.shape[:-1], size - have), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
 def token_probability(logits_row: torch.Tensor, token: int) -> float:
     """Plain softmax probability of ``token`` (temperature 1), for display at greedy decoding."""
     x = logits_row if logits_row.dtype == torch.float64 else logits_row.float()

@@ -1,8 +1,10 @@
 """End to end: sampling with any method draws sequences from the target's own distribution.
 
-A tiny float64 model with an 8-token vocabulary generates 2-token continuations thousands of
-times per method; the empirical distribution of the 64 possible pairs is compared with the
-exact one, computed from the target by enumeration (temperature and top-p applied).
+A tiny float64 model with an 8-token vocabulary generates 4-token continuations thousands of
+times per method, so the first step verifies drafts three tokens deep and later steps depend
+on what earlier ones accepted (adaptive γ, n-gram pools, draft caches). The empirical
+distribution of the sequences is compared with the exact one, enumerated from the target
+(temperature and top-p applied), by a chi-square test.
 """
 
 import pytest
@@ -14,14 +16,15 @@ from core.methods.lookahead import LookaheadConfig
 from core.methods.prompt_lookup import PromptLookupConfig
 from core.methods.speculative import SpeculativeConfig
 from core.sampling import probabilities
-from core.types import GenerationConfig, SamplingConfig
+from core.types import Draft, GenerationConfig, SamplingConfig
 from stats import chi_square_pvalue
-from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model
+from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model, tiny_tokenizer
 
 VOCAB = 8
 PROMPT = [4, 5, 6, 4, 5]
-SAMPLING = dict(temperature=0.8, top_p=0.9)
-TRIALS = 2500
+SAMPLING = dict(temperature=0.8, top_p=0.8)
+LENGTH = 4
+TRIALS = 3000
 
 
 @pytest.fixture(scope="module")
@@ -29,35 +32,52 @@ def target_model():
     return tiny_hf_model(seed=11, vocab=VOCAB, dtype=torch.float64)
 
 
-def exact_pairs(native) -> dict:
-    probs = {}
-    native.reset()
-    p1 = probabilities(native.forward(torch.tensor(PROMPT)).logits[-1], **SAMPLING)
-    for a in range(VOCAB):
-        if p1[a] == 0:
-            continue
+def exact_sequences(native, length: int = LENGTH) -> dict:
+    """Probability of every continuation of PROMPT of ``length`` tokens (its support only)."""
+    probs: dict = {}
+
+    def walk(prefix: list[int], prob: float) -> None:
+        if len(prefix) == len(PROMPT) + length:
+            probs[tuple(prefix[len(PROMPT):])] = prob
+            return
         native.reset()
-        p2 = probabilities(native.forward(torch.tensor(PROMPT + [a])).logits[-1], **SAMPLING)
-        for b in range(VOCAB):
-            probs[(a, b)] = float(p1[a] * p2[b])
+        p = probabilities(native.forward(torch.tensor(prefix)).logits[-1], **SAMPLING)
+        for token in torch.nonzero(p).flatten().tolist():
+            walk(prefix + [token], prob * float(p[token]))
+
+    walk(list(PROMPT), 1.0)
+    native.reset()
     return probs
 
 
-def sample_pairs(target, method) -> list:
-    out = []
-    for seed in range(TRIALS):
-        gen = GenerationConfig(max_new_tokens=2, stop_at_eos=False, sampling=SamplingConfig(seed=seed, **SAMPLING))
+def sample_sequences(target, method, length: int = LENGTH, trials: int = TRIALS) -> tuple[list, int]:
+    """``trials`` sampled continuations, and the deepest draft any step verified."""
+    out, deepest = [], 0
+    for seed in range(trials):
+        gen = GenerationConfig(max_new_tokens=length, stop_at_eos=False, sampling=SamplingConfig(seed=seed, **SAMPLING))
         res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
         out.append(tuple(res.token_ids))
-    return out
+        deepest = max([deepest] + [max(Draft(e.tree["tokens"], e.tree["parents"]).depths())
+                                    for e in res.events if e.tree])
+    return out, deepest
+
+
+def assert_samples_the_target(target, method, native, min_depth: int = 3) -> None:
+    samples, deepest = sample_sequences(target, method)
+    assert deepest >= min_depth, f"drafts reached depth {deepest} only: the test would not exercise deep verification"
+    pvalue = chi_square_pvalue(samples, exact_sequences(native))
+    assert pvalue > 1e-3, f"{method.name}: p = {pvalue:.2e}"
 
 
 @pytest.mark.parametrize("name,draft_kind,config", [
     ("autoregressive", None, None),
     ("speculative", "near", SpeculativeConfig(gamma=3)),
-    ("speculative", "bad", SpeculativeConfig(gamma=2)),
-    ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3)),
-    ("lookahead", None, LookaheadConfig(window=3, ngram=3, guesses=3)),
+    ("speculative", "bad", SpeculativeConfig(gamma=3)),
+    ("speculative", "bad", SpeculativeConfig(gamma=3, confidence=0.5)),
+    ("speculative", "near", SpeculativeConfig(gamma=3, adaptive=True, max_gamma=6)),
+    ("speculative", "smaller vocabulary", SpeculativeConfig(gamma=3)),
+    ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3, adaptive=False)),
+    ("lookahead", None, LookaheadConfig(window=3, ngram=4, guesses=3)),
 ])
 def test_method_samples_the_target_distribution(target_model, name, draft_kind, config):
     target = loaded(native_from_hf(target_model))
@@ -66,7 +86,34 @@ def test_method_samples_the_target_distribution(target_model, name, draft_kind, 
         draft = loaded(native_from_hf(perturbed_copy(target_model, 0.1)))
     elif draft_kind == "bad":
         draft = loaded(native_from_hf(tiny_hf_model(seed=99, vocab=VOCAB, layers=1, dtype=torch.float64)))
+    elif draft_kind == "smaller vocabulary":
+        # Same tokenizer, an embedding padded to fewer rows than the target's (q = 0 past them).
+        target = loaded(native_from_hf(target_model), tokenizer=tiny_tokenizer(VOCAB - 2))
+        small = tiny_hf_model(seed=99, vocab=VOCAB - 2, layers=1, dtype=torch.float64)
+        draft = loaded(native_from_hf(small), tokenizer=tiny_tokenizer(VOCAB - 2))
     method = build_method(name, config, target, draft)
-    exact = exact_pairs(native_from_hf(target_model))
-    pvalue = chi_square_pvalue(sample_pairs(target, method), exact)
-    assert pvalue > 1e-3, f"{name}: p = {pvalue:.2e}"
+    assert_samples_the_target(target, method, native_from_hf(target_model), min_depth=0 if draft_kind is None and
+                              name == "autoregressive" else 3)
+
+
+def test_a_confidence_stop_keeps_a_confident_draft_lossless():
+    """p = (0.5, 0.5), q = (0.6, 0.4), threshold 0.5.
+
+    Dropping each drawn token with q(x) < 0.5 (main before this test) proposes only the first
+    token past the first draft position, accepts it with min(1, 0.5/0.6) as if it came from
+    all of q, and so emits it there with probability 0.6 * 5/6 + 0.4 * 0.5 = 0.7, not 0.5.
+    """
+    from itertools import product
+
+    from tiny import ConstantLM
+
+    target = loaded(ConstantLM([0.5, 0.5, 0.0, 0.0]), tokenizer=tiny_tokenizer(4))
+    draft = loaded(ConstantLM([0.6, 0.4, 0.0, 0.0], name="draft"), tokenizer=tiny_tokenizer(4))
+    method = build_method("speculative", SpeculativeConfig(gamma=3, confidence=0.5), target, draft)
+    samples = []
+    for seed in range(TRIALS):
+        gen = GenerationConfig(max_new_tokens=LENGTH, stop_at_eos=False, sampling=SamplingConfig(temperature=1.0, seed=seed))
+        samples.append(tuple(drain(generate(target.model, target.tokenizer, method, [3, 3], gen)).token_ids))
+    exact = {seq: 0.5 ** LENGTH for seq in product([0, 1], repeat=LENGTH)}
+    pvalue = chi_square_pvalue(samples, exact)
+    assert pvalue > 1e-3, f"p = {pvalue:.2e}"

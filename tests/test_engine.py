@@ -261,3 +261,23 @@ def test_adaptive_prompt_lookup_starts_each_run_afresh(models):
     gen = GenerationConfig(max_new_tokens=60, stop_at_eos=False)
     first, second = (drain(generate(target.model, target.tokenizer, method, PROMPT, gen)) for _ in range(2))
     assert [e.internals.get("match") for e in second.events] == [e.internals.get("match") for e in first.events]
+
+
+@pytest.mark.parametrize("draft_rows", [60, 72])
+def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
+    """Same tokenizer, different embedding rows (a 7B target with the 0.5B draft): aligned, not a crash."""
+    from core.models import check_draft_compatible
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(60)
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, vocab=64, dtype=torch.float64)), tokenizer=tokenizer)
+    draft = loaded(native_from_hf(tiny_hf_model(seed=3, vocab=draft_rows, layers=1, dtype=torch.float64)),
+                   tokenizer=tokenizer, spec="draft")
+    warnings = check_draft_compatible(target, draft)
+    assert any(f"{draft_rows:,} vocabulary rows" in w for w in warnings)
+    base = run(target, "autoregressive")
+    res = run(target, "speculative", SpeculativeConfig(gamma=4), draft)
+    assert res.token_ids == base.token_ids
+    sampled = run(target, "speculative", SpeculativeConfig(gamma=4), draft,
+                  gen=GenerationConfig(max_new_tokens=40, stop_at_eos=False, sampling=SamplingConfig(temperature=1.0)))
+    assert len(sampled.token_ids) == 40

@@ -126,3 +126,49 @@ def sgd_steps_lower(loss_fn, params, lr: float, steps: int = 3) -> bool:
         opt.step()
     with torch.no_grad():
         return float(loss_fn()) < before
+
+
+class ConstantLM:
+    """A stand-in causal LM whose next-token distribution is the same after any context.
+
+    With a constant target, sequences are i.i.d. draws from one distribution, so exact
+    sequence probabilities are products; with a constant draft, q is fixed. The cache only
+    counts tokens.
+    """
+
+    def __init__(self, probs: list[float], name: str = "constant"):
+        from core.models.base import ModelInfo
+
+        p = torch.tensor(probs, dtype=torch.float64)
+        self.logits_row = torch.where(p > 0, p.log(), torch.tensor(float("-inf"), dtype=torch.float64))
+        self.info = ModelInfo(name=name, architecture="constant", vocab_size=len(probs), hidden_size=1, num_layers=1,
+                              num_parameters=len(probs), device="cpu", dtype="float64", backend="test",
+                              eos_token_ids=())
+        self._len = 0
+        self._pending = 0
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    def reset(self) -> None:
+        self._len = self._pending = 0
+
+    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(), logit_rows=None):
+        from core.models.base import ForwardOutput
+
+        n = len(logit_rows) if logit_rows is not None else len(torch.as_tensor(tokens).reshape(-1))
+        self._pending = len(torch.as_tensor(tokens).reshape(-1))
+        return ForwardOutput(logits=self.logits_row.expand(n, -1).clone())
+
+    def forward_chain(self, tokens, **kwargs):
+        out = self.forward(tokens, **kwargs)
+        self.commit(self._pending)
+        return out
+
+    def commit(self, keep) -> None:
+        self._len += keep if isinstance(keep, int) else len(keep)
+        self._pending = 0
+
+    def crop(self, length: int) -> None:
+        self._len = length

@@ -5,7 +5,16 @@ them in one pass. At temperature > 0 the draft *samples* each token from its dis
 q, so the verifier can accept with min(1, p/q) and resample from the residual. With
 adaptive γ, a fully accepted draft grows γ by 2 and a rejection shrinks it by 1 (the
 schedule transformers calls "heuristic"); a confidence threshold stops a draft early when
-the draft model's own probability of its next token drops below it.
+the draft model's highest next-token probability drops below it. That stop is decided from
+the draft distribution q alone, *before* a token is drawn from it: a token that was drawn is
+always proposed, so every proposed token is distributed exactly as q and min(1, p/q) stays
+lossless. (Dropping a drawn token because q(x) was small would propose from q restricted to
+its likely tokens while accepting as if from q: biased.)
+
+A draft whose vocabulary differs in size from the target's (same tokenizer, padded
+differently) is aligned to the target's: rows the draft lacks get q = 0, and draft rows the
+target lacks are never drafted. A token the target emits from rows the draft lacks is read
+by the draft as token 0: that changes only q, which the verifier sees as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import torch
 from core.errors import ConfigError
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.models.base import CausalLM
-from core.sampling import probabilities, sample
+from core.sampling import align_vocab, probabilities, sample
 from core.types import Draft
 
 
@@ -28,8 +37,8 @@ class SpeculativeConfig(MethodConfig):
                            label="adaptive γ", cli="--adaptive-gamma")
     max_gamma: int = param(16, "Upper bound for adaptive γ", label="max γ", minimum=1, maximum=64,
                           cli="--max-gamma")
-    confidence: float = param(0.0, "Stop a draft when the draft model's probability of its next token is below this "
-                              "(0 = never)", label="confidence threshold", minimum=0.0, maximum=1.0)
+    confidence: float = param(0.0, "Stop a draft when the draft model's highest next-token probability is below "
+                              "this (0 = never)", label="confidence threshold", minimum=0.0, maximum=1.0)
 
     def __post_init__(self):
         super().__post_init__()
@@ -50,7 +59,12 @@ class Speculative(Method):
         self.gamma = self.config.gamma
         self.draft_model.reset()
         if len(ctx.tokens) > 1:
-            self.draft_model.forward_chain(ctx.tokens[:-1])
+            self.draft_model.forward_chain(self._readable(ctx.tokens[:-1]))
+
+    def _readable(self, tokens: list[int]) -> list[int]:
+        """Tokens as the draft can embed them (ids past its rows become 0; see the module doc)."""
+        rows = self.draft_model.info.vocab_size
+        return [t if t < rows else 0 for t in tokens]
 
     def propose(self, ctx: RunContext, budget: int) -> Draft:
         k = min(self.gamma, budget)
@@ -58,8 +72,9 @@ class Speculative(Method):
             return Draft()
         dm = self.draft_model
         sampling = ctx.config.sampling
+        vocab = ctx.target.info.vocab_size
         # Feed what the draft cache lacks: the root, and any token the target added last step.
-        logits = dm.forward_chain(ctx.tokens[dm.cache_len:]).logits[-1]
+        logits = align_vocab(dm.forward_chain(self._readable(ctx.tokens[dm.cache_len:])).logits[-1], vocab)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         q_token: list[float] = []
@@ -67,21 +82,21 @@ class Speculative(Method):
         for j in range(k):
             if sampling.greedy:
                 probs = torch.softmax(logits.float(), -1)
-                token = int(logits.argmax())
             else:
                 probs = probabilities(logits.cpu(), sampling.temperature, sampling.top_p)
-                token = sample(probs, ctx.draft_generator)
-                q_rows.append(probs)
-            confidence = float(probs[token])
-            if j > 0 and confidence < self.config.confidence:
-                if q_rows:
-                    q_rows.pop()
+            # The stop looks at q only, never at the token about to be drawn (see the module doc).
+            if j > 0 and float(probs.max()) < self.config.confidence:
                 stopped_early = True
                 break
+            if sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                token = sample(probs, ctx.draft_generator)
+                q_rows.append(probs)
             tokens.append(token)
-            q_token.append(confidence)
+            q_token.append(float(probs[token]))
             if j < k - 1:
-                logits = dm.forward_chain([token]).logits[-1]
+                logits = align_vocab(dm.forward_chain([token]).logits[-1], vocab)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
                            q_token=q_token, info={"gamma": self.gamma, "drafted": len(tokens),
                                                   "stopped_early": stopped_early})

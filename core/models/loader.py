@@ -262,6 +262,12 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> list[str]
             "speculative decoding needs the same vocabulary"
         )
     warnings = []
+    t_rows, d_rows = target.model.info.vocab_size, draft.model.info.vocab_size
+    if t_rows != d_rows:
+        warnings.append(
+            f"draft '{draft.spec}' has {d_rows:,} vocabulary rows and target '{target.spec}' {t_rows:,} (the same "
+            f"tokenizer, padded differently): drafts are aligned to the target's rows, still lossless"
+        )
     if draft.model.info.num_parameters >= target.model.info.num_parameters:
         warnings.append(
             f"draft '{draft.spec}' ({draft.model.info.num_parameters / 1e9:.2f}B parameters) is not smaller than "
