@@ -142,6 +142,19 @@ def test_unsupported_architecture_falls_back_and_says_so(folders, capsys):
     assert json.loads(out)["target"]["backend"] == "transformers"
 
 
+def test_the_transformers_fallback_keeps_float_weights_and_refuses_int8(folders):
+    """int8 linears under float attention are not row-exact; Medusa also reads the LM head's weight."""
+    from core.errors import ModelError
+    from core.models import load_model
+
+    loaded = load_model(str(folders["mistral"]), device="cpu")
+    assert loaded.model.info.backend == "transformers" and loaded.model.info.dtype == "float32"
+    assert any("int8 is exact only on the native decoder" in n for n in loaded.notes)
+    assert loaded.model.lm_head_weight().shape[0] == loaded.model.info.vocab_size
+    with pytest.raises(ModelError, match="exact only on the native decoder"):
+        load_model(str(folders["mistral"]), device="cpu", dtype="int8")
+
+
 def test_models_list(capsys):
     code, out, _ = cli(capsys, "models", "list")
     assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "(default target)" in out

@@ -201,19 +201,35 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
             except KeyError as exc:
                 raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
         else:
+            _check_fallback_storage(spec, dtype, storage, reason, notes)
             notes.append(f"native path unavailable ({reason}); using transformers")
             log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
-            model = _load_hf(path, spec, dev, compute_dtype, storage, eos)
+            model = _load_hf(path, spec, dev, compute_dtype, eos)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
         raise ModelError(f"not enough memory to load {spec} on {dev} ({dtype}); close other programs, or on a CPU "
-                         "use --dtype int8 (a quarter of float32's memory)") from None
+                         "use --dtype int8 (linear layers in a quarter of float32's bytes; the model in about a third)") from None
     progress(f"{spec} loaded", 1.0)
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
 
 
-def _load_hf(path: Path, spec: str, device: str, dtype: torch.dtype, storage: str, eos) -> CausalLM:
+def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:
+    """The ``transformers`` fallback keeps float weights: it has no row-exact int8 path.
+
+    Its attention runs in float over int8 linears, so a verified block and a single token
+    can round differently and flip near-ties: int8 there would break exactness. Under
+    ``auto`` it runs in float32 (and says so); an explicit int8 is refused.
+    """
+    if storage != "int8":
+        return
+    if dtype == "int8":
+        raise ModelError(f"{spec}: int8 storage is exact only on the native decoder, which cannot run this model "
+                         f"({reason}); use --dtype auto or float32")
+    notes.append("float32 weights: int8 is exact only on the native decoder")
+
+
+def _load_hf(path: Path, spec: str, device: str, dtype: torch.dtype, eos) -> CausalLM:
     from transformers import AutoModelForCausalLM
 
     from core.models.hf_backend import HFCausalLM
@@ -223,8 +239,6 @@ def _load_hf(path: Path, spec: str, device: str, dtype: torch.dtype, storage: st
     except Exception as exc:
         raise ModelError(f"cannot load {spec} with transformers: {exc}") from exc
     hf.to(device)
-    if storage == "int8":
-        quantize_hf_linears(hf)
     return HFCausalLM(hf, name=spec, eos_token_ids=eos)
 
 
