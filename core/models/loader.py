@@ -210,6 +210,10 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
             raise
         raise ModelError(f"not enough memory to load {spec} on {dev} ({dtype}); close other programs, or on a CPU "
                          "use --dtype int8 (linear layers in a quarter of float32's bytes; the model in about a third)") from None
+    if compute_dtype in (torch.bfloat16, torch.float16):
+        notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
+                     "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
+                     "float32 is exact")
     progress(f"{spec} loaded", 1.0)
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
 
