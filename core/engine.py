@@ -183,7 +183,8 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
     try:
         target.reset()
         if len(prompt_ids) > 1:
-            ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden)
+            # Every prompt row's logits would go unread: the last token is the next step's root.
+            ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden, logit_rows=[])
         method.start(ctx)
         prefill_time = time.perf_counter() - t_start
     except Exception as exc:
@@ -209,7 +210,8 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
     return RunResult(
         method=method.name, method_params=method.describe(), lossy=method.lossy, prompt_ids=list(prompt_ids),
         token_ids=ctx.tokens[ctx.prompt_len:], text=text, stop_reason=stop,
-        metrics=metrics.finish(wall, prefill_time), config=config, events=events, error=error,
+        metrics=metrics.finish(wall, prefill_time, events[0].elapsed_s if events else None), config=config,
+        events=events, error=error,
     )
 
 

@@ -6,6 +6,8 @@
 * acceptance by position: for draft depth k, the share of steps that drafted depth k in
   which depth k was accepted.
 * tokens/s: new tokens / wall time, prefill included (as Spec-Bench).
+* time to first token: from the start of the run (prefill included) to the end of the first
+  step, when the first tokens are committed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class RunMetrics:
     new_tokens: int = 0
     wall_time: float = 0.0
     prefill_time: float = 0.0
+    time_to_first_token: float | None = None
     tokens_per_s: float = 0.0
     steps: int = 0
     accept_lengths: list[int] = field(default_factory=list)
@@ -59,10 +62,11 @@ class MetricsRecorder:
             if k < accepted:
                 self._pos_hit[k] += 1
 
-    def finish(self, wall_time: float, prefill_time: float) -> RunMetrics:
+    def finish(self, wall_time: float, prefill_time: float, time_to_first_token: float | None = None) -> RunMetrics:
         m = self.m
         m.wall_time = wall_time
         m.prefill_time = prefill_time
+        m.time_to_first_token = time_to_first_token
         m.tokens_per_s = m.new_tokens / wall_time if wall_time > 0 else 0.0
         m.mean_accepted = sum(m.accept_lengths) / m.steps if m.steps else 0.0
         m.acceptance_rate = m.accepted / m.drafted if m.drafted else None

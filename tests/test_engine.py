@@ -281,3 +281,18 @@ def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
     sampled = run(target, "speculative", SpeculativeConfig(gamma=4), draft,
                   gen=GenerationConfig(max_new_tokens=40, stop_at_eos=False, sampling=SamplingConfig(temperature=1.0)))
     assert len(sampled.token_ids) == 40
+
+
+def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(models):
+    target, near, *_ = models
+    asked = []
+    for model in (target.model, near.model):
+        forward = model.forward
+        model.forward = lambda *a, _f=forward, **kw: asked.append(kw.get("logit_rows")) or _f(*a, **kw)
+    try:
+        res = run(target, "speculative", SpeculativeConfig(gamma=3), near)
+    finally:
+        del target.model.forward, near.model.forward
+    assert asked[0] == [] and asked[1] == []  # the target's prefill, then the draft's
+    m = res.metrics
+    assert m.prefill_time < m.time_to_first_token == res.events[0].elapsed_s < m.wall_time

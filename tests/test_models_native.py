@@ -89,3 +89,16 @@ def test_expand_mask_full_and_block_forms():
     full = expand_mask(block, 2, 3, "cpu")
     assert full.shape == (2, 5) and full[:, :3].all() and torch.equal(full[:, 3:], block)
     assert torch.equal(expand_mask(full, 2, 3, "cpu"), full)
+
+
+def test_a_block_without_logit_rows_fills_the_cache_like_a_full_one():
+    """A prefill asks for no logits: no LM head work, the same cache for the next token."""
+    native, _ = tiny_pair(seed=5)
+    seq = torch.tensor([4, 5, 6, 7, 8, 9])
+    native.reset()
+    full = native.forward_chain(seq[:-1])
+    want = native.forward(seq[-1:]).logits
+    native.reset()
+    lean = native.forward_chain(seq[:-1], logit_rows=[])
+    assert lean.logits.shape == (0, full.logits.shape[1])
+    assert torch.equal(native.forward(seq[-1:]).logits, want)

@@ -59,7 +59,7 @@ class Speculative(Method):
         self.gamma = self.config.gamma
         self.draft_model.reset()
         if len(ctx.tokens) > 1:
-            self.draft_model.forward_chain(self._readable(ctx.tokens[:-1]))
+            self.draft_model.forward_chain(self._readable(ctx.tokens[:-1]), logit_rows=[])
 
     def _readable(self, tokens: list[int]) -> list[int]:
         """Tokens as the draft can embed them (ids past its rows become 0; see the module doc)."""

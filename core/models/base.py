@@ -85,7 +85,8 @@ class CausalLM(ABC):
             hidden: also return the final-norm hidden states (all ``n`` rows).
             layers: also return these decoder layers' outputs (0-based).
             logit_rows: compute logits only for these rows, in this order (the LM head
-                is the costliest layer per row on a CPU). Default: all rows.
+                is the costliest layer per row on a CPU); empty for none (a prefill whose
+                logits nobody reads). Default: all rows.
         """
 
     @abstractmethod

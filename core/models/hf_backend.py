@@ -31,6 +31,7 @@ class HFCausalLM(CausalLM):
         # transformers 5.x renamed ``past_key_values`` to ``cache`` in forward (old name deprecated).
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._can_skip_logits = "logits_to_keep" in params
         self.info = ModelInfo(
             name=name,
             architecture=cfg.model_type,
@@ -76,6 +77,7 @@ class HFCausalLM(CausalLM):
         additive = torch.zeros(mask.shape, dtype=self.dtype, device=self.device)
         additive.masked_fill_(~mask, torch.finfo(self.dtype).min)
         want_states = hidden or bool(layers)
+        skip = {"logits_to_keep": 1} if self._can_skip_logits and logit_rows is not None and not len(logit_rows) else {}
         out = self.model(
             input_ids=tokens,
             position_ids=positions,
@@ -83,6 +85,7 @@ class HFCausalLM(CausalLM):
             use_cache=True,
             output_hidden_states=want_states,
             **{self._cache_kwarg: self._cache},
+            **skip,
         )
         self._pending = n
         logits = out.logits[0] if logit_rows is None else out.logits[0][torch.as_tensor(logit_rows, dtype=torch.long)]

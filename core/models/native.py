@@ -359,5 +359,8 @@ class NativeDecoder(CausalLM):
         self._pending = n
         normed = self.final_norm(x)
         head_in = normed if logit_rows is None else normed[torch.as_tensor(logit_rows, dtype=torch.long)]
-        logits = self._head(head_in).float()
+        if head_in.shape[0]:
+            logits = self._head(head_in).float()
+        else:  # nobody reads them (a prefill): skip the costliest layer
+            logits = torch.empty(0, c.vocab_size, device=self.device)
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layers=layer_out)
