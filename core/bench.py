@@ -7,9 +7,13 @@ the ``autoregressive`` baseline's mean (a ratio of means, as Spec-Bench computes
 (#MAT) pools all decoding steps. Every output is compared token for token with the
 baseline's. Multi-turn questions feed each method's own earlier answer back.
 
+A run that fails (out of memory) is recorded as a failure with its message and left out of
+every speed and acceptance figure; speedups compare only questions both sides answered.
+
 Peers run the same weights and storage through ``transformers``: ``hf_generate`` (greedy
 ``generate``), ``hf_assisted`` (assisted generation with the draft model) and
-``hf_prompt_lookup`` (prompt-lookup decoding), each with transformers' defaults.
+``hf_prompt_lookup`` (prompt-lookup decoding), with SpecPlay's sampling settings and nothing
+from the model folder's ``generation_config.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from core.errors import ConfigError, SpecPlayError
+from core.atomic import write_text_atomic
+from core.errors import ConfigError, SpecPlayError, is_out_of_memory
 from core.paths import assets_dir
 
 PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
@@ -100,6 +105,7 @@ class TurnResult:
     accept_lengths: list[int] | None
     drafted: int = 0
     accepted: int = 0
+    error: str | None = None  # the turn failed (out of memory): a failure, not an answer
 
 
 class OurMethod:
@@ -117,10 +123,28 @@ class OurMethod:
 
     def run(self, prompt_ids: list[int], gen) -> TurnResult:
         from core.engine import drain, generate
+        from core.types import StopReason
 
         r = drain(generate(self.target.model, self.target.tokenizer, self.method, prompt_ids, gen))
         m = r.metrics
-        return TurnResult(r.token_ids, r.text, m.wall_time, m.accept_lengths, m.drafted, m.accepted)
+        error = (r.error or "error") if r.stop_reason is StopReason.ERROR else None
+        return TurnResult(r.token_ids, r.text, m.wall_time, m.accept_lengths, m.drafted, m.accepted, error)
+
+
+def _hf_generation_config(gen, eos: list[int], **options):
+    """A transformers ``GenerationConfig`` with every setting that shapes the output taken from ``gen``.
+
+    transformers fills unset fields from the model's ``generation_config.json`` and then from
+    its own defaults (top-k 50 when sampling), so each is set here: the peers must sample
+    from the same distribution as SpecPlay's methods (temperature and top-p only).
+    """
+    from transformers import GenerationConfig
+
+    s = gen.sampling
+    sampling = {"do_sample": False} if s.greedy else {"do_sample": True, "temperature": s.temperature,
+                                                         "top_p": s.top_p, "top_k": 0}
+    return GenerationConfig(max_new_tokens=gen.max_new_tokens, eos_token_id=eos or None, pad_token_id=(eos or [0])[0],
+                            repetition_penalty=1.0, **sampling, **options)
 
 
 class HFPeer:
@@ -130,29 +154,33 @@ class HFPeer:
         self.name = name
         self.target = target
         self.model = _hf_model(target, hf_models)
-        self.kwargs: dict = {}
+        self.assistant = None
+        self.options: dict = {}  # the strategy's own generation settings
         if name == "hf_assisted":
             if draft is None:
                 raise ConfigError("hf_assisted needs a draft model")
-            self.kwargs["assistant_model"] = _hf_model(draft, hf_models)
+            self.assistant = _hf_model(draft, hf_models)
         elif name == "hf_prompt_lookup":
-            self.kwargs["prompt_lookup_num_tokens"] = 10
+            self.options["prompt_lookup_num_tokens"] = 10
 
     def params(self) -> dict:
-        return {k: v for k, v in self.kwargs.items() if k != "assistant_model"}
+        return dict(self.options)
 
     @torch.inference_mode()
     def run(self, prompt_ids: list[int], gen) -> TurnResult:
-        s = gen.sampling
-        sampling = {"do_sample": False} if s.greedy else {"do_sample": True, "temperature": s.temperature,
-                                                             "top_p": s.top_p}
-        if not s.greedy:
-            torch.manual_seed(s.seed)
+        if not gen.sampling.greedy:
+            torch.manual_seed(gen.sampling.seed)
         ids = torch.tensor([prompt_ids])
         eos = list(self.target.model.info.eos_token_ids)
+        config = _hf_generation_config(gen, eos, **self.options)
+        assistant = {"assistant_model": self.assistant} if self.assistant is not None else {}
         t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen.max_new_tokens,
-                                  eos_token_id=eos or None, pad_token_id=(eos or [0])[0], **sampling, **self.kwargs)
+        try:
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **assistant)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            return TurnResult([], "", time.perf_counter() - t0, None, error="out of memory while generating")
         wall = time.perf_counter() - t0
         new = out[0, len(prompt_ids):].tolist()
         for k, t in enumerate(new):  # tokens after an end-of-sequence token are not output
@@ -165,7 +193,7 @@ class HFPeer:
 
 def _hf_model(loaded, cache: dict):
     """The transformers model for a LoadedModel, with the same weights and storage."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from core.models.loader import quantize_hf_linears
 
@@ -174,6 +202,9 @@ def _hf_model(loaded, cache: dict):
         info = loaded.model.info
         dtype = torch.float32 if info.dtype in ("int8", "float32") else getattr(torch, info.dtype)
         hf = AutoModelForCausalLM.from_pretrained(key, dtype=dtype).eval().to(info.device)
+        # Unset fields of a call's generation config are filled from this one, which comes from the
+        # model folder's generation_config.json (suppressed tokens, min-p, ...); a blank one keeps them out.
+        hf.generation_config = GenerationConfig()
         if info.dtype == "int8":
             quantize_hf_linears(hf)
         cache[key] = hf
@@ -182,21 +213,19 @@ def _hf_model(loaded, cache: dict):
 
 # ----------------------------------------------------------------------------- metrics
 def summarize(answers: dict[str, list[dict]], questions: list[Question], baseline: str = "autoregressive") -> dict:
-    """Per category and overall: tokens/s, speedup, τ, acceptance rate, identical outputs.
+    """Per category and overall: tokens/s, speedup, τ, acceptance rate, identical outputs, failures.
 
     ``answers[method]`` holds one record per (repeat, question) with ``category``,
     ``question_id``, ``repeat`` and per-turn ``new_tokens``, ``wall_time``, ``accept_lengths``,
-    ``token_ids``, ``drafted``, ``accepted``.
+    ``token_ids``, ``drafted``, ``accepted``, and ``error`` (a message) if the question failed.
+    Failed records count only in ``failures`` and ``errors``.
     """
     cats = sorted({q.category for q in questions})
     groups = {c: {c} for c in cats}
     if MT_BENCH & set(cats) and len(cats) > 1:
         groups["mt_bench"] = MT_BENCH & set(cats)
     groups["overall"] = set(cats)
-    base = answers.get(baseline)
-
-    def speed(rec):
-        return sum(rec["new_tokens"]) / sum(rec["wall_time"]) if sum(rec["wall_time"]) > 0 else 0.0
+    base = [r for r in answers[baseline] if not r.get("error")] if baseline in answers else None
 
     summary: dict = {}
     for method, recs in answers.items():
@@ -205,25 +234,47 @@ def summarize(answers: dict[str, list[dict]], questions: list[Question], baselin
             sel = [r for r in recs if r["category"] in members]
             if not sel:
                 continue
-            repeats = sorted({r["repeat"] for r in sel})
-            speeds = [statistics.fmean(speed(r) for r in sel if r["repeat"] == k) for k in repeats]
-            entry = {"questions": len({r["question_id"] for r in sel}), "tokens_per_s": statistics.fmean(speeds),
-                     "new_tokens": sum(sum(r["new_tokens"]) for r in sel) / len(repeats)}
-            steps = [a for r in sel for turn in (r["accept_lengths"] or []) for a in (turn or [])]
-            entry["mean_accepted"] = statistics.fmean(steps) if steps and sel[0]["accept_lengths"] else None
-            drafted = sum(r.get("drafted", 0) for r in sel)
-            entry["acceptance_rate"] = sum(r.get("accepted", 0) for r in sel) / drafted if drafted else None
+            failed = [r for r in sel if r.get("error")]
+            ok = [r for r in sel if not r.get("error")]
+            entry = {"questions": len({r["question_id"] for r in sel}), "failures": len(failed),
+                     "errors": sorted({r["error"] for r in failed}), **_speed_figures(ok)}
             if base is not None:
-                bsel = [r for r in base if r["category"] in members]
-                bspeeds = [statistics.fmean(speed(r) for r in bsel if r["repeat"] == k) for k in repeats
-                           if any(r["repeat"] == k for r in bsel)]
-                ratios = [s / b for s, b in zip(speeds, bspeeds) if b > 0]
-                entry["speedup"] = statistics.fmean(ratios) if ratios else None
-                entry["speedup_std"] = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
-                ref = {(r["repeat"], r["question_id"]): r["token_ids"] for r in bsel}
-                entry["identical"] = all(ref.get((r["repeat"], r["question_id"])) == r["token_ids"] for r in sel)
+                entry.update(_against_baseline(ok, [r for r in base if r["category"] in members]))
             summary[method][group] = entry
     return summary
+
+
+def _speed(rec: dict) -> float:
+    return sum(rec["new_tokens"]) / sum(rec["wall_time"]) if sum(rec["wall_time"]) > 0 else 0.0
+
+
+def _speed_figures(ok: list[dict]) -> dict:
+    """tokens/s (mean over repeats of the mean per-question speed), new tokens per repeat, τ, acceptance."""
+    if not ok:
+        return {"tokens_per_s": None, "new_tokens": None, "mean_accepted": None, "acceptance_rate": None}
+    repeats = sorted({r["repeat"] for r in ok})
+    speeds = [statistics.fmean(_speed(r) for r in ok if r["repeat"] == k) for k in repeats]
+    steps = [a for r in ok for turn in (r["accept_lengths"] or []) for a in (turn or [])]
+    drafted = sum(r.get("drafted", 0) for r in ok)
+    return {"tokens_per_s": statistics.fmean(speeds),
+            "new_tokens": sum(sum(r["new_tokens"]) for r in ok) / len(repeats),
+            "mean_accepted": statistics.fmean(steps) if steps and ok[0]["accept_lengths"] else None,
+            "acceptance_rate": sum(r.get("accepted", 0) for r in ok) / drafted if drafted else None}
+
+
+def _against_baseline(ok: list[dict], base_ok: list[dict]) -> dict:
+    """Speedup (per repeat, a ratio of mean speeds) and token-for-token equality, on the questions both answered."""
+    by_key = {(r["repeat"], r["question_id"]): r for r in base_ok}
+    pairs = [(r, by_key[(r["repeat"], r["question_id"])]) for r in ok if (r["repeat"], r["question_id"]) in by_key]
+    ratios = []
+    for k in sorted({r["repeat"] for r, _ in pairs}):
+        mine = [_speed(r) for r, b in pairs if r["repeat"] == k]
+        theirs = [_speed(b) for r, b in pairs if r["repeat"] == k]
+        if statistics.fmean(theirs) > 0:
+            ratios.append(statistics.fmean(mine) / statistics.fmean(theirs))
+    return {"speedup": statistics.fmean(ratios) if ratios else None,
+            "speedup_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
+            "identical": all(r["token_ids"] == b["token_ids"] for r, b in pairs) if pairs else None}
 
 
 def format_summary(summary: dict, verify_cost: dict | None = None) -> str:
@@ -234,10 +285,15 @@ def format_summary(summary: dict, verify_cost: dict | None = None) -> str:
         cells = "".join(f"{per[g]['speedup']:12.2f}x" if per.get(g, {}).get("speedup") is not None else f"{'-':>13s}"
                         for g in groups)
         o = per["overall"]
+        speed = f"{o['tokens_per_s']:9.2f}" if o["tokens_per_s"] is not None else f"{'-':>9s}"
         tau = f"{o['mean_accepted']:7.2f}" if o.get("mean_accepted") is not None else f"{'-':>7s}"
         acc = f"{o['acceptance_rate']:8.0%}" if o.get("acceptance_rate") is not None else f"{'-':>8s}"
         same = {True: "✓", False: "✗", None: "-"}[o.get("identical")]
-        lines.append(f"{method:18s}{cells}{o['tokens_per_s']:9.2f}{tau}{acc}  {same}")
+        lines.append(f"{method:18s}{cells}{speed}{tau}{acc}  {same}")
+    for method, per in summary.items():
+        o = per["overall"]
+        if o["failures"]:
+            lines.append(f"{method}: {o['failures']} failed (not counted above): {'; '.join(o['errors'])}")
     if verify_cost:
         lines.append(f"target verify cost T(8)/T(1) = {verify_cost['ratio']:.2f} "
                      f"({verify_cost['t1_ms']:.1f} ms -> {verify_cost['t8_ms']:.1f} ms at {verify_cost['context']} tokens of context)")
@@ -310,19 +366,17 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
                 if rep == 0 and qi == 0:
                     for _ in range(spec.warmup):
                         runner.run(prompt_ids([{"role": "user", "content": q.turns[0]}]), gen)
-                history: list[dict] = []
-                turns = []
-                for turn in q.turns:
-                    history.append({"role": "user", "content": turn})
-                    res = runner.run(prompt_ids(history), gen)
-                    history.append({"role": "assistant", "content": res.text})
-                    turns.append(res)
+                turns = _answer(runner, q, prompt_ids, gen)
+                error = turns[-1].error
+                if error:
+                    log(f"{name} failed on question {q.question_id}: {error}")
                 answers[name].append({
                     "question_id": q.question_id, "category": q.category, "repeat": rep,
                     "turns": [t.text for t in turns], "token_ids": [t.token_ids for t in turns],
                     "new_tokens": [len(t.token_ids) for t in turns], "wall_time": [t.wall_time for t in turns],
                     "accept_lengths": None if turns[0].accept_lengths is None else [t.accept_lengths for t in turns],
                     "drafted": sum(t.drafted for t in turns), "accepted": sum(t.accepted for t in turns),
+                    "error": error,
                 })
             done = rep * len(questions) + qi + 1
             log(f"[{done}/{spec.repeats * len(questions)}] question {q.question_id} "
@@ -332,22 +386,34 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
     return {"summary": summary, "verify_cost": verify_cost}
 
 
+def _answer(runner, q: Question, prompt_ids: Callable[[list[dict]], list[int]], gen) -> list[TurnResult]:
+    """All turns of ``q``, each fed the runner's own earlier answers; a failed turn is the last."""
+    history: list[dict] = []
+    turns = []
+    for turn in q.turns:
+        history.append({"role": "user", "content": turn})
+        res = runner.run(prompt_ids(history), gen)
+        turns.append(res)
+        if res.error:  # later turns would build on an unfinished answer
+            break
+        history.append({"role": "assistant", "content": res.text})
+    return turns
+
+
 def _write_outputs(out_dir, answers, summary, verify_cost, target, draft, spec, runners) -> None:
-    from core.runlog import environment
+    from core.runlog import environment, write_jsonl_atomic
 
     for name, recs in answers.items():
-        with open(out_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
-            for r in recs:
-                f.write(json.dumps({
-                    "question_id": r["question_id"], "category": r["category"], "answer_id": uuid.uuid4().hex,
-                    "model_id": f"{target.spec}/{name}", "repeat": r["repeat"], "method": name,
-                    "params": runners[name].params(),
-                    "choices": [{"index": 0, "turns": r["turns"], "new_tokens": r["new_tokens"],
-                                 "wall_time": r["wall_time"], "accept_lengths": r["accept_lengths"],
-                                 "decoding_steps": None if r["accept_lengths"] is None else
-                                 [len(a) for a in r["accept_lengths"]], "token_ids": r["token_ids"]}],
-                    "tstamp": time.time(),
-                }, ensure_ascii=False) + "\n")
+        write_jsonl_atomic(out_dir / f"{name}.jsonl", [{
+            "question_id": r["question_id"], "category": r["category"], "answer_id": uuid.uuid4().hex,
+            "model_id": f"{target.spec}/{name}", "repeat": r["repeat"], "method": name,
+            "params": runners[name].params(),
+            "choices": [{"index": 0, "turns": r["turns"], "new_tokens": r["new_tokens"],
+                         "wall_time": r["wall_time"], "accept_lengths": r["accept_lengths"],
+                         "decoding_steps": None if r["accept_lengths"] is None else
+                         [len(a) for a in r["accept_lengths"]], "token_ids": r["token_ids"]}],
+            "error": r["error"], "tstamp": time.time(),
+        } for r in recs])
     doc = {"summary": summary, "verify_cost": verify_cost, "baseline": "autoregressive",
            "target": target.spec, "draft": draft.spec if draft else None,
            "settings": {"methods": spec.methods, "max_new_tokens": spec.max_new_tokens,
@@ -355,7 +421,7 @@ def _write_outputs(out_dir, answers, summary, verify_cost, target, draft, spec, 
                         "warmup": spec.warmup, "repeats": spec.repeats},
            "params": {name: r.params() for name, r in runners.items()},
            "environment": environment(target.model)}
-    (out_dir / "summary.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    write_text_atomic(out_dir / "summary.json", json.dumps(doc, indent=2, default=str) + "\n")
 
 
 def check_methods(names: list[str]) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from core.atomic import replacing, write_text_atomic
 from core.errors import ModelError
 from core.paths import assets_dir
 
@@ -42,10 +43,9 @@ def save_heads(path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> 
         else:
             stored[k] = v.detach().to(torch.float16)
     stored = {k: v.contiguous() for k, v in stored.items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(stored, str(tmp), metadata={"specplay": json.dumps(manifest)})
-    tmp.replace(path)
-    path.with_suffix(".json").write_text(json.dumps(manifest, indent=2) + "\n")
+    with replacing(path) as tmp:
+        save_file(stored, str(tmp), metadata={"specplay": json.dumps(manifest)})
+    write_text_atomic(path.with_suffix(".json"), json.dumps(manifest, indent=2) + "\n")
 
 
 def load_heads(path: Path, kind: str, target) -> tuple[dict[str, torch.Tensor], dict]:

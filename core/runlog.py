@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
+from core.atomic import replacing
 from core.types import Fate, RunResult, StepEvent, StepTiming, TokenEvent
 
 
@@ -99,6 +100,7 @@ def run_record(result: RunResult, *, target, draft=None, prompt: str | None = No
         "steps": m.steps,
         "tokens_per_s": m.tokens_per_s,
         "prefill_time": m.prefill_time,
+        "time_to_first_token": m.time_to_first_token,
         "mean_accepted": m.mean_accepted,
         "mean_acceptance_length": m.mean_accepted,
         "acceptance_rate": m.acceptance_rate,
@@ -145,21 +147,9 @@ def append_jsonl(path: Path, records: Iterable[dict]) -> None:
 
 def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
     """Write records to ``path`` through a temporary file, replacing it only when complete."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in records:
-                f.write(dumps(r) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(dumps(r) + "\n")
 
 
 def read_jsonl(path: Path) -> list[dict]:

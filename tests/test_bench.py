@@ -108,3 +108,75 @@ def test_multi_turn_history_contains_the_methods_own_answer(tmp_path, monkeypatc
               max_new_tokens=5, warmup=0), tmp_path, log=lambda m: None)
     answer = json.loads((tmp_path / "autoregressive.jsonl").read_text())["choices"][0]["turns"][0]
     assert calls[-1] == ["ab", answer, "cd"]
+
+
+def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monkeypatch):
+    import torch
+
+    from core.bench import format_summary
+    from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
+
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
+    marker = target.tokenizer.convert_tokens_to_ids("z")
+    real = PromptLookup.propose
+
+    def oom_on_marked_prompts(self, ctx, budget):
+        if marker in ctx.tokens[:ctx.prompt_len]:
+            raise RuntimeError("CPU out of memory: tried to allocate 8 GiB")
+        return real(self, ctx, budget)
+
+    monkeypatch.setattr(PromptLookup, "propose", oom_on_marked_prompts)
+    questions = [Question(1, "code", ("ab cd ab",)), Question(2, "code", ("zz ab",))]
+    spec = BenchSpec(methods=["prompt_lookup"], configs={"prompt_lookup": PromptLookupConfig()}, max_new_tokens=8,
+                     chat_template=False)
+    s = run_bench(target, None, questions, spec, tmp_path, log=lambda m: None)["summary"]
+
+    lines = {name: [json.loads(x) for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+             for name in ("autoregressive", "prompt_lookup")}
+    assert [x["error"] for x in lines["autoregressive"]] == [None, None]
+    assert lines["prompt_lookup"][0]["error"] is None and "out of memory" in lines["prompt_lookup"][1]["error"]
+    got = s["prompt_lookup"]["overall"]
+    assert got["failures"] == 1 and len(got["errors"]) == 1 and "out of memory" in got["errors"][0]
+    assert s["autoregressive"]["overall"]["failures"] == 0
+
+    def speed(line):
+        c = line["choices"][0]
+        return sum(c["new_tokens"]) / sum(c["wall_time"])
+
+    # Only question 1 counts: speed, speedup against the baseline's question 1, and τ.
+    ok, base = lines["prompt_lookup"][0], lines["autoregressive"][0]
+    assert got["tokens_per_s"] == pytest.approx(speed(ok))
+    assert got["speedup"] == pytest.approx(speed(ok) / speed(base))
+    steps = ok["choices"][0]["accept_lengths"][0]
+    assert got["mean_accepted"] == pytest.approx(sum(steps) / len(steps))
+    table = format_summary(s)
+    assert "prompt_lookup: 1 failed" in table and "out of memory" in table
+
+
+def test_the_transformers_peers_ignore_the_model_folders_generation_settings(tmp_path, monkeypatch):
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    from core.bench import HFPeer
+    from core.models.loader import load_model
+    from core.types import GenerationConfig, SamplingConfig
+    from tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "m")
+    HFGenerationConfig(do_sample=True, temperature=1.3, top_p=0.5, top_k=5, repetition_penalty=1.5,
+                       eos_token_id=2).save_pretrained(str(folder))
+    target = load_model(str(folder), "cpu", "float32")
+    peer = HFPeer("hf_generate", target, None, {})
+    effective = []
+    real = peer.model._prepare_generation_config
+
+    def capture(*args, **kwargs):
+        config, model_kwargs = real(*args, **kwargs)
+        effective.append(config)
+        return config, model_kwargs
+
+    monkeypatch.setattr(peer.model, "_prepare_generation_config", capture)
+    peer.run([4, 5, 3, 6], GenerationConfig(max_new_tokens=6, sampling=SamplingConfig(temperature=0.7, top_p=0.9)))
+    config = effective[-1]
+    assert config.do_sample is True and config.temperature == 0.7 and config.top_p == 0.9
+    assert config.top_k in (0, None) and config.repetition_penalty == 1.0
+    assert config.max_new_tokens == 6 and config.eos_token_id == [2]

@@ -209,3 +209,31 @@ def test_heads_files_store_matrices_in_int8_with_row_scales(tmp_path):
     assert torch.equal(loaded_tensors["b"], bias.half().float())
     assert torch.equal(loaded_tensors["ids"], torch.arange(5))
     assert set(loaded_tensors) == {"w", "b", "ids"}
+
+
+def test_top_k_limits_the_candidates_each_head_contributes_to_the_tree(target, tmp_path):
+    heads = make_heads_file(tmp_path / "heads.safetensors")
+    wide = build_method("medusa", MedusaConfig(heads=str(heads), tree="large"), target).tree
+    narrow = build_method("medusa", MedusaConfig(heads=str(heads), tree="large", top_k=2), target).tree
+    assert max(wide.ranks) >= 2
+    assert max(narrow.ranks) == 1 and len(narrow) < len(wide)
+
+
+def test_draft_vocabulary_coverage_is_measured_on_held_out_sequences(target, tmp_path, monkeypatch):
+    """Held-out labels half of which never occur in training: the manifest must not claim 100%."""
+    import core.training.pipeline as pipeline
+    from core.training.common import split_sequences
+    from core.training.pipeline import DataSettings, train_heads
+
+    model = target.model
+    g = torch.Generator().manual_seed(0)
+    data = target_features(model, [torch.randint(3, 64, (24,), generator=g).tolist() for _ in range(10)])
+    settings = TrainSettings(steps=1, batch_size=8, eval_every=1, warmup=1, eval_fraction=0.2)
+    train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
+    data.labels[train_pos] = torch.randint(3, 30, (train_pos.numel(),), generator=g)
+    data.labels[eval_pos] = torch.where(torch.arange(eval_pos.numel()) % 2 == 0, 10, 50)  # 50: never trained on
+    monkeypatch.setattr(pipeline, "prepare_data", lambda *a: (data, {}))
+
+    _, manifest = train_heads("medusa", target, DataSettings(), settings, num_heads=2, workdir=tmp_path,
+                              out=tmp_path / "heads.safetensors")
+    assert manifest["draft_vocab_coverage"] == pytest.approx(0.5)

@@ -112,3 +112,124 @@ def test_cli_log_on_a_full_disk(tmp_path, capsys, monkeypatch):
                  "--log", str(tmp_path / "runs.jsonl")])
     _, err = capsys.readouterr()
     assert code == 1 and "No space left on device" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------ atomic writes
+def test_a_write_that_fails_half_way_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    from core.atomic import replacing
+
+    path = tmp_path / "out.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(ValueError, match="serializer"):
+        with replacing(path) as tmp:
+            tmp.write_bytes(b"half of the ne")
+            raise ValueError("serializer failed")
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
+
+
+def _full_disk(monkeypatch):
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+
+
+def test_bench_outputs_on_a_full_disk_keep_the_previous_run(target, tmp_path, monkeypatch):
+    from core.bench import BenchSpec, Question, run_bench
+
+    spec = BenchSpec(methods=["autoregressive"], max_new_tokens=4, warmup=0, chat_template=False)
+    run_bench(target, None, [Question(1, "code", ("ab",))], spec, tmp_path, log=lambda m: None)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    _full_disk(monkeypatch)
+    with pytest.raises(OSError, match="No space left"):
+        run_bench(target, None, [Question(2, "code", ("cd",))], spec, tmp_path, log=lambda m: None)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_feature_shard_that_fails_half_way_is_not_left_to_look_finished(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from core.training.data import FeatureSet
+
+    def torn(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x08\x00\x00\x00")  # the start of a safetensors header, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", torn)
+    part = FeatureSet(torch.zeros(3, 4, dtype=torch.float16), torch.arange(3), torch.arange(3), torch.tensor([0, 3]))
+    with pytest.raises(KeyboardInterrupt):
+        part.save(tmp_path / "shard-0000.safetensors")
+    assert list(tmp_path.iterdir()) == []  # extraction resumes by re-making the shard
+
+
+def test_the_heads_manifest_sidecar_is_written_atomically(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from core.heads import save_heads
+
+    path = tmp_path / "heads.safetensors"
+    manifest = {"kind": "medusa", "steps": 1}
+    save_heads(path, {"w": torch.ones(2, 2)}, manifest)
+    sidecar = path.with_suffix(".json")
+    before = sidecar.read_text()
+    real = Path.write_text
+
+    def half(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match="No space left"):
+        save_heads(path, {"w": torch.ones(2, 2)}, {**manifest, "steps": 2})
+    assert sidecar.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heads.json", "heads.safetensors"]
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def _trained_pair(seed):
+    torch.manual_seed(seed)
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    module(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def test_a_checkpoint_round_trip_restores_the_training_state(tmp_path):
+    from core.training.common import Checkpoint
+
+    ck = Checkpoint(tmp_path / "ck.pt")
+    module, optimizer = _trained_pair(0)
+    ck.save(module, optimizer, 7, {"elapsed_s": 12.5})
+    other, other_opt = _trained_pair(1)
+    step, extra = ck.load(other, other_opt)
+    assert step == 7 and extra == {"elapsed_s": 12.5}
+    assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), other.state_dict().values()))
+    assert other_opt.state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
+
+
+PLANTED = []
+
+
+def _planted_code():
+    PLANTED.append("ran")
+
+
+class _Planted:
+    def __reduce__(self):
+        return _planted_code, ()
+
+
+def test_a_checkpoint_holding_other_objects_is_refused_unrun(tmp_path):
+    from core.errors import SpecPlayError
+    from core.training.common import Checkpoint
+
+    module, optimizer = _trained_pair(0)
+    path = tmp_path / "ck.pt"
+    torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": 3,
+                "rng": torch.get_rng_state(), "extra": _Planted()}, path)
+    with pytest.raises(SpecPlayError, match="more than tensors and numbers"):
+        Checkpoint(path).load(module, optimizer)
+    assert PLANTED == []

@@ -71,8 +71,9 @@ class MedusaConfig(MethodConfig):
                        label="heads file", kind="file", cli="--heads")
     tree: str = param("auto", "Candidate tree: auto (sized to this machine's verification cost), small, large, "
                       "chain, or a JSON file with a list of rank paths", label="tree", cli="--tree")
-    top_k: int = param(10, "Candidates considered per head when choosing a tree", label="top-k", minimum=1,
-                       maximum=64, cli="--medusa-top-k")
+    top_k: int = param(10, "Candidates considered per head when choosing a tree (auto, small, large): paths "
+                       "through a lower-ranked candidate are left out", label="top-k", minimum=1, maximum=64,
+                       cli="--medusa-top-k")
     typical: bool = param(False, "Medusa's typical acceptance at temperature > 0 (LOSSY: output no longer follows "
                           "the target distribution)", label="typical acceptance", lossy=True, cli="--typical")
     posterior_threshold: float = param(0.09, "Typical acceptance: probability threshold", label="threshold",
@@ -89,9 +90,10 @@ def path_value(path: tuple[int, ...], accuracy: list[list[float]]) -> float:
     return value
 
 
-def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, target=None) -> TreeSpec:
+def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top_k: int, target=None) -> TreeSpec:
     if tree == "chain":
         return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
+    accuracy = [row[:top_k] for row in accuracy]  # the chosen tree's nodes are each head's top-k candidates
     if tree in _BUDGETS:
         return TreeSpec.from_paths(choose_tree(accuracy, _BUDGETS[tree]))
     if tree == "auto":
@@ -132,7 +134,7 @@ class Medusa(Method):
         self.heads.eval().to(device)
         self.vocab_ids = tensors["vocab_ids"].to(device)
         self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
-        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads, target)
+        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads, config.top_k, target)
         self.max_draft_nodes = len(self.tree)
         if config.typical:
             self.typical = (config.posterior_threshold, config.posterior_alpha)

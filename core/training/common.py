@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -10,7 +11,8 @@ from typing import Callable
 
 import torch
 
-from core.errors import Cancelled, ConfigError
+from core.atomic import replacing
+from core.errors import Cancelled, ConfigError, SpecPlayError
 from core.training.data import FeatureSet
 
 
@@ -76,22 +78,30 @@ def vocab_lookup(vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class Checkpoint:
-    """Resumable training state in one file, replaced atomically."""
+    """Resumable training state in one file, replaced atomically.
+
+    The file holds only tensors, dicts, lists and numbers, so it loads with
+    ``weights_only=True``: a checkpoint planted in the work folder cannot run code on resume.
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
 
-    def save(self, module: torch.nn.Module, optimizer, step: int, extra: dict) -> None:
+    def save(self, module: torch.nn.Module, optimizer, step: int, extra: dict[str, float]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        torch.save({"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "rng": torch.get_rng_state(), **extra}, tmp)
-        tmp.replace(self.path)
+        state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": int(step),
+                 "rng": torch.get_rng_state(), **{k: float(v) for k, v in extra.items()}}
+        with replacing(self.path) as tmp:
+            torch.save(state, tmp)
 
     def load(self, module: torch.nn.Module, optimizer) -> tuple[int, dict]:
         if not self.path.is_file():
             return 0, {}
-        state = torch.load(self.path, weights_only=False)
+        try:
+            state = torch.load(self.path, weights_only=True)
+        except pickle.UnpicklingError:
+            raise SpecPlayError(f"{self.path} holds more than tensors and numbers, so it is not loaded; "
+                              "delete it to train from the start") from None
         module.load_state_dict(state.pop("model"))
         optimizer.load_state_dict(state.pop("optimizer"))
         torch.set_rng_state(state.pop("rng"))

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from core.atomic import replacing
 from core.errors import Cancelled
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,10 @@ class FeatureSet:
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
-        save_file({"features": self.features.contiguous(), "tokens": self.tokens, "labels": self.labels,
-                   "starts": self.starts}, str(path))
+        # A shard on disk counts as done (extraction resumes past it), so it must never be half written.
+        with replacing(path) as tmp:
+            save_file({"features": self.features.contiguous(), "tokens": self.tokens, "labels": self.labels,
+                       "starts": self.starts}, str(tmp))
 
     @staticmethod
     def load(path: Path) -> "FeatureSet":

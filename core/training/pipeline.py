@@ -14,10 +14,11 @@ from typing import Callable
 
 import torch
 
+from core.atomic import write_text_atomic
 from core.heads import save_heads
 from core.models.linear import storage_of
 from core.paths import cache_dir, data_dir
-from core.training.common import ProgressFn, TrainProgress, TrainSettings
+from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
 from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_responses,
                                 instruction_prompts)
 
@@ -56,9 +57,8 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
         done = json.loads(cache.read_text())["sequences"] if cache.is_file() else []
         if len(done) < len(prompts):
             def save(answers_so_far):
-                tmp = cache.with_name(cache.name + ".tmp")
-                tmp.write_text(json.dumps({"prompts": prompts[: len(answers_so_far)], "sequences": answers_so_far}))
-                tmp.replace(cache)
+                write_text_atomic(cache, json.dumps({"prompts": prompts[: len(answers_so_far)],
+                                                     "sequences": answers_so_far}))
 
             done = generate_responses(target.path, prompts, settings.answer_tokens,
                                       storage=storage_of(target.model.info), progress=progress,
@@ -73,6 +73,21 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
              "sources": "Python standard library source; the target's greedy answers to instructions written "
                         "from standard-library docstrings"}
     return features, stats
+
+
+def held_out_vocabulary(features: FeatureSet, size: int, always: tuple[int, ...],
+                        eval_fraction: float) -> tuple[torch.Tensor, float]:
+    """(draft vocabulary, its coverage): built from the training sequences' labels, measured on the
+    held-out sequences the heads' accuracy is measured on.
+
+    On the labels it was built from, the coverage says nothing (any vocabulary as large as the
+    tokens seen covers 100%); on unseen text it is the share of target predictions the heads
+    can draft at all.
+    """
+    train_pos, eval_pos = split_sequences(features, eval_fraction)
+    vocab_ids = draft_vocabulary(features.labels[train_pos], size, always)
+    coverage = float(torch.isin(features.labels[eval_pos].long(), vocab_ids).float().mean())
+    return vocab_ids, coverage
 
 
 def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, *, num_heads: int = 4,
@@ -92,8 +107,8 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     out = out or default_output(kind, target.spec)
     features, stats = prepare_data(target, data, workdir, progress, should_cancel)
     model = target.model
-    vocab_ids = draft_vocabulary(features.labels, draft_vocab, always=tuple(model.info.eos_token_ids))
-    coverage = float(torch.isin(features.labels.long(), vocab_ids).float().mean())
+    vocab_ids, coverage = held_out_vocabulary(features, draft_vocab, tuple(model.info.eos_token_ids),
+                                              settings.eval_fraction)
     lm_rows = model.lm_head_weight()[vocab_ids]
     manifest = {"kind": kind, "target": target.spec, "hidden_size": model.info.hidden_size,
                 "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
