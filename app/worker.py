@@ -127,7 +127,7 @@ class EngineWorker(QObject):
             def get(role: str, spec: str):
                 key = (role, spec, request.device, request.dtype)
                 if key not in self._cache:
-                    self._cache[key] = load_model(spec, request.device, request.dtype, progress=progress,
+                    self._cache[key] = load_model(spec, request.device, request.dtype, role=role, progress=progress,
                                                   should_cancel=should_cancel)
                 return self._cache[key]
 

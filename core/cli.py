@@ -149,7 +149,7 @@ def _load_models(args, need_draft: bool):
         print(f"note: {target.spec}: {note}", file=sys.stderr)
     draft = None
     if need_draft:
-        draft = load_model(args.draft, args.device, args.dtype, backend=args.backend, progress=progress)
+        draft = load_model(args.draft, args.device, args.dtype, backend=args.backend, role="draft", progress=progress)
         for note in draft.notes:
             print(f"note: {draft.spec}: {note}", file=sys.stderr)
         for warning in check_draft_compatible(target, draft):

@@ -39,3 +39,39 @@ def test_int8_model_verifies_like_it_decodes():
     # Linear layers are exact (test above) and attention runs in float64, whose shape-dependent
     # rounding differences vanish when results return to float32.
     assert torch.equal(block, torch.cat(singles))
+
+
+def test_the_draft_int8_layer_approximates_the_float_layer_and_dequantizes():
+    from core.models.linear import Int8DraftLinear
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=g) * 0.05
+    b = torch.randn(96, generator=g)
+    lin = Int8DraftLinear(w, b)
+    x = torch.randn(3, 64, generator=g)
+    want = torch.nn.functional.linear(x, w, b)
+    assert (lin(x) - want).abs().max() < 0.05 * want.abs().max()
+    assert torch.allclose(lin.dequantized_weight(), w, atol=w.abs().max() / 127)
+
+
+def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact():
+    """int8 draft layers (not batch-invariant), float32 cache, the first 40 of 64 ids: still exact."""
+    from core.engine import drain, generate
+    from core.methods import build_method
+    from core.methods.speculative import SpeculativeConfig
+    from core.types import GenerationConfig
+    from tiny import loaded, perturbed_copy
+
+    base = tiny_hf_model(seed=0, dtype=torch.float64)
+    target = loaded(native_from_hf(base, dtype=torch.float32, storage="int8"))
+    draft_native = native_from_hf(perturbed_copy(base, 0.05), dtype=torch.float32, storage="int8-draft")
+    assert draft_native._kv.dtype == torch.float32
+    draft = loaded(draft_native)
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
+    want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
+    method = build_method("speculative", SpeculativeConfig(gamma=4, draft_vocab=40), target, draft)
+    res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+    assert res.token_ids == want.token_ids
+    assert res.metrics.accepted > 0
+

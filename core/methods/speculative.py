@@ -26,6 +26,7 @@ import torch
 from core.errors import ConfigError
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.models.base import CausalLM
+from core.models.linear import make_linear
 from core.sampling import align_vocab, probabilities, sample
 from core.types import Draft
 
@@ -39,6 +40,9 @@ class SpeculativeConfig(MethodConfig):
                           cli="--max-gamma")
     confidence: float = param(0.0, "Stop a draft when the draft model's highest next-token probability is below "
                               "this (0 = never)", label="confidence threshold", minimum=0.0, maximum=1.0)
+    draft_vocab: int = param(0, "Draft only the first N token ids, the most frequent in byte-level BPE's merge "
+                             "order (0 = all); the target still emits any token", label="draft vocabulary",
+                             minimum=0, maximum=1_000_000, cli="--draft-vocab")
 
     def __post_init__(self):
         super().__post_init__()
@@ -54,6 +58,27 @@ class Speculative(Method):
         self.draft_model = draft_model
         self.gamma = config.gamma
         self.max_draft_nodes = config.max_gamma if config.adaptive else config.gamma
+        self.head = self._reduced_head(draft_model, config.draft_vocab)
+
+    @staticmethod
+    def _reduced_head(draft_model: CausalLM, size: int):
+        """The draft's LM head cut to its first ``size`` rows, or None to use the whole head.
+
+        The LM head is a quarter of a 0.5B draft's weights; a draft vocabulary makes it cheap
+        (FR-Spec, EAGLE-3). Tokens outside it get q = 0, which the verifier handles like any q.
+        """
+        if size == 0 or size >= draft_model.info.vocab_size:
+            return None
+        weight = draft_model.lm_head_weight()[:size]
+        return make_linear(weight, None, "int8-draft" if draft_model.info.dtype == "int8" else "float")
+
+    def _next_logits(self, tokens: list[int], vocab: int) -> torch.Tensor:
+        """Feed ``tokens`` to the draft; its logits for the next token over the target's ``vocab``."""
+        dm = self.draft_model
+        if self.head is None:
+            return align_vocab(dm.forward_chain(tokens).logits[-1], vocab)
+        hidden = dm.forward_chain(tokens, hidden=True, logit_rows=[]).hidden[-1:]
+        return align_vocab(self.head(hidden.float())[0].float(), vocab)
 
     def start(self, ctx: RunContext) -> None:
         self.gamma = self.config.gamma
@@ -74,29 +99,30 @@ class Speculative(Method):
         sampling = ctx.config.sampling
         vocab = ctx.target.info.vocab_size
         # Feed what the draft cache lacks: the root, and any token the target added last step.
-        logits = align_vocab(dm.forward_chain(self._readable(ctx.tokens[dm.cache_len:])).logits[-1], vocab)
+        logits = self._next_logits(self._readable(ctx.tokens[dm.cache_len:]), vocab)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         q_token: list[float] = []
         stopped_early = False
         for j in range(k):
             if sampling.greedy:
-                probs = torch.softmax(logits.float(), -1)
+                # q of the argmax, without a full softmax: exp(max - logsumexp).
+                token = int(logits.argmax())
+                top = float(torch.exp(logits[token] - torch.logsumexp(logits, -1)))
             else:
                 probs = probabilities(logits.cpu(), sampling.temperature, sampling.top_p)
+                top = float(probs.max())
             # The stop looks at q only, never at the token about to be drawn (see the module doc).
-            if j > 0 and float(probs.max()) < self.config.confidence:
+            if j > 0 and top < self.config.confidence:
                 stopped_early = True
                 break
-            if sampling.greedy:
-                token = int(logits.argmax())
-            else:
+            if not sampling.greedy:
                 token = sample(probs, ctx.draft_generator)
                 q_rows.append(probs)
             tokens.append(token)
-            q_token.append(float(probs[token]))
+            q_token.append(top if sampling.greedy else float(probs[token]))
             if j < k - 1:
-                logits = align_vocab(dm.forward_chain([token]).logits[-1], vocab)
+                logits = self._next_logits([token], vocab)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
                            q_token=q_token, info={"gamma": self.gamma, "drafted": len(tokens),
                                                   "stopped_early": stopped_early})

@@ -44,6 +44,9 @@ class FloatLinear:
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight.float()
+
 
 @functools.lru_cache(maxsize=1)
 def int8_supported() -> bool:
@@ -116,14 +119,65 @@ class Int8RowExactLinear:
     def nbytes(self) -> int:
         return self._nbytes
 
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight as float32 ``[out, in]``, as the kernel sees it (without the pinning columns)."""
+        with torch.no_grad():
+            qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+            return qweight.dequantize()[:, :-2].contiguous()
+
+
+class Int8DraftLinear:
+    """Per-output-channel int8 weights and the kernel's own per-block activation scale.
+
+    For a draft model only: a row's result then depends on the other rows of its block, which
+    would break exact verification in a target, but a draft's numerics never affect
+    losslessness (the verifier sees the q that was actually sampled). It skips the row
+    pinning's per-call work, which matters at a draft's one row per call.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        if not int8_supported():
+            raise ConfigError("int8 storage needs torch's x86 quantized engine (fbgemm), absent on this machine")
+        w = weight.detach().to(torch.float32)
+        n, k = w.shape
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(w, scale.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+        self._out = n
+        self._nbytes = n * k + n * 4
+        self._reduce_range = not _has_vnni()
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, self._reduce_range)
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def dequantized_weight(self) -> torch.Tensor:
+        with torch.no_grad():
+            qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+            return qweight.dequantize()
+
 
 def storage_of(info) -> str:
-    """The storage kind that matches a loaded model's (``ModelInfo``) weights: ``int8`` or ``float``."""
+    """The storage kind for layers made to match a loaded model's (``ModelInfo``) weights: ``int8`` or ``float``."""
     return "int8" if info.dtype == "int8" else "float"
 
 
+#: Weight storage kinds: float (the compute dtype), row-exact int8, and int8 for drafts only.
+STORAGES = ("float", "int8", "int8-draft")
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, storage: str):
-    """Build the linear layer for a storage kind: ``float`` (the weight's dtype) or ``int8``."""
+    """Build the linear layer for a storage kind (see :data:`STORAGES`)."""
     if storage == "int8":
         return Int8RowExactLinear(weight, bias)
+    if storage == "int8-draft":
+        return Int8DraftLinear(weight, bias)
     return FloatLinear(weight, bias)

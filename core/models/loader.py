@@ -160,15 +160,26 @@ def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto",
+ROLES = ("target", "draft")
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
                progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> LoadedModel:
-    """Load ``spec`` for decoding on ``device`` with ``dtype`` (see :func:`pick_dtype`)."""
+    """Load ``spec`` for decoding on ``device`` with ``dtype`` (see :func:`pick_dtype`).
+
+    A ``draft`` model's numerics never affect losslessness (the verifier sees the q that was
+    sampled), so in int8 it takes the faster, not batch-invariant, draft layers.
+    """
+    if role not in ROLES:
+        raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
     from transformers import AutoConfig, AutoTokenizer
 
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
     dev = pick_device(device)
     compute_dtype, storage = pick_dtype(dtype, dev)
+    if role == "draft" and storage == "int8":
+        storage = "int8-draft"
     path = resolve(spec, progress, should_cancel)
     progress(f"Loading {spec}", None)
     try:
@@ -225,7 +236,7 @@ def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | N
     can round differently and flip near-ties: int8 there would break exactness. Under
     ``auto`` it runs in float32 (and says so); an explicit int8 is refused.
     """
-    if storage != "int8":
+    if not storage.startswith("int8"):
         return
     if dtype == "int8":
         raise ModelError(f"{spec}: int8 storage is exact only on the native decoder, which cannot run this model "

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
-from core.models.linear import FloatLinear, make_linear
+from core.models.linear import make_linear
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,8 @@ class NativeDecoder(CausalLM):
         """Build from weights fetched one at a time by ``get_tensor(hf_name)`` (None if absent).
 
         ``dtype`` is the compute and cache dtype; ``storage`` is ``"float"`` (weights in
-        ``dtype``) or ``"int8"`` (linear weights int8, computed in float32).
+        ``dtype``), ``"int8"`` (row-exact int8 linear weights, computed in float32) or
+        ``"int8-draft"`` (int8 for a draft model: faster, not batch-invariant).
         """
         self.cfg = cfg
         self.device = torch.device(device)
@@ -256,7 +257,7 @@ class NativeDecoder(CausalLM):
             num_layers=cfg.num_layers,
             num_parameters=n_params,
             device=str(self.device),
-            dtype="int8" if storage == "int8" else str(dtype).removeprefix("torch."),
+            dtype="int8" if storage.startswith("int8") else str(dtype).removeprefix("torch."),
             backend="native",
             eos_token_ids=tuple(eos_token_ids),
             max_positions=cfg.max_positions,
@@ -283,8 +284,9 @@ class NativeDecoder(CausalLM):
 
     @property
     def _cache_dtype(self) -> torch.dtype:
-        # int8 storage: attention runs in float64 (see forward), so the cache is kept in float64.
-        return torch.float64 if self.storage == "int8" else self.dtype
+        # Row-exact int8: attention runs in float64 (see the module doc), so the cache is kept in
+        # float64. A draft's int8 needs no exactness: float32.
+        return torch.float64 if self.storage == "int8" else self._compute_dtype
 
     @torch.inference_mode()  # the cache may have been (re)allocated inside a forward pass
     def commit(self, keep) -> None:
@@ -310,18 +312,14 @@ class NativeDecoder(CausalLM):
 
     @property
     def _compute_dtype(self) -> torch.dtype:
-        return torch.float32 if self.storage == "int8" else self.dtype
+        return torch.float32 if self.storage.startswith("int8") else self.dtype
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(hidden).float()
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output embedding as a float32 ``[vocab, hidden]`` tensor (dequantized for int8)."""
-        if isinstance(self._head, FloatLinear):
-            return self._head.weight.float()
-        with torch.no_grad():
-            qweight, _ = torch.ops.quantized.linear_unpack(self._head._packed)
-            return qweight.dequantize()[:, :-2].contiguous()
+        return self._head.dequantized_weight()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return _rms_norm(x, self.norm_weight, self.cfg.rms_norm_eps)
