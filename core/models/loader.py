@@ -220,7 +220,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         if not is_out_of_memory(exc):
             raise
         raise ModelError(f"not enough memory to load {spec} on {dev} ({dtype}); close other programs, or on a CPU "
-                         "use --dtype int8 (linear layers in a quarter of float32's bytes; the model in about a third)") from None
+                         "use --dtype int8 (linear layers in a quarter of float32's bytes; with the float32 embedding, "
+                         "about 40% of float32's memory for a 1.5B model)") from None
     if compute_dtype in (torch.bfloat16, torch.float16):
         notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
                      "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
