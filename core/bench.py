@@ -106,6 +106,7 @@ class TurnResult:
     drafted: int = 0
     accepted: int = 0
     error: str | None = None  # the turn failed (out of memory): a failure, not an answer
+    time_to_first_token: float | None = None  # seconds, prefill included (None where not measured)
 
 
 class OurMethod:
@@ -128,7 +129,8 @@ class OurMethod:
         r = drain(generate(self.target.model, self.target.tokenizer, self.method, prompt_ids, gen))
         m = r.metrics
         error = (r.error or "error") if r.stop_reason is StopReason.ERROR else None
-        return TurnResult(r.token_ids, r.text, m.wall_time, m.accept_lengths, m.drafted, m.accepted, error)
+        return TurnResult(r.token_ids, r.text, m.wall_time, m.accept_lengths, m.drafted, m.accepted, error,
+                          m.time_to_first_token)
 
 
 def _hf_generation_config(gen, eos: list[int], **options):
@@ -251,12 +253,15 @@ def _speed(rec: dict) -> float:
 def _speed_figures(ok: list[dict]) -> dict:
     """tokens/s (mean over repeats of the mean per-question speed), new tokens per repeat, τ, acceptance."""
     if not ok:
-        return {"tokens_per_s": None, "new_tokens": None, "mean_accepted": None, "acceptance_rate": None}
+        return {"tokens_per_s": None, "new_tokens": None, "mean_accepted": None, "acceptance_rate": None,
+                "time_to_first_token": None}
     repeats = sorted({r["repeat"] for r in ok})
     speeds = [statistics.fmean(_speed(r) for r in ok if r["repeat"] == k) for k in repeats]
     steps = [a for r in ok for turn in (r["accept_lengths"] or []) for a in (turn or [])]
     drafted = sum(r.get("drafted", 0) for r in ok)
+    first = [r["time_to_first_token"][0] for r in ok if (r.get("time_to_first_token") or [None])[0] is not None]
     return {"tokens_per_s": statistics.fmean(speeds),
+            "time_to_first_token": statistics.fmean(first) if first else None,
             "new_tokens": sum(sum(r["new_tokens"]) for r in ok) / len(repeats),
             "mean_accepted": statistics.fmean(steps) if steps and ok[0]["accept_lengths"] else None,
             "acceptance_rate": sum(r.get("accepted", 0) for r in ok) / drafted if drafted else None}
@@ -279,17 +284,19 @@ def _against_baseline(ok: list[dict], base_ok: list[dict]) -> dict:
 
 def format_summary(summary: dict, verify_cost: dict | None = None) -> str:
     groups = [g for g in next(iter(summary.values())) if g != "overall"] + ["overall"]
-    head = f"{'method':18s}" + "".join(f"{g[:12]:>13s}" for g in groups) + f"{'tok/s':>9s}{'τ':>7s}{'accept':>8s}  same"
+    head = (f"{'method':18s}" + "".join(f"{g[:12]:>13s}" for g in groups)
+            + f"{'tok/s':>9s}{'TTFT s':>8s}{'τ':>7s}{'accept':>8s}  same")
     lines = [head, "-" * len(head)]
     for method, per in summary.items():
         cells = "".join(f"{per[g]['speedup']:12.2f}x" if per.get(g, {}).get("speedup") is not None else f"{'-':>13s}"
                         for g in groups)
         o = per["overall"]
         speed = f"{o['tokens_per_s']:9.2f}" if o["tokens_per_s"] is not None else f"{'-':>9s}"
+        ttft = f"{o['time_to_first_token']:8.2f}" if o.get("time_to_first_token") is not None else f"{'-':>8s}"
         tau = f"{o['mean_accepted']:7.2f}" if o.get("mean_accepted") is not None else f"{'-':>7s}"
         acc = f"{o['acceptance_rate']:8.0%}" if o.get("acceptance_rate") is not None else f"{'-':>8s}"
         same = {True: "✓", False: "✗", None: "-"}[o.get("identical")]
-        lines.append(f"{method:18s}{cells}{speed}{tau}{acc}  {same}")
+        lines.append(f"{method:18s}{cells}{speed}{ttft}{tau}{acc}  {same}")
     for method, per in summary.items():
         o = per["overall"]
         if o["failures"]:
@@ -376,7 +383,7 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
                     "new_tokens": [len(t.token_ids) for t in turns], "wall_time": [t.wall_time for t in turns],
                     "accept_lengths": None if turns[0].accept_lengths is None else [t.accept_lengths for t in turns],
                     "drafted": sum(t.drafted for t in turns), "accepted": sum(t.accepted for t in turns),
-                    "error": error,
+                    "time_to_first_token": [t.time_to_first_token for t in turns], "error": error,
                 })
             done = rep * len(questions) + qi + 1
             log(f"[{done}/{spec.repeats * len(questions)}] question {q.question_id} "

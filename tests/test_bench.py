@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from core.bench import BenchSpec, Question, load_questions, run_bench, summarize
+from core.bench import BenchSpec, Question, format_summary, load_questions, run_bench, summarize
 from core.errors import ConfigError
 from tiny import loaded, native_from_hf, tiny_hf_model
 
@@ -87,6 +87,9 @@ def test_run_bench_writes_answer_files_and_feeds_answers_back(tmp_path):
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert doc["baseline"] == "autoregressive" and "verify_cost" in doc
     assert (tmp_path / "autoregressive.jsonl").is_file()
+    # Time to first token: per turn in the answers, the first turns' mean in the summary and table.
+    assert 0 < s["prompt_lookup"]["overall"]["time_to_first_token"] <= max(x["choices"][0]["wall_time"][0] for x in lines)
+    assert "TTFT s" in format_summary(s)
 
 
 def test_multi_turn_history_contains_the_methods_own_answer(tmp_path, monkeypatch):
