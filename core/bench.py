@@ -33,7 +33,8 @@ from core.errors import ConfigError, SpecPlayError, is_out_of_memory
 from core.paths import assets_dir
 
 PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
-BUILTIN_SETS = {"code": "code_prompts_dev.jsonl", "spec_bench": "spec_bench_dev.jsonl"}
+BUILTIN_SETS = {"code": "code_prompts_dev.jsonl", "spec_bench": "spec_bench_dev.jsonl",
+                "completion": "completion_dev.jsonl"}
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 

@@ -59,6 +59,7 @@ def test_question_files_are_validated_line_by_line(tmp_path):
     with pytest.raises(ConfigError, match="not valid UTF-8"):
         load_questions(str(p))
     assert len(load_questions("code")) == 32
+    assert len(load_questions("completion")) == 24
     two_each = load_questions("spec_bench", per_category=2)
     cats = {q.category for q in two_each}
     assert len(two_each) == 2 * len(cats) and len(cats) == 13
