@@ -77,6 +77,7 @@ def assert_samples_the_target(target, method, native, min_depth: int = 3) -> Non
     ("speculative", "near", SpeculativeConfig(gamma=3, adaptive=True, max_gamma=6)),
     ("speculative", "smaller vocabulary", SpeculativeConfig(gamma=3)),
     ("speculative", "near", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
+    ("speculative", "near", SpeculativeConfig(gamma=3, lookup_ngram=2)),
     ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3, adaptive=False)),
     ("lookahead", None, LookaheadConfig(window=3, ngram=4, guesses=3)),
 ])

@@ -65,6 +65,17 @@ def test_speculative_greedy_equals_autoregressive(models, gamma):
     check_target_cache(target, res)
 
 
+def test_copies_and_draft_model_proposals_mix_and_stay_exact(models):
+    target, near, *_ = models
+    base = run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False))
+    res = run(target, "speculative", SpeculativeConfig(gamma=4, lookup_ngram=2), near,
+              gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False))
+    assert res.token_ids == base.token_ids
+    sources = {e.internals.get("source") for e in res.events if e.num_drafted}
+    assert sources == {"copy", "draft"}
+    check_target_cache(target, res)
+
+
 @pytest.mark.parametrize("cfg", [SpeculativeConfig(gamma=2, adaptive=True, max_gamma=8),
                                  SpeculativeConfig(gamma=6, confidence=0.5)])
 def test_adaptive_and_confidence_drafts_stay_exact(models, cfg):

@@ -31,7 +31,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("autoregressive", "Autoregressive", AutoregressiveConfig, False,
                    lambda c, t, d: Autoregressive(c), "Plain decoding, one target token per step (the baseline)."),
         MethodSpec("speculative", "Speculative (draft model)", SpeculativeConfig, True,
-                   lambda c, t, d: Speculative(c, d.model),
+                   lambda c, t, d: Speculative(c, d.model, t.model),
                    "A small draft model proposes γ tokens; the target verifies them in one pass."),
         MethodSpec("prompt_lookup", "Prompt lookup", PromptLookupConfig, False,
                    lambda c, t, d: PromptLookup(c, t.model),

@@ -11,6 +11,12 @@ always proposed, so every proposed token is distributed exactly as q and min(1, 
 lossless. (Dropping a drawn token because q(x) was small would propose from q restricted to
 its likely tokens while accepting as if from q: biased.)
 
+With ``lookup_ngram`` the method first looks for the last N tokens earlier in the prompt or
+output and, when they occurred before, proposes a copy of what followed them (prompt
+lookup, with its learnt, cost-sized lengths): free where text repeats, as in code edits and
+completions. The draft model runs only when there is no such match, and then catches up
+on the tokens it skipped in one pass.
+
 A draft whose vocabulary differs in size from the target's (same tokenizer, padded
 differently) is aligned to the target's: rows the draft lacks get q = 0, and draft rows the
 target lacks are never drafted. A token the target emits from rows the draft lacks is read
@@ -25,6 +31,7 @@ import torch
 
 from core.errors import ConfigError
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 from core.models.base import CausalLM
 from core.models.linear import make_linear
 from core.sampling import align_vocab, probabilities, sample
@@ -40,6 +47,10 @@ class SpeculativeConfig(MethodConfig):
                           cli="--max-gamma")
     confidence: float = param(0.0, "Stop a draft when the draft model's highest next-token probability is below "
                               "this (0 = never)", label="confidence threshold", minimum=0.0, maximum=1.0)
+    lookup_ngram: int = param(0, "Propose a copy of what followed the last N tokens where they occurred before in "
+                              "the prompt or output (free), and run the draft model only when there is no such "
+                              "match (0 = always the draft)", label="copy matches of n ≥", minimum=0, maximum=16,
+                              cli="--lookup-ngram")
     draft_vocab: int = param(0, "Draft only the first N token ids, the most frequent in byte-level BPE's merge "
                              "order (0 = all); the target still emits any token", label="draft vocabulary",
                              minimum=0, maximum=1_000_000, cli="--draft-vocab")
@@ -53,12 +64,18 @@ class SpeculativeConfig(MethodConfig):
 class Speculative(Method):
     name = "speculative"
 
-    def __init__(self, config: SpeculativeConfig, draft_model: CausalLM):
+    def __init__(self, config: SpeculativeConfig, draft_model: CausalLM, target: CausalLM | None = None):
         super().__init__(config)
         self.draft_model = draft_model
         self.gamma = config.gamma
         self.max_draft_nodes = config.max_gamma if config.adaptive else config.gamma
         self.head = self._reduced_head(draft_model, config.draft_vocab)
+        # Copies of earlier text, proposed with prompt lookup's learnt, cost-sized lengths.
+        self.lookup = None
+        if config.lookup_ngram:
+            n = config.lookup_ngram
+            self.lookup = PromptLookup(PromptLookupConfig(min_ngram=n, max_ngram=max(n, 3)), target)
+            self.max_draft_nodes = max(self.max_draft_nodes, self.lookup.max_draft_nodes)
 
     @staticmethod
     def _reduced_head(draft_model: CausalLM, size: int):
@@ -82,6 +99,8 @@ class Speculative(Method):
 
     def start(self, ctx: RunContext) -> None:
         self.gamma = self.config.gamma
+        if self.lookup is not None:
+            self.lookup.start(ctx)
         self.draft_model.reset()
         if len(ctx.tokens) > 1:
             self.draft_model.forward_chain(self._readable(ctx.tokens[:-1]), logit_rows=[])
@@ -95,6 +114,11 @@ class Speculative(Method):
         k = min(self.gamma, budget)
         if k <= 0:
             return Draft()
+        if self.lookup is not None:
+            copy = self.lookup.propose(ctx, budget)
+            if len(copy):
+                copy.info["source"] = "copy"
+                return copy
         dm = self.draft_model
         sampling = ctx.config.sampling
         vocab = ctx.target.info.vocab_size
@@ -124,10 +148,14 @@ class Speculative(Method):
             if j < k - 1:
                 logits = self._next_logits([token], vocab)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
-                           q_token=q_token, info={"gamma": self.gamma, "drafted": len(tokens),
+                           q_token=q_token, info={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
                                                   "stopped_early": stopped_early})
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
+        if outcome.draft.info.get("source") == "copy":
+            # The draft model ran nothing this step; its next propose feeds what it lacks.
+            self.lookup.observe(ctx, outcome)
+            return
         accepted = len(outcome.verdict.accepted)
         drafted = len(outcome.draft)
         # The draft cache holds the old context plus every drafted token but the last; keep
