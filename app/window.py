@@ -30,15 +30,13 @@ from app.settings import AppSettings, open_settings
 from app.tokenview import FateLegend, TokenView
 from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
 from app.xray import XRayPanel
-from core.compare import annotate
+from core.compare import WARMUP_TOKENS, annotate
 from core.errors import ConfigError
 from core.history import History
 from core.methods import METHODS
 from core.types import RunResult, StepEvent
 
 log = logging.getLogger(__name__)
-
-COMPARE_WARMUP_TOKENS = 8
 
 
 class EngineFailed(Exception):
@@ -503,7 +501,7 @@ class MainWindow(QMainWindow):
         return text
 
     # ------------------------------------------------------------------------ runs
-    def _request(self, method: str) -> RunRequest:
+    def _request(self, method: str, warmup_tokens: int = 0) -> RunRequest:
         """A run request from the panels; raises ConfigError with a message for the user."""
         config = self.methods_panel.config_for(method)
         gen = self.prompt_panel.generation_config()
@@ -513,7 +511,7 @@ class MainWindow(QMainWindow):
         if METHODS[method].needs_draft and (self.models is None or self.models.draft is None):
             raise ConfigError(f"{METHODS[method].title} needs a draft model: choose one in Models and load it.")
         return RunRequest(prompt=prompt, method=method, config=gen, method_config=config,
-                          chat_template=self.prompt_panel.chat_template.isChecked())
+                          chat_template=self.prompt_panel.chat_template.isChecked(), warmup_tokens=warmup_tokens)
 
     async def _run(self, request: RunRequest, sinks: list) -> RunResult | None:
         """Send one run to the worker and wait for its result; errors are shown, and give None."""
@@ -630,7 +628,7 @@ class MainWindow(QMainWindow):
             self.show_error("Check at least one method to compare.")
             return None
         try:
-            requests = {n: self._request(n) for n in names}
+            requests = {n: self._request(n, warmup_tokens=WARMUP_TOKENS) for n in names}
         except ConfigError as exc:
             self.show_error(str(exc))
             return None

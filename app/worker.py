@@ -150,9 +150,9 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def generate(self, request: RunRequest) -> None:
+        from core import compare
         from core.engine import drain, generate
         from core.methods import build_method
-        from core.types import GenerationConfig
 
         should_stop = self._stopper(request.job)
         try:
@@ -166,11 +166,10 @@ class EngineWorker(QObject):
             if method is None:
                 method = self._methods[key] = build_method(request.method, request.method_config, self.target,
                                                            self.draft)
-            model, tok = self.target.model, self.target.tokenizer
-            if request.warmup_tokens > 0 and not should_stop():
-                warm = GenerationConfig(max_new_tokens=request.warmup_tokens, sampling=request.config.sampling)
-                drain(generate(model, tok, method, ids, warm, should_stop))
-            result = drain(generate(model, tok, method, ids, request.config, should_stop), self.sig_step.emit)
+            if not should_stop():
+                compare.warm_up(self.target, method, ids, request.config.sampling, request.warmup_tokens, should_stop)
+            result = drain(generate(self.target.model, self.target.tokenizer, method, ids, request.config, should_stop),
+                           self.sig_step.emit)
             self.sig_run_finished.emit(result)
         except Exception as exc:
             self._fail(exc)

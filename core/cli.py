@@ -325,6 +325,7 @@ def cmd_train(args) -> int:
 
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from core.compare import WARMUP_TOKENS
     from core.methods import METHODS
 
     parser = argparse.ArgumentParser(
@@ -344,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="run several methods on the same prompt and compare them")
     p.add_argument("--methods", required=True, help=f"comma-separated, from: {', '.join(METHODS)}")
-    p.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation per method (0 = none)")
+    p.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS,
+                   help="untimed warm-up generation per method (0 = none)")
     _add_generation_args(p)
     _add_model_args(p)
     add_method_options(p)

@@ -1,7 +1,10 @@
 """Run several methods on the same prompt, seed and settings, one after another, and compare.
 
 Speedup is tokens/s over the ``autoregressive`` baseline's in the same run; at temperature
-0 every output must equal the baseline's token for token.
+0 every output must equal the baseline's token for token. Each method first runs a short,
+unrecorded warm-up (:func:`warm_up`), so the first one is not timed cold (allocations,
+kernel first calls, a method's one-time calibration): the command line and the app both
+compare this way.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from typing import Callable
 from core.engine import drain, generate
 from core.methods import build_method
 from core.runlog import run_record
-from core.types import GenerationConfig, RunResult
+from core.types import GenerationConfig, RunResult, SamplingConfig
+
+#: Tokens of the untimed warm-up run before each method's timed run.
+WARMUP_TOKENS = 8
 
 
 @dataclass
@@ -33,16 +39,22 @@ def annotate(records: list[dict], greedy: bool, baseline: str = "autoregressive"
         r["identical_to_baseline"] = (r["token_ids"] == base["token_ids"]) if greedy else None
 
 
+def warm_up(target, method, prompt_ids: list[int], sampling: SamplingConfig, tokens: int = WARMUP_TOKENS,
+            should_stop: Callable[[], bool] | None = None) -> None:
+    """A short run whose result is discarded: what a timed run should not pay for the first time."""
+    if tokens > 0:
+        warm = GenerationConfig(max_new_tokens=tokens, sampling=sampling)
+        drain(generate(target.model, target.tokenizer, method, prompt_ids, warm, should_stop))
+
+
 def compare_methods(target, draft, names: list[str], configs: dict, prompt_ids: list[int], config: GenerationConfig,
-                    *, prompt: str | None = None, warmup_tokens: int = 8,
+                    *, prompt: str | None = None, warmup_tokens: int = WARMUP_TOKENS,
                     on_run: Callable[[str, RunResult], None] | None = None,
                     should_stop: Callable[[], bool] | None = None) -> Comparison:
     out = Comparison()
     for name in names:
         method = build_method(name, configs.get(name), target, draft)
-        if warmup_tokens > 0:
-            warm = GenerationConfig(max_new_tokens=warmup_tokens, sampling=config.sampling)
-            drain(generate(target.model, target.tokenizer, method, prompt_ids, warm))
+        warm_up(target, method, prompt_ids, config.sampling, warmup_tokens, should_stop)
         result = drain(generate(target.model, target.tokenizer, method, prompt_ids, config, should_stop))
         out.results[name] = result
         out.records.append(run_record(result, target=target, draft=draft, prompt=prompt))

@@ -545,6 +545,33 @@ def test_compare_fills_the_table_with_identical_flags(window, qtbot):
     assert window.internals.steps == view.steps and window.internals.step_box.value() == view.steps.index(step)
 
 
+def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, monkeypatch):
+    """The first method must not be timed cold: each runs the shared core warm-up first."""
+    import core.compare
+    import core.engine
+
+    order = []
+    real_warm_up, real_drain = core.compare.warm_up, core.engine.drain
+
+    def warm_up(target, method, prompt_ids, sampling, tokens=core.compare.WARMUP_TOKENS, should_stop=None):
+        if tokens > 0:
+            order.append(("warm-up", method.name, tokens))
+        return real_warm_up(target, method, prompt_ids, sampling, tokens, should_stop)
+
+    def drain(gen, on_event=None):
+        result = real_drain(gen, on_event)
+        if on_event is not None:  # the timed run streams its steps
+            order.append(("timed", result.method))
+        return result
+
+    monkeypatch.setattr(core.compare, "warm_up", warm_up)
+    monkeypatch.setattr(core.engine, "drain", drain)
+    run(qtbot, window.run_compare(["autoregressive", "prompt_lookup"]), timeout=60_000)
+    tokens = core.compare.WARMUP_TOKENS
+    assert order == [("warm-up", "autoregressive", tokens), ("timed", "autoregressive"),
+                     ("warm-up", "prompt_lookup", tokens), ("timed", "prompt_lookup")]
+
+
 def test_compare_table_marks_a_differing_output():
     from app.compare_view import identical_text
     from core.compare import annotate
