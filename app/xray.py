@@ -9,7 +9,7 @@ from PySide6.QtGui import QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import QFormLayout, QFrame, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from app.palette import FATE_STYLES, tint
-from core.types import Fate, StepEvent, TokenEvent
+from core.types import Fate, Rule, StepEvent, TokenEvent
 
 
 def fmt_prob(x: float | None) -> str:
@@ -27,15 +27,18 @@ def visible(text: str) -> str:
     return text.replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
 
 
+#: How each rule the verifier records decides a draft token, for the X-ray.
+RULE_TEXT = {
+    Rule.GREEDY: "greedy: accepted iff it is the target's argmax",
+    Rule.SAMPLED: "min(1, p(x) / q(x))",
+    Rule.ONE_HOT: "p(x)  (deterministic draft, one-hot q)",
+    Rule.TYPICAL: "typical acceptance (LOSSY): p(x) > min(threshold, α·exp(−H(p)))",
+}
+
+
 def accept_rule(token: TokenEvent) -> str:
-    """Which acceptance rule applied: the formula behind ``accept_prob``."""
-    if token.depth == 0:
-        return ""
-    if token.u is None:
-        return "greedy: accepted iff it is the target's argmax"
-    if token.q is None:
-        return "p(x)  (deterministic draft, one-hot q)"
-    return "min(1, p(x) / q(x))"
+    """The acceptance rule the verifier applied to this token ("" where it applied none)."""
+    return "" if token.rule is None else RULE_TEXT[token.rule]
 
 
 def explain(token: TokenEvent) -> str:
@@ -49,14 +52,18 @@ def explain(token: TokenEvent) -> str:
         return ("The draft token here was rejected; the target chose this token instead "
                 "(at temperature > 0, sampled from the residual norm(max(0, p − q))).")
     if f is Fate.ACCEPTED:
-        if token.u is None:
+        if token.rule is Rule.GREEDY:
             return "The target's greedy choice at this position equals the draft token: accepted."
+        if token.rule is Rule.TYPICAL:
+            return f"p(x) = {fmt_prob(token.p)} clears the typical-acceptance bar: accepted (lossy)."
         return f"u = {fmt_prob(token.u)} < acceptance probability {fmt_prob(token.accept_prob)}: accepted."
     # rejected
-    if token.p is None:
+    if token.rule is None:
         return "Never checked: an earlier draft token of this step was rejected."
-    if token.u is None:
+    if token.rule is Rule.GREEDY:
         return "Not the target's greedy choice at this position: rejected."
+    if token.rule is Rule.TYPICAL:
+        return f"p(x) = {fmt_prob(token.p)} is below the typical-acceptance bar: rejected."
     return f"u = {fmt_prob(token.u)} ≥ acceptance probability {fmt_prob(token.accept_prob)}: rejected."
 
 

@@ -57,7 +57,8 @@ def _token_events(draft: Draft, verdict: Verdict, committed: list[int], pieces: 
 
     def node_event(i: int, text: str) -> TokenEvent:
         return TokenEvent(token_id=draft.tokens[i], text=text, fate=verdict.fates[i], depth=depths[i], node=i,
-                          p=verdict.p[i], q=q_tok[i], u=verdict.u[i], accept_prob=verdict.accept_prob[i])
+                          p=verdict.p[i], q=q_tok[i], u=verdict.u[i], accept_prob=verdict.accept_prob[i],
+                          rule=verdict.rule[i])
 
     events = []
     for k, tok in enumerate(committed):

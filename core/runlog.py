@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from core.atomic import replacing
-from core.types import Fate, RunResult, StepEvent, StepTiming, TokenEvent
+from core.types import Fate, Rule, RunResult, StepEvent, StepTiming, TokenEvent
 
 
 def environment(model=None) -> dict:
@@ -49,7 +49,8 @@ def _model_entry(loaded) -> dict | None:
 def event_to_dict(e: StepEvent) -> dict:
     return {
         "step": e.step,
-        "tokens": [[t.token_id, t.text, t.fate.value, t.depth, t.node, t.p, t.q, t.u, t.accept_prob] for t in e.tokens],
+        "tokens": [[t.token_id, t.text, t.fate.value, t.depth, t.node, t.p, t.q, t.u, t.accept_prob,
+                    None if t.rule is None else t.rule.value] for t in e.tokens],
         "committed": e.committed, "drafted": e.num_drafted, "accepted": e.num_accepted,
         "timing": [e.timing.draft_s, e.timing.verify_s, e.timing.other_s], "elapsed": e.elapsed_s,
         "tree": e.tree, "internals": e.internals,
@@ -57,8 +58,9 @@ def event_to_dict(e: StepEvent) -> dict:
 
 
 def event_from_dict(d: dict, total_before: int = 0) -> StepEvent:
+    # Logs written before the rule was recorded have nine fields a token.
     tokens = [TokenEvent(token_id=t[0], text=t[1], fate=Fate(t[2]), depth=t[3], node=t[4], p=t[5], q=t[6], u=t[7],
-                         accept_prob=t[8]) for t in d["tokens"]]
+                         accept_prob=t[8], rule=Rule(t[9]) if len(t) > 9 and t[9] else None) for t in d["tokens"]]
     committed = list(d["committed"])
     return StepEvent(step=d["step"], tokens=tokens, committed=committed,
                      text="".join(t.text for t in tokens if t.fate is not Fate.REJECTED),

@@ -29,6 +29,15 @@ class Fate(str, Enum):
     TARGET = "target"  # the target's token in a step that drafted nothing (plain decoding)
 
 
+class Rule(str, Enum):
+    """The acceptance rule the verifier applied to a draft token."""
+
+    GREEDY = "greedy"  # temperature 0: accepted iff it is the target's argmax
+    SAMPLED = "sampled"  # drawn from q: accepted with min(1, p(x) / q(x))
+    ONE_HOT = "one_hot"  # a deterministic candidate (n-gram, head top-k): accepted with p(x)
+    TYPICAL = "typical"  # Medusa's typical acceptance (lossy): p(x) above an entropy-dependent bar
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Temperature 0 is greedy decoding; top-p is applied to target and draft alike."""
@@ -131,7 +140,8 @@ class Verdict:
     ``accepted``: the accepted root-to-node path, as draft node indices. ``next_token``: the
     target's own token after that path (bonus, resampled, or plain). Per draft node:
     ``fates``, the target probability ``p`` of its token (where it was evaluated), the draw
-    ``u`` and the acceptance probability that decided it.
+    ``u``, the acceptance probability that decided it and the ``rule`` that gave that
+    probability (None where the node was never evaluated).
     """
 
     accepted: list[int]
@@ -142,6 +152,7 @@ class Verdict:
     p: list[float | None]
     u: list[float | None]
     accept_prob: list[float | None]
+    rule: list[Rule | None]
 
 
 @dataclass
@@ -157,11 +168,13 @@ class TokenEvent:
     q: float | None = None
     u: float | None = None
     accept_prob: float | None = None
+    rule: Rule | None = None  # how accept_prob was decided (draft tokens the verifier evaluated)
 
     def to_dict(self) -> dict:
         return {
             "token_id": self.token_id, "text": self.text, "fate": self.fate.value, "depth": self.depth,
             "node": self.node, "p": self.p, "q": self.q, "u": self.u, "accept_prob": self.accept_prob,
+            "rule": None if self.rule is None else self.rule.value,
         }
 
 

@@ -32,7 +32,7 @@ import math
 import torch
 
 from core.sampling import probabilities, sample, token_probability, uniform
-from core.types import Draft, Fate, SamplingConfig, Verdict
+from core.types import Draft, Fate, Rule, SamplingConfig, Verdict
 
 
 def _children(draft: Draft) -> dict[int, list[int]]:
@@ -91,8 +91,9 @@ def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
         node = nxt
     next_fate = _next_fate(n, kids, node)
     accept_prob = [None if pi is None else (1.0 if f is Fate.ACCEPTED else 0.0) for pi, f in zip(p, fates)]
+    rule = [None if pi is None else Rule.GREEDY for pi in p]
     return Verdict(accepted=path, next_token=best, next_fate=next_fate, next_p=next_p, fates=fates, p=p,
-                   u=[None] * n, accept_prob=accept_prob)
+                   u=[None] * n, accept_prob=accept_prob, rule=rule)
 
 
 def verify_sampling(draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig,
@@ -142,9 +143,10 @@ def verify_sampling(draft: Draft, target_logits: torch.Tensor, sampling: Samplin
         fates[accepted] = Fate.ACCEPTED
         path.append(accepted)
         node = accepted
+    rule = [None if a is None else (Rule.SAMPLED if draft.sampled else Rule.ONE_HOT) for a in a_out]
     return Verdict(accepted=path, next_token=next_token, next_fate=_next_fate(n, kids, node),
                    next_p=float(p_first[next_token]),
-                   fates=fates, p=p_out, u=u_out, accept_prob=a_out)
+                   fates=fates, p=p_out, u=u_out, accept_prob=a_out, rule=rule)
 
 
 def verify_typical(draft: Draft, target_logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator,
@@ -182,4 +184,5 @@ def verify_typical(draft: Draft, target_logits: torch.Tensor, sampling: Sampling
         path.append(accepted)
         node = accepted
     return Verdict(accepted=path, next_token=next_token, next_fate=_next_fate(n, kids, node), next_p=float(p[next_token]),
-                   fates=fates, p=p_out, u=[None] * n, accept_prob=a_out)
+                   fates=fates, p=p_out, u=[None] * n, accept_prob=a_out,
+                   rule=[None if a is None else Rule.TYPICAL for a in a_out])

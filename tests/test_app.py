@@ -24,7 +24,7 @@ from PySide6.QtGui import QTextCursor  # noqa: E402
 qasync = pytest.importorskip("qasync")
 from tiny import save_tiny_model  # noqa: E402
 
-from core.types import Fate, StepEvent, StepTiming, TokenEvent  # noqa: E402
+from core.types import Fate, Rule, StepEvent, StepTiming, TokenEvent  # noqa: E402
 
 TIMEOUT = 30_000
 
@@ -268,8 +268,10 @@ def _step(tokens, step=3, tree=None, internals=None):
 
 
 KNOWN = [
-    TokenEvent(11, "alpha", Fate.ACCEPTED, depth=1, node=0, p=0.8125, q=0.5, u=0.25, accept_prob=1.0),
-    TokenEvent(12, "beta", Fate.REJECTED, depth=2, node=1, p=0.125, q=0.5, u=0.75, accept_prob=0.25),
+    TokenEvent(11, "alpha", Fate.ACCEPTED, depth=1, node=0, p=0.8125, q=0.5, u=0.25, accept_prob=1.0,
+               rule=Rule.SAMPLED),
+    TokenEvent(12, "beta", Fate.REJECTED, depth=2, node=1, p=0.125, q=0.5, u=0.75, accept_prob=0.25,
+               rule=Rule.SAMPLED),
     TokenEvent(13, "gamma", Fate.RESAMPLED, depth=0, node=-1, p=0.375),
     TokenEvent(14, "delta", Fate.BONUS, depth=0, node=-1, p=0.9),
     TokenEvent(15, "eps", Fate.TARGET, depth=0, node=-1, p=0.6),
@@ -329,15 +331,20 @@ def test_hovering_a_token_shows_its_xray(qtbot):
     assert view.span_at(QPoint(490, 190)) is None
 
 
-def test_xray_rules_for_deterministic_and_greedy_drafts():
+def test_xray_shows_the_rule_the_verifier_recorded():
     from app.xray import accept_rule, explain
 
-    det = TokenEvent(5, "x", Fate.REJECTED, depth=1, node=0, p=0.2, q=None, u=0.9, accept_prob=0.2)
-    greedy = TokenEvent(5, "x", Fate.ACCEPTED, depth=1, node=0, p=0.7, q=0.6, u=None, accept_prob=1.0)
+    # A deterministic candidate that still carries the draft's own probability q (EAGLE, Medusa at
+    # temperature > 0): the rule is p(x), not min(1, p/q).
+    det = TokenEvent(5, "x", Fate.REJECTED, depth=1, node=0, p=0.2, q=0.7, u=0.9, accept_prob=0.2, rule=Rule.ONE_HOT)
+    greedy = TokenEvent(5, "x", Fate.ACCEPTED, depth=1, node=0, p=0.7, q=0.6, u=None, accept_prob=1.0,
+                        rule=Rule.GREEDY)
+    typical = TokenEvent(5, "x", Fate.ACCEPTED, depth=1, node=0, p=0.4, u=None, accept_prob=1.0, rule=Rule.TYPICAL)
     unreached = TokenEvent(5, "x", Fate.REJECTED, depth=3, node=2)
     assert accept_rule(det).startswith("p(x)") and "0.9000 ≥" in explain(det)
     assert "greedy" in accept_rule(greedy) and "greedy choice" in explain(greedy)
-    assert "Never checked" in explain(unreached)
+    assert "LOSSY" in accept_rule(typical) and "typical-acceptance bar: accepted" in explain(typical)
+    assert accept_rule(unreached) == "" and "Never checked" in explain(unreached)
 
 
 # ----------------------------------------------------------------------------------- internals

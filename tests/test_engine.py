@@ -307,3 +307,20 @@ def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(
     assert asked[0] == [] and asked[1] == []  # the target's prefill, then the draft's
     m = res.metrics
     assert m.prefill_time < m.time_to_first_token == res.events[0].elapsed_s < m.wall_time
+
+
+def test_token_events_and_run_logs_carry_the_rule_per_draft_token(models):
+    """Deterministic candidates carry a display q, yet are verified as one-hot: the event says so."""
+    from core.runlog import event_from_dict, event_to_dict
+    from core.types import Rule
+
+    target, near, *_ = models
+    sampled = GenerationConfig(max_new_tokens=30, stop_at_eos=False, sampling=SamplingConfig(temperature=0.9))
+    cases = [("prompt_lookup", PromptLookupConfig(adaptive=False), None, Rule.ONE_HOT),
+             ("speculative", SpeculativeConfig(gamma=3), near, Rule.SAMPLED)]
+    for name, config, draft, rule in cases:
+        res = run(target, name, config, draft, gen=sampled)
+        drafted = [t for e in res.events for t in e.tokens if t.node >= 0 and t.accept_prob is not None]
+        assert drafted and {t.rule for t in drafted} == {rule}
+        again = [event_from_dict(event_to_dict(e)) for e in res.events]
+        assert [t.rule for e in again for t in e.tokens] == [t.rule for e in res.events for t in e.tokens]

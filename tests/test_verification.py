@@ -10,7 +10,7 @@ import torch
 
 from core.sampling import probabilities
 from core.tree import TreeSpec
-from core.types import Draft, Fate, SamplingConfig
+from core.types import Draft, Fate, Rule, SamplingConfig
 from core.verification import verify, verify_greedy, verify_sampling
 from stats import chi_square_pvalue
 
@@ -170,6 +170,22 @@ def test_verdict_reports_p_q_u_for_the_xray():
     assert v.accept_prob[0] == pytest.approx(min(1.0, float(p0[1]) / float(q[0, 1])))
     assert 0.0 <= v.u[0] < 1.0
     assert (v.u[0] < v.accept_prob[0]) == (v.fates[0] is Fate.ACCEPTED)
+
+
+def test_the_verdict_records_the_rule_applied_to_each_evaluated_node():
+    """The verifier knows which rule decided a node; unevaluated nodes have none."""
+    logits = _rows(9, 4)
+    gen = torch.Generator().manual_seed(0)
+    q = probabilities(_rows(10, 3), 1.0)
+    wrong_first = Draft.chain([int(logits[0].argmax()) - 1 if int(logits[0].argmax()) else 1, 2, 3])
+    greedy = verify(wrong_first, logits, SamplingConfig())
+    assert greedy.rule == [Rule.GREEDY, None, None]  # the first was rejected: the rest never evaluated
+    sampled = verify(Draft.chain([1, 2, 3], sampled=True, q=q), logits, SamplingConfig(temperature=1.0), gen)
+    one_hot = verify(Draft.chain([1, 2, 3], q_token=[0.9, 0.9, 0.9]), logits, SamplingConfig(temperature=1.0), gen)
+    typical = verify(Draft.chain([1, 2, 3]), logits, SamplingConfig(temperature=1.0), gen, typical=(0.3, 0.1))
+    for verdict, rule in ((sampled, Rule.SAMPLED), (one_hot, Rule.ONE_HOT), (typical, Rule.TYPICAL)):
+        evaluated = [a is not None for a in verdict.accept_prob]
+        assert verdict.rule == [rule if e else None for e in evaluated] and evaluated[0]
 
 
 def test_sampling_needs_a_generator():
