@@ -238,10 +238,22 @@ def cmd_compare(args) -> int:
 
     comparison = compare_methods(target, draft, names, configs, ids, gen_config, prompt=prompt,
                                  warmup_tokens=args.warmup_tokens, on_run=progress)
+    doc = {"runs": comparison.records, "baseline": "autoregressive"}
+    why = None
+    if args.why and not any(r.error or r.cancelled for r in comparison.results.values()):
+        from core.costmodel import cost_curve
+        from core.whyspeed import explain, format_explanation
+
+        curve = cost_curve(target.model)
+        why = explain(comparison.records, curve)
+        doc["why"] = {"verify_cost": curve.to_dict(), "methods": [e.to_dict() for e in why]}
     if args.json:
-        print(dumps({"runs": comparison.records, "baseline": "autoregressive"}))
+        print(dumps(doc))
     else:
         print(format_table(comparison.records))
+        if why is not None:
+            print()
+            print(format_explanation(why, curve))
     if args.log:
         _write_log(args.log, comparison.records_with_events)
     failed = [r for r in comparison.results.values() if r.error]
@@ -347,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", required=True, help=f"comma-separated, from: {', '.join(METHODS)}")
     p.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS,
                    help="untimed warm-up generation per method (0 = none)")
+    p.add_argument("--why", action="store_true",
+                   help="also explain each speed: this machine's verify cost curve, each method's step cost in "
+                        "plain steps, the speedup that predicts against the one measured, and the break-even draft cost")
     _add_generation_args(p)
     _add_model_args(p)
     add_method_options(p)

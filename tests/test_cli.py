@@ -71,6 +71,16 @@ def test_compare_table(folders, capsys):
     assert "speedup" in out and "✓" in out
 
 
+def test_compare_explains_why_each_method_is_as_fast_as_it_is(folders, capsys):
+    code, out, err = cli(capsys, "compare", "--methods", "speculative,prompt_lookup", "--why", *base_args(folders))
+    assert code == 0, err
+    assert "Why this speed" in out and "verify cost T(n)/T(1)" in out and "break-even" in out
+    code, out, _ = cli(capsys, "compare", "--methods", "speculative", "--why", "--json", *base_args(folders))
+    why = json.loads(out)["why"]
+    assert [m["method"] for m in why["methods"]] == ["autoregressive", "speculative"]
+    assert why["verify_cost"]["1"] == 1.0 and why["methods"][1]["predicted_speedup"] > 0
+
+
 @pytest.mark.parametrize("args,message", [
     (["--method", "speculative", "--gamma", "0"], "γ must be >= 1"),
     (["--temperature", "-1"], "temperature must be"),
