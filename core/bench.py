@@ -13,7 +13,8 @@ every speed and acceptance figure; speedups compare only questions both sides an
 Peers run the same weights and storage through ``transformers``: ``hf_generate`` (greedy
 ``generate``), ``hf_assisted`` (assisted generation with the draft model) and
 ``hf_prompt_lookup`` (prompt-lookup decoding), with SpecPlay's sampling settings and nothing
-from the model folder's ``generation_config.json``.
+from the model folder's ``generation_config.json``. With the ``peers`` extra, llama.cpp runs
+the target's GGUF file: ``llamacpp_generate`` (plain decoding) and ``llamacpp_prompt_lookup``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from core.atomic import write_text_atomic
 from core.errors import ConfigError, SpecPlayError, is_out_of_memory
 from core.paths import assets_dir
 
-PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
+HF_PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
+LLAMACPP_PEERS = ("llamacpp_generate", "llamacpp_prompt_lookup")
+PEERS = HF_PEERS + LLAMACPP_PEERS
 BUILTIN_SETS = {"code": "code_prompts_dev.jsonl", "spec_bench": "spec_bench_dev.jsonl",
                 "completion": "completion_dev.jsonl"}
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -192,6 +195,66 @@ class HFPeer:
                 break
         text = self.target.tokenizer.decode(new, skip_special_tokens=True)
         return TurnResult(new, text, wall, None)
+
+
+class LlamaCppPeer:
+    """llama.cpp (through ``llama-cpp-python``, the ``peers`` extra) on the target's GGUF file.
+
+    The C++ CPU engine users pick for speed: plain decoding, or with its prompt-lookup draft.
+    It reads the Q4_K_M weights as shipped (fewer bytes a token than SpecPlay's int8) and is
+    not batch-invariant, so it is a peer to measure against, not an exact verifier. It gets
+    the same prompt tokens (chat template applied by SpecPlay), the same threads and the
+    same sampling settings.
+    """
+
+    def __init__(self, name: str, target):
+        try:
+            import llama_cpp
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ImportError:
+            raise ConfigError(f"{name} needs llama-cpp-python: pip install -e \".[peers]\" (it compiles llama.cpp, "
+                              "about 6 minutes on two cores)") from None
+        self.name = name
+        self.target = target
+        self.options = {"num_pred_tokens": 10} if name == "llamacpp_prompt_lookup" else {}
+        draft = LlamaPromptLookupDecoding(**self.options) if self.options else None
+        threads = torch.get_num_threads()
+        self.llm = llama_cpp.Llama(model_path=str(gguf_file(target)), n_ctx=8192, n_threads=threads,
+                                   n_threads_batch=threads, draft_model=draft, verbose=False)
+
+    def params(self) -> dict:
+        return dict(self.options)
+
+    def run(self, prompt_ids: list[int], gen) -> TurnResult:
+        s = gen.sampling
+        eos = set(self.target.model.info.eos_token_ids)
+        # temp 0 is llama.cpp's greedy sampler; no top-k, min-p or repetition penalty of its own.
+        sampling = dict(temp=s.temperature, top_p=s.top_p, top_k=0, min_p=0.0, repeat_penalty=1.0)
+        self.llm.set_seed(s.seed)
+        new: list[int] = []
+        first = None
+        t0 = time.perf_counter()
+        for token in self.llm.generate(prompt_ids, reset=True, **sampling):
+            first = first if first is not None else time.perf_counter() - t0
+            new.append(int(token))
+            if token in eos or len(new) >= gen.max_new_tokens:
+                break
+        wall = time.perf_counter() - t0
+        text = self.target.tokenizer.decode(new, skip_special_tokens=True)
+        return TurnResult(new, text, wall, None, time_to_first_token=first)
+
+
+def gguf_file(target) -> Path:
+    """The GGUF file a target was loaded from: a ``.gguf`` path, or a catalog model's assembled file."""
+    from core.models.catalog import CATALOG
+    from core.models.convert import catalog_gguf
+
+    if target.spec in CATALOG:
+        return catalog_gguf(CATALOG[target.spec])
+    if target.spec.lower().endswith(".gguf"):
+        return Path(target.spec).expanduser()
+    raise ConfigError(f"the llama.cpp peers need a GGUF file; target '{target.spec}' is not one (use a catalog id "
+                      "or a .gguf file)")
 
 
 def _hf_model(loaded, cache: dict):
@@ -354,8 +417,12 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
     hf_models: dict = {}
     runners = {}
     for name in spec.methods:
-        runners[name] = HFPeer(name, target, draft, hf_models) if name in PEERS else \
-            OurMethod(name, spec.configs.get(name), target, draft)
+        if name in HF_PEERS:
+            runners[name] = HFPeer(name, target, draft, hf_models)
+        elif name in LLAMACPP_PEERS:
+            runners[name] = LlamaCppPeer(name, target)
+        else:
+            runners[name] = OurMethod(name, spec.configs.get(name), target, draft)
     verify_cost = measure_verify_cost(target.model)
     log(f"target verify cost T(8)/T(1) = {verify_cost['ratio']:.2f}")
     tok = target.tokenizer

