@@ -264,15 +264,23 @@ def cmd_compare(args) -> int:
 
 def cmd_models(args) -> int:
     from core.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
-    from core.models.convert import catalog_status, prepare_catalog_model
+    from core.models.convert import cached_entries, catalog_status, models_root, prepare_catalog_model, prune
 
     if args.models_command == "list":
+        sizes = cached_entries()
         for e in CATALOG.values():
             role = " (default target)" if e.id == DEFAULT_TARGET else " (default draft)" if e.id == DEFAULT_DRAFT else ""
             state = catalog_status(e)
-            print(f"{e.id:32s} {state:14s} {e.title}{role}")
+            disk = f"{sizes.pop(e.id) / 1e9:6.2f} GB" if e.id in sizes else f"{'-':>9s}"
+            print(f"{e.id:32s} {state:14s} {disk}  {e.title}{role}")
             if state == "not installed":
                 print(f"{'':32s} install: {e.install_hint}")
+        for name, size in sizes.items():
+            print(f"{name:32s} {'cached':14s} {size / 1e9:6.2f} GB")
+        print(f"cache: {models_root()}")
+        return 0
+    if args.models_command == "prune":
+        print(f"freed {prune(args.ids) / 1e9:.2f} GB in {models_root()}")
         return 0
     ids = args.ids or [DEFAULT_TARGET, DEFAULT_DRAFT]
     for model_id in ids:
@@ -412,11 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, help="heads file to write (default: user data folder)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("models", help="list or prepare the built-in models")
+    p = sub.add_parser("models", help="list, prepare or prune the built-in models and the model cache")
     msub = p.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="the catalog and what is installed")
     pp = msub.add_parser("prepare", help="assemble, verify and convert catalog models ahead of time")
     pp.add_argument("ids", nargs="*", help="catalog ids (default: the default target and draft)")
+    pr = msub.add_parser("prune", help="free disk space in the model cache")
+    pr.add_argument("ids", nargs="*", help="cached entries to remove whole (default: only what is made again on demand: "
+                                           "float32 copies beside int8 weights, assembled GGUF files, leftovers)")
     p.set_defaults(func=cmd_models)
     return parser
 

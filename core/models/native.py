@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
-from core.models.linear import make_linear
+from core.models.linear import QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class NativeDecoder(CausalLM):
     def __init__(
         self,
         cfg: DecoderConfig,
-        get_tensor: Callable[[str], torch.Tensor | None],
+        get_tensor: Callable[[str], "torch.Tensor | QuantizedWeight | None"],
         *,
         name: str,
         device: str = "cpu",
@@ -197,27 +197,41 @@ class NativeDecoder(CausalLM):
 
         ``dtype`` is the compute and cache dtype; ``storage`` is ``"float"`` (weights in
         ``dtype``), ``"int8"`` (row-exact int8 linear weights, computed in float32) or
-        ``"int8-draft"`` (int8 for a draft model: faster, not batch-invariant).
+        ``"int8-draft"`` (int8 for a draft model: faster, not batch-invariant). In int8 the
+        embedding is int8 rows with scales too (the same table for plain decoding and
+        verification, so exactness holds), and ``get_tensor`` may hand over matrices already
+        quantized (:class:`QuantizedWeight`, from the model cache). No float copy of the
+        weights is kept, nor a view into the file they came from.
         """
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
         self.storage = storage
 
-        def tensor(key: str, required: bool = True) -> torch.Tensor | None:
+        quantized = storage.startswith("int8")
+
+        def tensor(key: str, required: bool = True):
             t = get_tensor(key)
             if t is None:
                 if required:
                     raise KeyError(f"weight '{key}' missing from the checkpoint")
                 return None
-            return t.to(device=self.device, dtype=dtype)
+            if isinstance(t, QuantizedWeight):
+                return t
+            # In int8, a kept float tensor (norms, biases) must not pin a memory-mapped file.
+            return t.to(device=self.device, dtype=dtype, copy=quantized)
+
+        def matrix(key: str, required: bool = True):
+            w = tensor(key, required)
+            return QuantizedWeight.quantize(w) if quantized and isinstance(w, torch.Tensor) else w
 
         def linear(prefixes: Sequence[str], bias: bool):
-            weight = torch.cat([tensor(p + ".weight") for p in prefixes], dim=0)
+            parts = [matrix(p + ".weight") for p in prefixes]
+            weight = QuantizedWeight.cat(parts) if quantized else torch.cat(parts, dim=0)
             b = torch.cat([tensor(p + ".bias") for p in prefixes], dim=0) if bias else None
             return make_linear(weight, b, storage)
 
-        self.embed_weight = tensor("model.embed_tokens.weight")
+        self._embedding = matrix("model.embed_tokens.weight")
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}"
@@ -233,8 +247,8 @@ class NativeDecoder(CausalLM):
                 )
             )
         self.norm_weight = tensor("model.norm.weight")
-        head = None if cfg.tie_word_embeddings else tensor("lm_head.weight", required=False)
-        self._head = make_linear(self.embed_weight if head is None else head, None, storage)
+        head = None if cfg.tie_word_embeddings else matrix("lm_head.weight", required=False)
+        self._head = make_linear(self._embedding if head is None else head, None, storage)
         self._inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=self.device)
 
         self._kv = torch.empty(0)
@@ -243,7 +257,7 @@ class NativeDecoder(CausalLM):
         self._pending = 0
         self.reset()
 
-        n_params = self.embed_weight.numel() + (0 if head is None else head.numel())
+        n_params = self._embedding.numel() + (0 if head is None else head.numel())
         n_params += sum(
             (l.qkv.out_features * cfg.hidden_size + l.o.out_features * cfg.num_heads * cfg.head_dim
              + l.gate_up.out_features * cfg.hidden_size + l.down.out_features * cfg.intermediate_size)
@@ -308,7 +322,12 @@ class NativeDecoder(CausalLM):
 
     # --------------------------------------------------------------- compute
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens.to(self.device), self.embed_weight).to(self._compute_dtype)
+        return self._embed_rows(tokens.to(self.device))
+
+    def _embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self._embedding, QuantizedWeight):
+            return self._embedding.rows(tokens)
+        return F.embedding(tokens, self._embedding).to(self._compute_dtype)
 
     @property
     def _compute_dtype(self) -> torch.dtype:
@@ -347,7 +366,7 @@ class NativeDecoder(CausalLM):
 
         dt = self._compute_dtype
         cos, sin = rope_tables(positions, self._inv_freq, c.rope_scaling, dt)
-        x = F.embedding(tokens, self.embed_weight).to(dt)
+        x = self._embed_rows(tokens).to(dt)
         wanted = set(layers)
         layer_out: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

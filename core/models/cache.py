@@ -1,0 +1,144 @@
+"""The weights files of a converted model in the user cache, what they hold and whether they are whole.
+
+A converted model folder holds the model's config and tokenizer, a marker (``specplay.json``)
+and the weights in the form the model runs on:
+
+* ``weights-int8.safetensors`` for int8 storage (the CPU default): every matrix as int8 rows
+  with a float32 scale per row (``name:q``, ``name:scale``), vectors in float32. A quarter of
+  float32's bytes, read straight into the int8 layers, so a load neither re-quantizes nor
+  keeps a float32 copy mapped.
+* ``model.safetensors``, float32, written only when a float dtype is asked for.
+
+The marker records the cache format and, per weights file, its size and CRC-32 as written; a
+file that no longer matches (truncated, corrupt) is rebuilt, never loaded. A folder written
+by an older SpecPlay (format 1: a float32 file, nothing recorded) still loads, and gets its
+int8 file when int8 is first asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import zlib
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from core.atomic import replacing, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+MARKER = "specplay.json"
+FORMAT = 2
+INT8_WEIGHTS = "weights-int8.safetensors"
+FLOAT_WEIGHTS = "model.safetensors"
+_Q, _SCALE = ":q", ":scale"
+_CHUNK = 16 << 20
+
+
+def weights_name(kind: str) -> str:
+    """The weights file for ``kind``: ``"int8"`` or ``"float32"``."""
+    return INT8_WEIGHTS if kind == "int8" else FLOAT_WEIGHTS
+
+
+def read_marker(folder: Path) -> dict:
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_marker(folder: Path, marker: dict) -> None:
+    write_text_atomic(folder / MARKER, json.dumps(marker, indent=2) + "\n")
+
+
+def file_record(path: Path) -> dict:
+    """Size and CRC-32 of a file (about a second per 1.5 GB)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": path.stat().st_size, "crc32": crc}
+
+
+def check_weights(folder: Path, kind: str) -> str:
+    """``"ok"``, ``"missing"``, or ``"damaged"`` (its size or checksum differs from what was written)."""
+    name = weights_name(kind)
+    path = folder / name
+    if not path.is_file():
+        return "missing"
+    recorded = read_marker(folder).get("files", {}).get(name)
+    if recorded is None:
+        # A format-1 folder recorded nothing: its float32 file is taken as it is.
+        return "ok" if kind == "float32" and "format" not in read_marker(folder) else "missing"
+    if path.stat().st_size != recorded["size"] or file_record(path)["crc32"] != recorded["crc32"]:
+        return "damaged"
+    return "ok"
+
+
+def record_weights(folder: Path, kind: str) -> None:
+    """Note in the marker that ``kind``'s weights file is complete, with its size and checksum."""
+    marker = read_marker(folder)
+    marker["format"] = FORMAT
+    marker.setdefault("files", {})[weights_name(kind)] = file_record(folder / weights_name(kind))
+    write_marker(folder, marker)
+
+
+def write_int8_weights(tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], dest: Path) -> None:
+    """Write (name, float tensor) pairs as an int8 weights file: matrices quantized per row."""
+    from safetensors.torch import save_file
+
+    from core.models.linear import QuantizedWeight
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors():
+        if t.dim() == 2 and t.is_floating_point():
+            qw = QuantizedWeight.quantize(t)
+            out[name + _Q], out[name + _SCALE] = qw.q.contiguous(), qw.scale.contiguous()
+        else:
+            out[name] = t.detach().to(torch.float32).contiguous()
+    with replacing(dest) as tmp:
+        save_file(out, str(tmp), metadata={"format": "pt", "specplay": "int8 rows with float32 scales"})
+
+
+class Int8WeightsReader:
+    """``get(name)``: a :class:`QuantizedWeight` for a matrix, a float32 tensor otherwise, None if absent."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._file = safe_open(str(path), framework="pt")
+        self._keys = set(self._file.keys())
+
+    def get(self, name: str):
+        from core.models.linear import QuantizedWeight
+
+        if name + _Q in self._keys:
+            return QuantizedWeight(self._file.get_tensor(name + _Q), self._file.get_tensor(name + _SCALE))
+        return self._file.get_tensor(name) if name in self._keys else None
+
+
+def add_int8_weights(folder: Path, progress: Callable[[str, "float | None"], None]) -> None:
+    """Make a folder's int8 weights file from its float32 one (an older cache), then drop the float32 file."""
+    from safetensors import safe_open
+
+    source = folder / FLOAT_WEIGHTS
+    progress(f"Storing {folder.name} in int8 (once)", None)
+
+    def tensors():
+        with safe_open(str(source), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+    write_int8_weights(tensors, folder / INT8_WEIGHTS)
+    record_weights(folder, "int8")
+    marker = read_marker(folder)
+    marker.get("files", {}).pop(FLOAT_WEIGHTS, None)
+    write_marker(folder, marker)
+    source.unlink()
+    log.info("%s: int8 weights written; the float32 copy is made again if a float dtype is asked for", folder.name)
+
+
+def folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

