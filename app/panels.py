@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -15,6 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
 
 from app.forms import ConfigForm
 from core.errors import ConfigError
+from core.memory import memory_text
 from core.methods import METHODS
 from core.models.catalog import CATALOG
 from core.models.convert import catalog_status
@@ -27,64 +26,6 @@ DTYPE_TIPS = {
     "auto": "bfloat16 on a GPU; int8 weights on an x86 CPU (about 7x faster than float32), else float32",
     "int8": "int8 weights with float32 compute (x86 CPUs only)",
 }
-
-
-# ------------------------------------------------------------------------------------ memory
-def memory_split() -> tuple[int, int] | None:
-    """(private, file-mapped) resident bytes on Linux: mapped model files are reclaimable."""
-    try:
-        fields = {}
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("RssAnon", "RssFile", "RssShmem"):
-                    fields[key] = int(rest.split()[0]) * 1024
-        return fields["RssAnon"] + fields.get("RssShmem", 0), fields["RssFile"]
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
-
-
-def process_rss() -> int | None:
-    """Resident memory of this process in bytes (None where it cannot be read)."""
-    try:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-    except Exception:
-        pass
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def cuda_memory() -> tuple[int, int] | None:
-    """(allocated, reserved) CUDA bytes, only if torch has already initialised CUDA."""
-    torch = sys.modules.get("torch")
-    try:
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    except Exception:
-        return None
-    return None
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def memory_text(short: bool = False) -> str:
-    parts = []
-    rss = process_rss()
-    if rss is not None:
-        split = None if short else memory_split()
-        extra = f" ({gib(split[0])} private, {gib(split[1])} mapped files)" if split and split[1] > 2**28 else ""
-        parts.append(f"RAM {gib(rss)}{extra}")
-    cuda = cuda_memory()
-    if cuda is not None:
-        parts.append(f"CUDA {gib(cuda[0])} (reserved {gib(cuda[1])})")
-    return " · ".join(parts) or "memory: n/a"
 
 
 def model_summary(loaded) -> str:

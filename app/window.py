@@ -25,7 +25,7 @@ from app.compare_view import CompareView
 from app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
 from app.history_panel import HistoryPanel
 from app.internals import InternalsPanel
-from app.panels import MethodsPanel, ModelsPanel, PromptPanel, memory_text
+from app.panels import MethodsPanel, ModelsPanel, PromptPanel
 from app.settings import AppSettings, open_settings
 from app.tokenview import FateLegend, TokenView
 from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
@@ -33,6 +33,7 @@ from app.xray import XRayPanel
 from core.compare import WARMUP_TOKENS, annotate
 from core.errors import ConfigError
 from core.history import History
+from core.memory import memory_text
 from core.methods import METHODS
 from core.types import RunResult, StepEvent
 
