@@ -115,8 +115,12 @@ class Int8WeightsReader:
         from core.models.linear import QuantizedWeight
 
         if name + _Q in self._keys:
-            return QuantizedWeight(self._file.get_tensor(name + _Q), self._file.get_tensor(name + _SCALE))
-        return self._file.get_tensor(name) if name in self._keys else None
+            return QuantizedWeight(self._read(name + _Q), self._read(name + _SCALE))
+        return self._read(name) if name in self._keys else None
+
+    def _read(self, key: str) -> torch.Tensor:
+        # A copy: a tensor the model keeps must not pin the whole memory-mapped file.
+        return self._file.get_tensor(key).clone()
 
 
 def add_int8_weights(folder: Path, progress: Callable[[str, "float | None"], None]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 import torch
@@ -225,30 +226,38 @@ class NativeDecoder(CausalLM):
             w = tensor(key, required)
             return QuantizedWeight.quantize(w) if quantized and isinstance(w, torch.Tensor) else w
 
-        def linear(prefixes: Sequence[str], bias: bool):
+        # Weights are read here, one layer at a time; building the layers (int8: the kernel's
+        # slow weight packing) runs on a pool meanwhile, at most two layers behind the reading.
+        pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()))
+
+        def linear(prefixes: Sequence[str], bias: bool) -> Future:
             parts = [matrix(p + ".weight") for p in prefixes]
             weight = QuantizedWeight.cat(parts) if quantized else torch.cat(parts, dim=0)
             b = torch.cat([tensor(p + ".bias") for p in prefixes], dim=0) if bias else None
-            return make_linear(weight, b, storage)
+            return pool.submit(make_linear, weight, b, storage)
 
-        self._embedding = matrix("model.embed_tokens.weight")
-        self.layers: list[_Layer] = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}"
-            attn = f"{p}.self_attn"
-            self.layers.append(
-                _Layer(
+        with pool:
+            self._embedding = matrix("model.embed_tokens.weight")
+            pending: list[dict] = []
+            for i in range(cfg.num_layers):
+                p = f"model.layers.{i}"
+                attn = f"{p}.self_attn"
+                pending.append(dict(
                     qkv=linear([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], cfg.qkv_bias),
                     o=linear([f"{attn}.o_proj"], cfg.o_bias),
                     gate_up=linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias),
                     down=linear([f"{p}.mlp.down_proj"], cfg.mlp_bias),
                     ln_in=tensor(f"{p}.input_layernorm.weight"),
                     ln_post=tensor(f"{p}.post_attention_layernorm.weight"),
-                )
-            )
-        self.norm_weight = tensor("model.norm.weight")
-        head = None if cfg.tie_word_embeddings else matrix("lm_head.weight", required=False)
-        self._head = make_linear(self._embedding if head is None else head, None, storage)
+                ))
+                if i >= 2:
+                    wait([f for f in pending[i - 2].values() if isinstance(f, Future)])
+            self.norm_weight = tensor("model.norm.weight")
+            head = None if cfg.tie_word_embeddings else matrix("lm_head.weight", required=False)
+            head_layer = pool.submit(make_linear, self._embedding if head is None else head, None, storage)
+            self.layers = [_Layer(**{k: v.result() if isinstance(v, Future) else v for k, v in layer.items()})
+                           for layer in pending]
+            self._head = head_layer.result()
         self._inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=self.device)
 
         self._kv = torch.empty(0)
