@@ -261,9 +261,9 @@ def _hf_model(loaded, cache: dict):
     """The transformers model for a LoadedModel, with the same weights and storage."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from core.models.loader import quantize_hf_linears
+    from core.models.loader import float_weights_dir, quantize_hf_linears
 
-    key = str(loaded.path)
+    key = str(float_weights_dir(loaded))
     if key not in cache:
         info = loaded.model.info
         dtype = torch.float32 if info.dtype in ("int8", "float32") else getattr(torch, info.dtype)

@@ -240,6 +240,17 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
 
 
+def float_weights_dir(loaded: LoadedModel, progress: Progress = _noop_progress) -> Path:
+    """A folder of ``loaded``'s model that ``transformers`` can read: with float weights.
+
+    The cache keeps int8 weights for int8 models; a catalog model or ``.gguf`` file gets its
+    float32 weights written on demand (the benchmark's ``transformers`` peers, training data).
+    """
+    if (loaded.path / FLOAT_WEIGHTS).is_file() or not (loaded.spec in CATALOG or loaded.spec.lower().endswith(".gguf")):
+        return loaded.path
+    return resolve(loaded.spec, progress, weights="float32")
+
+
 def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:
     """The ``transformers`` fallback keeps float weights: it has no row-exact int8 path.
 

@@ -17,6 +17,7 @@ import torch
 from core.atomic import write_text_atomic
 from core.heads import save_heads
 from core.models.linear import storage_of
+from core.models.loader import float_weights_dir
 from core.paths import cache_dir, data_dir
 from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
 from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_responses,
@@ -60,7 +61,7 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
                 write_text_atomic(cache, json.dumps({"prompts": prompts[: len(answers_so_far)],
                                                      "sequences": answers_so_far}))
 
-            done = generate_responses(target.path, prompts, settings.answer_tokens,
+            done = generate_responses(float_weights_dir(target), prompts, settings.answer_tokens,
                                       storage=storage_of(target.model.info), progress=progress,
                                       should_cancel=should_cancel, done=done, on_batch=save)
         answers = done[: len(prompts)]
