@@ -78,6 +78,7 @@ def assert_samples_the_target(target, method, native, min_depth: int = 3) -> Non
     ("speculative", "smaller vocabulary", SpeculativeConfig(gamma=3)),
     ("speculative", "near", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
     ("speculative", "near", SpeculativeConfig(gamma=3, lookup_ngram=2)),
+    ("speculative", "near int4", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
     ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3, adaptive=False)),
     ("lookahead", None, LookaheadConfig(window=3, ngram=4, guesses=3)),
 ])
@@ -86,6 +87,8 @@ def test_method_samples_the_target_distribution(target_model, name, draft_kind, 
     draft = None
     if draft_kind == "near":
         draft = loaded(native_from_hf(perturbed_copy(target_model, 0.1)))
+    elif draft_kind == "near int4":  # a draft model's storage of its own: int4 weights, bfloat16 activations
+        draft = loaded(native_from_hf(perturbed_copy(target_model, 0.1), dtype=torch.float32, storage="int4-draft"))
     elif draft_kind == "bad":
         draft = loaded(native_from_hf(tiny_hf_model(seed=99, vocab=VOCAB, layers=1, dtype=torch.float64)))
     elif draft_kind == "smaller vocabulary":

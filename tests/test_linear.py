@@ -41,21 +41,27 @@ def test_int8_model_verifies_like_it_decodes():
     assert torch.equal(block, torch.cat(singles))
 
 
-def test_the_draft_int8_layer_approximates_the_float_layer_and_dequantizes():
-    from core.models.linear import Int8DraftLinear
+def test_the_draft_layers_approximate_the_float_layer():
+    from core.models.linear import Int4DraftLinear, Int8DraftLinear, QuantizedWeight
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g) * 0.05
     b = torch.randn(96, generator=g)
-    lin = Int8DraftLinear(w, b)
     x = torch.randn(3, 64, generator=g)
     want = torch.nn.functional.linear(x, w, b)
-    assert (lin(x) - want).abs().max() < 0.05 * want.abs().max()
-    assert torch.allclose(lin.dequantized_weight(), w, atol=w.abs().max() / 127)
+    int8 = Int8DraftLinear(w, b)
+    assert (int8(x) - want).abs().max() < 0.05 * want.abs().max()
+    assert torch.allclose(int8.dequantized_weight(), w, atol=w.abs().max() / 127)
+    # int4 in groups of 32: a coarser copy, from float or from the cache's int8 rows alike.
+    for source in (w, QuantizedWeight.quantize(w)):
+        int4 = Int4DraftLinear(source, b)
+        err = torch.nn.functional.linear(x, w) - (int4(x) - b)
+        assert err.norm() < 0.15 * torch.nn.functional.linear(x, w).norm()
 
 
-def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact():
-    """int8 draft layers (not batch-invariant), float32 cache, the first 40 of 64 ids: still exact."""
+@pytest.mark.parametrize("storage", ["int8-draft", "int4-draft"])
+def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact(storage):
+    """Draft layers that are not batch-invariant, a float32 cache, the first 40 of 64 ids: still exact."""
     from core.engine import drain, generate
     from core.methods import build_method
     from core.methods.speculative import SpeculativeConfig
@@ -64,7 +70,7 @@ def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact():
 
     base = tiny_hf_model(seed=0, dtype=torch.float64)
     target = loaded(native_from_hf(base, dtype=torch.float32, storage="int8"))
-    draft_native = native_from_hf(perturbed_copy(base, 0.05), dtype=torch.float32, storage="int8-draft")
+    draft_native = native_from_hf(perturbed_copy(base, 0.05), dtype=torch.float32, storage=storage)
     assert draft_native._kv.dtype == torch.float32
     draft = loaded(draft_native)
     gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False)

@@ -87,7 +87,8 @@ class Speculative(Method):
         if size == 0 or size >= draft_model.info.vocab_size:
             return None
         weight = draft_model.lm_head_weight()[:size]
-        return make_linear(weight, None, "int8-draft" if draft_model.info.dtype == "int8" else "float")
+        storage = {"int8": "int8-draft", "int4": "int4-draft"}.get(draft_model.info.dtype, "float")
+        return make_linear(weight, None, storage)
 
     def _next_logits(self, tokens: list[int], vocab: int) -> torch.Tensor:
         """Feed ``tokens`` to the draft; its logits for the next token over the target's ``vocab``."""

@@ -18,7 +18,7 @@ from core.models.base import CausalLM
 from core.models.cache import FLOAT_WEIGHTS, INT8_WEIGHTS, Int8WeightsReader
 from core.models.catalog import CATALOG, get_entry
 from core.models.convert import Progress, ShouldCancel, _never, _noop_progress, prepare_catalog_model, prepare_gguf_file
-from core.models.linear import int8_supported
+from core.models.linear import has_bf16_units, int8_supported
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +169,20 @@ def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
 ROLES = ("target", "draft")
 
 
+def draft_storage() -> str:
+    """How a draft model stores int8-requested weights: int4 where the CPU has bfloat16 units (a
+    draft token reads half the bytes: about a third faster on the 0.5B draft), else int8; both
+    without the row pinning, which only a target's exactness needs."""
+    return "int4-draft" if has_bf16_units() else "int8-draft"
+
+
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
                progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> LoadedModel:
     """Load ``spec`` for decoding on ``device`` with ``dtype`` (see :func:`pick_dtype`).
 
     A ``draft`` model's numerics never affect losslessness (the verifier sees the q that was
-    sampled), so in int8 it takes the faster, not batch-invariant, draft layers.
+    sampled), so in int8 it takes the faster, not batch-invariant, draft layers
+    (:func:`draft_storage`).
     """
     if role not in ROLES:
         raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
@@ -185,7 +193,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     dev = pick_device(device)
     compute_dtype, storage = pick_dtype(dtype, dev)
     if role == "draft" and storage == "int8":
-        storage = "int8-draft"
+        storage = draft_storage()
     path = resolve(spec, progress, should_cancel, "int8" if storage.startswith("int8") else "float32")
     progress(f"Loading {spec}", None)
     try:

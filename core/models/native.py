@@ -209,7 +209,7 @@ class NativeDecoder(CausalLM):
         self.dtype = dtype
         self.storage = storage
 
-        quantized = storage.startswith("int8")
+        quantized = storage != "float"
 
         def tensor(key: str, required: bool = True):
             t = get_tensor(key)
@@ -254,7 +254,10 @@ class NativeDecoder(CausalLM):
                     wait([f for f in pending[i - 2].values() if isinstance(f, Future)])
             self.norm_weight = tensor("model.norm.weight")
             head = None if cfg.tie_word_embeddings else matrix("lm_head.weight", required=False)
-            head_layer = pool.submit(make_linear, self._embedding if head is None else head, None, storage)
+            head_weight = self._embedding if head is None else head
+            # int4 layers keep no copy to read back; lm_head_weight reads the int8 rows instead.
+            self._head_rows = head_weight if storage == "int4-draft" else None
+            head_layer = pool.submit(make_linear, head_weight, None, storage)
             self.layers = [_Layer(**{k: v.result() if isinstance(v, Future) else v for k, v in layer.items()})
                            for layer in pending]
             self._head = head_layer.result()
@@ -280,7 +283,7 @@ class NativeDecoder(CausalLM):
             num_layers=cfg.num_layers,
             num_parameters=n_params,
             device=str(self.device),
-            dtype="int8" if storage.startswith("int8") else str(dtype).removeprefix("torch."),
+            dtype=storage.split("-")[0] if storage != "float" else str(dtype).removeprefix("torch."),
             backend="native",
             eos_token_ids=tuple(eos_token_ids),
             max_positions=cfg.max_positions,
@@ -340,13 +343,15 @@ class NativeDecoder(CausalLM):
 
     @property
     def _compute_dtype(self) -> torch.dtype:
-        return torch.float32 if self.storage.startswith("int8") else self.dtype
+        return torch.float32 if self.storage != "float" else self.dtype
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(hidden).float()
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output embedding as a float32 ``[vocab, hidden]`` tensor (dequantized for int8)."""
+        if self._head_rows is not None:
+            return self._head_rows.dequantize()
         return self._head.dequantized_weight()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
