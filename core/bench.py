@@ -219,8 +219,10 @@ class LlamaCppPeer:
         self.options = {"num_pred_tokens": 10} if name == "llamacpp_prompt_lookup" else {}
         draft = LlamaPromptLookupDecoding(**self.options) if self.options else None
         threads = torch.get_num_threads()
+        # Verifying a draft reads the logits of every drafted row, which llama-cpp-python keeps only with logits_all.
         self.llm = llama_cpp.Llama(model_path=str(gguf_file(target)), n_ctx=8192, n_threads=threads,
-                                   n_threads_batch=threads, draft_model=draft, verbose=False)
+                                   n_threads_batch=threads, draft_model=draft, logits_all=draft is not None,
+                                   verbose=False)
 
     def params(self) -> dict:
         return dict(self.options)

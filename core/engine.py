@@ -185,7 +185,8 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         target.reset()
         if len(prompt_ids) > 1:
             # Every prompt row's logits would go unread: the last token is the next step's root.
-            ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden, logit_rows=[])
+            ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden, logit_rows=[],
+                                               prefill=True)
         method.start(ctx)
         prefill_time = time.perf_counter() - t_start
     except Exception as exc:

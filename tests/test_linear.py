@@ -81,3 +81,31 @@ def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact(storage)
     assert res.token_ids == want.token_ids
     assert res.metrics.accepted > 0
 
+
+
+def test_an_int8_prompt_prefill_attends_in_float32_and_every_method_still_agrees(monkeypatch):
+    """The float64 attention that keeps decoding row-exact is not needed for a prompt all methods share."""
+    import torch.nn.functional as F
+
+    from core.engine import drain, generate
+    from core.methods import build_method
+    from core.methods.prompt_lookup import PromptLookupConfig
+    from core.types import GenerationConfig
+    from tiny import loaded
+
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64), dtype=torch.float32, storage="int8"))
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append(q.dtype)
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7, 9, 10, 4, 5, 6]
+    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
+    layers = target.model.cfg.num_layers
+    assert seen[:layers] == [torch.float32] * layers and set(seen[layers:]) == {torch.float64}
+    method = build_method("prompt_lookup", PromptLookupConfig(adaptive=False), target)
+    assert drain(generate(target.model, target.tokenizer, method, prompt, gen)).token_ids == want.token_ids

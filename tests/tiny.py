@@ -154,7 +154,8 @@ class ConstantLM:
     def reset(self) -> None:
         self._len = self._pending = 0
 
-    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(), logit_rows=None):
+    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(), logit_rows=None,
+                prefill=False):
         from core.models.base import ForwardOutput
 
         n = len(logit_rows) if logit_rows is not None else len(torch.as_tensor(tokens).reshape(-1))

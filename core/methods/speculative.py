@@ -104,7 +104,7 @@ class Speculative(Method):
             self.lookup.start(ctx)
         self.draft_model.reset()
         if len(ctx.tokens) > 1:
-            self.draft_model.forward_chain(self._readable(ctx.tokens[:-1]), logit_rows=[])
+            self.draft_model.forward_chain(self._readable(ctx.tokens[:-1]), logit_rows=[], prefill=True)
 
     def _readable(self, tokens: list[int]) -> list[int]:
         """Tokens as the draft can embed them (ids past its rows become 0; see the module doc)."""

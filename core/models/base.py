@@ -73,6 +73,7 @@ class CausalLM(ABC):
         hidden: bool = False,
         layers: Sequence[int] = (),
         logit_rows: Sequence[int] | None = None,
+        prefill: bool = False,
     ) -> ForwardOutput:
         """Run ``n`` new tokens after the committed cache.
 
@@ -87,6 +88,9 @@ class CausalLM(ABC):
             logit_rows: compute logits only for these rows, in this order (the LM head
                 is the costliest layer per row on a CPU); empty for none (a prefill whose
                 logits nobody reads). Default: all rows.
+            prefill: the block is a prompt, which every method reads alike before decoding;
+                it need not round like single tokens do, so a model may take a faster path
+                (the native int8 path attends in float32 there, not float64).
         """
 
     @abstractmethod

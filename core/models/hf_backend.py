@@ -66,7 +66,7 @@ class HFCausalLM(CausalLM):
 
     @torch.inference_mode()
     def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(),
-                logit_rows=None) -> ForwardOutput:
+                logit_rows=None, prefill=False) -> ForwardOutput:
         self._trim_pending()
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)
         n = tokens.shape[1]

@@ -152,10 +152,12 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
 
 
 def layer_forward(c: DecoderConfig, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kv: torch.Tensor, base: int, mask4: torch.Tensor | None) -> torch.Tensor:
+                  kv: torch.Tensor, base: int, mask4: torch.Tensor | None,
+                  attn_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One pre-norm decoder layer over ``n`` new rows ``x``, writing their keys and values into
     ``kv`` (``[2, kv_heads, capacity, head_dim]``) at slots ``base .. base + n`` and attending
-    to slots ``0 .. base + n`` under ``mask4`` (None: everything)."""
+    to slots ``0 .. base + n`` under ``mask4`` (None: everything), in ``attn_dtype`` (default:
+    the cache's)."""
     n = x.shape[0]
     dt = x.dtype
     q_size = c.num_heads * c.head_dim
@@ -170,8 +172,9 @@ def layer_forward(c: DecoderConfig, layer: _Layer, x: torch.Tensor, cos: torch.T
     k = k * cos + _rotate_half(k) * sin
     kv[0, :, base:end] = k
     kv[1, :, base:end] = v
+    adt = attn_dtype or kv.dtype
     attn = F.scaled_dot_product_attention(
-        q[None].to(kv.dtype), kv[0, :, :end][None], kv[1, :, :end][None], attn_mask=mask4,
+        q[None].to(adt), kv[0, :, :end][None].to(adt), kv[1, :, :end][None].to(adt), attn_mask=mask4,
         enable_gqa=c.num_kv_heads != c.num_heads,
     )
     x = x + layer.o(attn[0].transpose(0, 1).reshape(n, q_size).to(dt)).to(dt)
@@ -359,7 +362,7 @@ class NativeDecoder(CausalLM):
 
     @torch.inference_mode()
     def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(),
-                logit_rows=None) -> ForwardOutput:
+                logit_rows=None, prefill=False) -> ForwardOutput:
         c = self.cfg
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
         n = tokens.numel()
@@ -379,12 +382,15 @@ class NativeDecoder(CausalLM):
         mask4 = None if mask is None else mask[None, None]
 
         dt = self._compute_dtype
+        # A prompt is read alike by every method, so the float64 attention that keeps decoding
+        # and verification row-exact is not needed there: on a long prompt it cost a third of the time.
+        attn_dtype = torch.float32 if prefill and self._cache_dtype == torch.float64 else None
         cos, sin = rope_tables(positions, self._inv_freq, c.rope_scaling, dt)
         x = self._embed_rows(tokens).to(dt)
         wanted = set(layers)
         layer_out: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4)
+            x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4, attn_dtype)
             if i in wanted:
                 layer_out[i] = x
         self._pending = n
