@@ -222,21 +222,25 @@ class Int4DraftLinear:
     GROUP = 32
 
     def __init__(self, weight: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None):
-        w = (weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.detach()).to(torch.float32)
-        n, k = w.shape
+        n, k = weight.shape
         if k % self.GROUP:
             raise ConfigError(f"int4 storage needs input sizes divisible by {self.GROUP}, got {k}")
-        groups = w.reshape(n, k // self.GROUP, self.GROUP)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp_min(1e-12)
-        q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
-        # The kernel computes (q - 8) * scale + offset, so the offset is the group's low end + 8 steps.
-        offset = (low + 8 * scale).reshape(n, -1)
-        scale = scale.reshape(n, -1)
         pad = -n % 16  # the kernel packs rows in sixteens: zero rows, cut from the output
-        if pad:
-            q = torch.cat([q, torch.zeros(pad, k, dtype=torch.int32)])
-            scale, offset = (torch.cat([t, torch.zeros(pad, t.shape[1])]) for t in (scale, offset))
+        q = torch.zeros(n + pad, k, dtype=torch.int32)
+        scale = torch.zeros(n + pad, k // self.GROUP)
+        offset = torch.zeros(n + pad, k // self.GROUP)
+        # In slices of rows, so that quantizing a large matrix (an LM head) needs little memory.
+        for lo in range(0, n, 4096):
+            hi = min(n, lo + 4096)
+            rows = weight.q[lo:hi].float() * weight.scale[lo:hi, None] if isinstance(weight, QuantizedWeight) \
+                else weight[lo:hi].detach().float()
+            groups = rows.reshape(hi - lo, -1, self.GROUP)
+            low = groups.amin(-1, keepdim=True)
+            step = ((groups.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-12)
+            q[lo:hi] = torch.round((groups - low) / step).clamp(0, 15).to(torch.int32).reshape(hi - lo, k)
+            scale[lo:hi] = step.squeeze(-1)
+            # The kernel computes (q - 8) * scale + offset, so the offset is the group's low end + 8 steps.
+            offset[lo:hi] = (low + 8 * step).squeeze(-1)
         self._packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
         self._scales = torch.stack([scale.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.detach().to(torch.float32)
