@@ -265,7 +265,7 @@ def _hf_model(loaded, cache: dict):
 
     from core.models.loader import float_weights_dir, quantize_hf_linears
 
-    key = str(float_weights_dir(loaded))
+    key = str(float_weights_dir(loaded.spec, loaded.path))
     if key not in cache:
         info = loaded.model.info
         dtype = torch.float32 if info.dtype in ("int8", "float32") else getattr(torch, info.dtype)

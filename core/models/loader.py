@@ -229,8 +229,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
                 raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
         else:
             _check_fallback_storage(spec, dtype, storage, reason, notes)
-            if not (path / FLOAT_WEIGHTS).is_file() and (spec in CATALOG or spec.lower().endswith(".gguf")):
-                path = resolve(spec, progress, should_cancel, "float32")  # transformers reads float weights
+            path = float_weights_dir(spec, path, progress, should_cancel)  # transformers reads float weights
             notes.append(f"native path unavailable ({reason}); using transformers")
             log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
             model = _load_hf(path, spec, dev, compute_dtype, eos)
@@ -238,8 +237,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         if not is_out_of_memory(exc):
             raise
         raise ModelError(f"not enough memory to load {spec} on {dev} ({dtype}); close other programs, or on a CPU "
-                         "use --dtype int8 (linear layers in a quarter of float32's bytes; with the float32 embedding, "
-                         "about 40% of float32's memory for a 1.5B model)") from None
+                         "use --dtype int8 (int8 rows with a scale each, embedding included: about 30% of float32's "
+                         "memory for a 1.5B model)") from None
     if compute_dtype in (torch.bfloat16, torch.float16):
         notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
                      "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
@@ -248,15 +247,17 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
 
 
-def float_weights_dir(loaded: LoadedModel, progress: Progress = _noop_progress) -> Path:
-    """A folder of ``loaded``'s model that ``transformers`` can read: with float weights.
+def float_weights_dir(spec: str, path: Path, progress: Progress = _noop_progress,
+                      should_cancel: ShouldCancel = _never) -> Path:
+    """A folder of model ``spec`` (resolved to ``path``) that ``transformers`` can read: with float weights.
 
     The cache keeps int8 weights for int8 models; a catalog model or ``.gguf`` file gets its
-    float32 weights written on demand (the benchmark's ``transformers`` peers, training data).
+    float32 weights written on demand (the fallback backend, the benchmark's ``transformers``
+    peers, training data). A folder the user named is returned as it is.
     """
-    if (loaded.path / FLOAT_WEIGHTS).is_file() or not (loaded.spec in CATALOG or loaded.spec.lower().endswith(".gguf")):
-        return loaded.path
-    return resolve(loaded.spec, progress, weights="float32")
+    if (path / FLOAT_WEIGHTS).is_file() or not (spec in CATALOG or spec.lower().endswith(".gguf")):
+        return path
+    return resolve(spec, progress, should_cancel, weights="float32")
 
 
 def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:

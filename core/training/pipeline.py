@@ -61,7 +61,7 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
                 write_text_atomic(cache, json.dumps({"prompts": prompts[: len(answers_so_far)],
                                                      "sequences": answers_so_far}))
 
-            done = generate_responses(float_weights_dir(target), prompts, settings.answer_tokens,
+            done = generate_responses(float_weights_dir(target.spec, target.path), prompts, settings.answer_tokens,
                                       storage=storage_of(target.model.info), progress=progress,
                                       should_cancel=should_cancel, done=done, on_batch=save)
         answers = done[: len(prompts)]
