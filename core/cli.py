@@ -318,9 +318,15 @@ def cmd_train(args) -> int:
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size or defaults[0], lr=args.lr or defaults[1],
                              seed=args.seed, bf16=args.bf16 == "on" or (args.bf16 == "auto" and has_bf16_units()))
     data = DataSettings(code_tokens=args.code_tokens, answers=args.answers, answer_tokens=args.answer_tokens,
-                        seed=args.seed)
+                        seed=args.seed, slots=args.slots)
     progress = _Progress()
     target = load_model(args.target, args.device, args.dtype, progress=progress)
+    if args.data_only:
+        from core.training.pipeline import default_workdir, prepare_data
+
+        _, stats = prepare_data(target, data, args.workdir or default_workdir(target.spec), progress, lambda: False)
+        print(json.dumps(stats))
+        return 0
 
     def on_step(p):
         m = p.metrics
@@ -402,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--code-tokens", type=int, default=60_000, help="tokens of standard-library source")
     g.add_argument("--answers", type=int, default=64, help="instructions the target answers (the slow part)")
     g.add_argument("--answer-tokens", type=int, default=256, help="max tokens per answer")
+    g.add_argument("--slots", type=int, default=16, help="answers generated at once (a CPU pass over 16 rows costs "
+                   "about twice one row)")
+    g.add_argument("--data-only", action="store_true", help="generate the data (resumably) and stop, without training")
     g.add_argument("--workdir", type=Path, help="cache for answers, features and checkpoints")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=1000)

@@ -401,3 +401,112 @@ class NativeDecoder(CausalLM):
         else:  # nobody reads them (a prefill): skip the costliest layer
             logits = torch.empty(0, c.vocab_size, device=self.device)
         return ForwardOutput(logits=logits, hidden=normed if hidden else None, layers=layer_out)
+
+
+@dataclass
+class Generated:
+    """One sequence from :func:`greedy_batch`.
+
+    ``tokens`` ``[T]``: the prompt, then the answer without its last token; ``features``
+    ``[T, hidden]`` float16: the final-norm hidden state at each of them; ``labels`` ``[T]``:
+    the model's argmax there (so ``labels[-1]`` is the answer's last token).
+    """
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    labels: torch.Tensor
+    prompt_len: int
+
+
+@torch.inference_mode()
+def greedy_batch(model: NativeDecoder, prompts: Sequence[tuple[int, Sequence[int]]], max_new_tokens: int,
+                 stop_ids: Sequence[int], on_done: Callable[[int, Generated], None], slots: int = 16,
+                 should_cancel: Callable[[], bool] = lambda: False) -> None:
+    """Greedy answers to many prompts at once, keeping every position's feature and argmax.
+
+    Training data for the heads (self-distillation) needs many of the target's own answers;
+    one sequence at a time leaves a CPU idle (a pass over 16 rows costs ~1.8x a pass over
+    one). ``slots`` sequences decode together, each in its own row of the cache, and
+    a finished slot takes the next prompt at once (continuous batching). Exactness does not
+    matter here: the rows are not meant to match single-sequence decoding bit for bit.
+    ``on_done(key, generated)`` receives each sequence as it finishes, in finishing order.
+    """
+    from core.errors import Cancelled
+
+    c = model.cfg
+    dt = model._compute_dtype
+    todo = list(prompts)
+    if not todo:
+        return
+    slots = max(1, min(slots, len(todo)))
+    capacity = max(len(p) for _, p in todo) + max_new_tokens
+    kv = torch.zeros(c.num_layers, 2, slots, c.num_kv_heads, capacity, c.head_dim, dtype=dt, device=model.device)
+    stop = set(int(t) for t in stop_ids)
+    state: list[dict | None] = [None] * slots
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def finish(s: int) -> None:
+        st = state[s]
+        state[s] = None
+        on_done(st["key"], Generated(tokens=torch.tensor(st["tokens"][:-1], dtype=torch.int32),
+                                     features=torch.cat(st["features"]), labels=torch.cat(st["labels"]),
+                                     prompt_len=st["prompt_len"]))
+
+    def fill(s: int) -> None:
+        while todo and state[s] is None:
+            key, ids = todo.pop(0)
+            model.reset()
+            out = model.forward(list(ids), hidden=True, prefill=True)
+            n = len(ids)
+            kv[:, :, s, :, :n] = model._kv[:, :, :, :n].to(dt)
+            label = out.logits.argmax(-1).to(torch.int32)
+            state[s] = {"key": key, "tokens": list(ids) + [int(label[-1])], "features": [out.hidden.half()],
+                        "labels": [label], "prompt_len": n, "pos": n}
+            if int(label[-1]) in stop or max_new_tokens <= 1:
+                finish(s)
+        model.reset()
+
+    for s in range(slots):
+        fill(s)
+    while any(st is not None for st in state):
+        if should_cancel():
+            raise Cancelled("generation cancelled")
+        live = [s for s in range(slots) if state[s] is not None]
+        tokens = torch.tensor([state[s]["tokens"][-1] for s in live], device=model.device)
+        pos = torch.tensor([state[s]["pos"] for s in live], device=model.device)
+        rows = torch.tensor(live, device=model.device)
+        m, length = len(live), int(pos.max()) + 1
+        cos, sin = rope_tables(pos, model._inv_freq, c.rope_scaling, dt)
+        cos, sin = cos[0][:, None, None], sin[0][:, None, None]
+        visible = (torch.arange(length, device=model.device)[None] <= pos[:, None])[:, None, None]
+        x = model._embed_rows(tokens).to(dt)
+        dense = m == slots  # all slots live: attend over cache views instead of gathered copies
+        for i, layer in enumerate(model.layers):
+            h = _rms_norm(x, layer.ln_in, c.rms_norm_eps)
+            qkv = layer.qkv(h).to(dt)
+            q = qkv[:, :q_size].view(m, c.num_heads, 1, c.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(m, c.num_kv_heads, 1, c.head_dim)
+            v = qkv[:, q_size + kv_size:].view(m, c.num_kv_heads, 1, c.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv[i, 0, rows, :, pos] = k[:, :, 0]
+            kv[i, 1, rows, :, pos] = v[:, :, 0]
+            keys = kv[i, 0, :, :, :length] if dense else kv[i, 0, rows, :, :length]
+            values = kv[i, 1, :, :, :length] if dense else kv[i, 1, rows, :, :length]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible,
+                                                  enable_gqa=c.num_kv_heads != c.num_heads)
+            x = x + layer.o(attn.reshape(m, q_size)).to(dt)
+            h = _rms_norm(x, layer.ln_post, c.rms_norm_eps)
+            gate, up = layer.gate_up(h).to(dt).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up).to(dt)
+        normed = model.final_norm(x)
+        labels = model._head(normed).float().argmax(-1).to(torch.int32)
+        for j, s in enumerate(live):
+            st = state[s]
+            st["features"].append(normed[j:j + 1].half())
+            st["labels"].append(labels[j:j + 1])
+            st["tokens"].append(int(labels[j]))
+            st["pos"] += 1
+            if int(labels[j]) in stop or len(st["tokens"]) - st["prompt_len"] >= max_new_tokens:
+                finish(s)
+                fill(s)

@@ -1,13 +1,15 @@
 """Training data from the target itself (self-distillation).
 
-Text: Python source from the standard library (present on every machine, and code suits the
-default Coder target), plus the target's own answers to instructions written from the
-standard library's docstrings (so the heads also see the chat-formatted prose and code that
-the target produces at inference). Nothing here reads the development prompt sets.
+Text: the target's own greedy answers to a broad pool of instructions written from the
+standard library on this machine (code to write, read, test and fix; explanations; language
+questions), plus a little standard-library source. Answers are what the heads draft against
+at inference: chat-formatted prose and code in the target's own style. Nothing here reads
+the development prompt sets.
 
-Features: the target runs over each sequence once; we keep, per position, the final-norm
-hidden state (float16) and the target's own next-token prediction (its argmax), which is the
-label the heads learn. Extraction is resumable: finished shards stay on disk.
+Features: per position, the target's final-norm hidden state (float16) and its own
+next-token prediction (argmax), the label the heads learn. Answers keep them as they are
+generated, many sequences at a time (:func:`core.models.native.greedy_batch`); source text
+gets one pass of the target. Both are resumable: finished shards stay on disk.
 """
 
 from __future__ import annotations
@@ -30,14 +32,6 @@ from core.errors import Cancelled
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, "float | None"], None]
-
-_VERBS = [
-    "Write a Python function `{sig}` that {doc}",
-    "Implement `{sig}` in Python: {doc} Include a short docstring and an example.",
-    "Explain what the Python function `{mod}.{name}` does ({doc}) and show how to use it.",
-    "Write a Python function `{sig}` that {doc} Add type hints and a few tests.",
-]
-
 
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -70,77 +64,152 @@ def code_sequences(tokenizer, max_tokens: int, seq_len: int = 512, seed: int = 0
     return out
 
 
+# Instruction templates by kind of request, so the pool spans what people ask a coding
+# assistant: code to write in several styles, code to read, explain, test or fix, and
+# questions about the language and its library.
+_FUNCTION_TASKS = [
+    "Write a Python function `{sig}` that {doc}",
+    "Implement `{sig}` in Python: {doc} Include a short docstring and an example.",
+    "Write a Python function `{sig}` that {doc} Add type hints and a few tests.",
+    "Without using the `{mod}` module, write `{sig}`, which {doc} Keep it short and readable.",
+    "Explain what the Python function `{mod}.{name}` does ({doc}) and show how to use it.",
+    "I need a function that {doc} Write it in modern Python and explain the edge cases it handles.",
+]
+_CLASS_TASKS = [
+    "Implement a simplified Python class `{name}` modelled on `{mod}.{name}`: {doc} Show a short usage example.",
+    "Explain the purpose of `{mod}.{name}` ({doc}) and when you would use it instead of writing your own.",
+    "Write a small Python class `{name}` that does the following: {doc} Use dataclasses where they fit.",
+]
+_SOURCE_TASKS = [
+    "Explain step by step what this Python function does:\n\n```python\n{src}\n```",
+    "Add type hints and a docstring to this function:\n\n```python\n{src}\n```",
+    "Write pytest unit tests for this function:\n\n```python\n{src}\n```",
+    "Refactor this function to be easier to read, and explain each change:\n\n```python\n{src}\n```",
+    "Which edge cases could break this function, and how would you handle them?\n\n```python\n{src}\n```",
+]
+_MODULE_TASKS = [
+    "What is Python's `{mod}` module for? Give a short tour with examples.",
+    "I need to work with {doc_lower} in Python. Which parts of the `{mod}` module should I use, and how?",
+]
+_TOPIC_TASKS = [
+    "Explain {topic} in Python to someone who knows another language. Use examples.",
+    "What are common mistakes people make with {topic} in Python, and how do you avoid them?",
+    "Summarise the rules of {topic} in Python in a few bullet points, then show one example.",
+]
+
+
+def _first_paragraph(doc: str | None) -> str | None:
+    if not doc:
+        return None
+    first = " ".join(doc.strip().split("\n\n")[0].split())
+    return first if 20 <= len(first) <= 300 else None
+
+
+def _sentence(text: str) -> str:
+    text = text[0].lower() + text[1:]
+    return text if text.endswith(".") else text + "."
+
+
 def instruction_prompts(n: int, seed: int = 0) -> list[str]:
-    """Coding instructions written from public standard-library functions and their docstrings."""
-    items = []
+    """``n`` varied instructions written from the standard library on this machine.
+
+    Sources: public functions and classes with their docstrings, short function bodies (to
+    read, explain, test, fix), module docstrings, and the language reference topics that ship
+    with Python (``pydoc_data``). The pool is shuffled once with ``seed``; the first ``n`` are
+    returned, so a larger ``n`` extends a smaller one (an interrupted or extended generation
+    reuses what is done). Nothing here reads the development prompt sets.
+    """
+    rng = random.Random(seed)
+    pool: list[str] = []
     for path in stdlib_files():
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
-        mod = path.stem
+        mod = path.stem if path.stem != "__init__" else path.parent.name
+        mdoc = _first_paragraph(ast.get_docstring(tree))
+        if mdoc and not mod.startswith("_"):
+            task = rng.choice(_MODULE_TASKS)
+            pool.append(task.format(mod=mod, doc_lower=_sentence(mdoc).rstrip(".")))
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
                 continue
-            doc = ast.get_docstring(node)
-            if not doc:
+            doc = _first_paragraph(ast.get_docstring(node))
+            if isinstance(node, ast.ClassDef):
+                if doc:
+                    pool.append(rng.choice(_CLASS_TASKS).format(mod=mod, name=node.name, doc=_sentence(doc)))
                 continue
-            first = " ".join(doc.strip().split("\n\n")[0].split())
-            if not 20 <= len(first) <= 300:
-                continue
-            args = ", ".join(a.arg for a in node.args.args)
-            items.append((mod, node.name, f"{node.name}({args})", first[0].lower() + first[1:]))
-    rng = random.Random(seed)
-    rng.shuffle(items)
-    prompts = []
-    for k, (mod, name, sig, doc) in enumerate(items[:n]):
-        doc = doc if doc.endswith(".") else doc + "."
-        prompts.append(_VERBS[k % len(_VERBS)].format(sig=sig, doc=doc, mod=mod, name=name))
-    return prompts
+            if doc:
+                sig = f"{node.name}({', '.join(a.arg for a in node.args.args)})"
+                pool.append(rng.choice(_FUNCTION_TASKS).format(sig=sig, doc=_sentence(doc), mod=mod, name=node.name))
+            src = ast.get_source_segment(text, node)
+            if src and 4 <= src.count("\n") <= 30 and rng.random() < 0.5:
+                pool.append(rng.choice(_SOURCE_TASKS).format(src=src))
+    from pydoc_data.topics import topics
+
+    for topic, body in topics.items():
+        title = body.strip().splitlines()[0].strip()
+        for task in _TOPIC_TASKS:
+            pool.append(task.format(topic=title if len(title) < 60 else topic))
+    rng.shuffle(pool)
+    return pool[:n]
 
 
-def generate_responses(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int = 16,
-                       storage: str = "int8", progress: Progress | None = None,
-                       should_cancel: Callable[[], bool] = lambda: False, done: list[list[int]] | None = None,
-                       on_batch: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
-    """The target's greedy answers (full chat sequences: prompt + answer), generated in batches.
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as one user turn in the tokenizer's chat template, ready for the answer."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    Batched generation with ``transformers`` is several times faster on a CPU than one
-    sequence at a time; the exact tokens do not matter for training data. ``done`` holds
-    answers from an interrupted run (they are kept, not regenerated); ``on_batch`` receives
-    all answers so far after each batch, to save them.
+
+def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, shard_dir: Path, *,
+                     slots: int = 16, shard_size: int = 32, progress: Progress | None = None,
+                     should_cancel: Callable[[], bool] = lambda: False) -> "FeatureSet":
+    """The target's greedy answers to ``prompts`` with its features, generated in batches.
+
+    Each answer keeps the target's feature and argmax at every position, prompt included, as
+    it is produced (no second pass over the text). Finished answers are saved in shards of
+    ``shard_size``; a shard records the prompts it answers, so an interrupted run resumes with
+    the prompts not yet answered (answers in flight at the interruption are redone).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from core.models.native import Generated, greedy_batch
 
-    from core.models.loader import quantize_hf_linears
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    parts, done = [], set()
+    for path in sorted(shard_dir.glob("answers-*.safetensors")):
+        part, keys = FeatureSet.load_keyed(path)
+        parts.append(part)
+        done.update(keys)
+    todo = [(k, chat_prompt_ids(tokenizer, p)) for k, p in enumerate(prompts) if k not in done]
+    pending: list[tuple[int, Generated]] = []
+    counted = {"tokens": sum(p.num_tokens for p in parts)}
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    if storage == "int8":
-        quantize_hf_linears(model)
-    out: list[list[int]] = list(done or [])
-    for start in range(len(out), len(prompts), batch_size):
-        if should_cancel():
-            raise Cancelled("data generation cancelled")
-        batch = prompts[start:start + batch_size]
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                 for p in batch]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.inference_mode():
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-        pad = tok.pad_token_id
-        for row, mask in zip(gen, enc["attention_mask"]):
-            ids = row[int((mask == 0).sum()):].tolist()
-            while ids and ids[-1] == pad:
-                ids.pop()
-            out.append(ids)
-        if on_batch:
-            on_batch(out)
+    def save() -> None:
+        part = FeatureSet.from_sequences([g for _, g in pending])
+        keys = [k for k, _ in pending]
+        part.save(shard_dir / f"answers-{min(keys):06d}-{len(keys)}.safetensors", keys=keys)
+        parts.append(part)
+        pending.clear()
+
+    def on_done(key: int, gen: Generated) -> None:
+        pending.append((key, gen))
+        done.add(key)
+        counted["tokens"] += gen.tokens.numel()
+        if len(pending) >= shard_size:
+            save()
         if progress:
-            progress(f"Generating answers ({min(start + batch_size, len(prompts))}/{len(prompts)})",
-                     min(1.0, (start + batch_size) / len(prompts)))
-    return out
+            progress(f"Generating answers ({len(done)}/{len(prompts)}, {counted['tokens']:,} tokens)",
+                     len(done) / len(prompts))
+
+    try:
+        if todo:
+            greedy_batch(model, todo, max_new_tokens, model.info.eos_token_ids, on_done, slots=slots,
+                         should_cancel=should_cancel)
+    finally:  # answers finished before a cancel or an error are kept
+        if pending:
+            save()
+    return FeatureSet.concat(parts) if parts else FeatureSet.empty(model.info.hidden_size)
 
 
 @dataclass
@@ -169,20 +238,41 @@ class FeatureSet:
             ok[: self.num_tokens - k] = seq_id[: self.num_tokens - k] == seq_id[k:]
         return ok
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path, keys: list[int] | None = None) -> None:
+        """Write atomically; ``keys`` (e.g. the prompts these sequences answer) are stored alongside."""
         from safetensors.torch import save_file
 
         # A shard on disk counts as done (extraction resumes past it), so it must never be half written.
+        tensors = {"features": self.features.contiguous(), "tokens": self.tokens, "labels": self.labels,
+                   "starts": self.starts}
+        if keys is not None:
+            tensors["keys"] = torch.tensor(keys, dtype=torch.long)
         with replacing(path) as tmp:
-            save_file({"features": self.features.contiguous(), "tokens": self.tokens, "labels": self.labels,
-                       "starts": self.starts}, str(tmp))
+            save_file(tensors, str(tmp))
 
     @staticmethod
     def load(path: Path) -> "FeatureSet":
+        return FeatureSet.load_keyed(path)[0]
+
+    @staticmethod
+    def load_keyed(path: Path) -> tuple["FeatureSet", list[int]]:
         from safetensors.torch import load_file
 
         d = load_file(str(path))
-        return FeatureSet(d["features"], d["tokens"], d["labels"], d["starts"])
+        keys = d["keys"].tolist() if "keys" in d else []
+        return FeatureSet(d["features"], d["tokens"], d["labels"], d["starts"]), keys
+
+    @staticmethod
+    def from_sequences(seqs) -> "FeatureSet":
+        """From sequences with ``features``, ``tokens`` and ``labels`` (e.g. generated answers)."""
+        starts = torch.tensor([0] + [len(q.tokens) for q in seqs]).cumsum(0)
+        return FeatureSet(torch.cat([q.features for q in seqs]), torch.cat([q.tokens.to(torch.int32) for q in seqs]),
+                          torch.cat([q.labels.to(torch.int32) for q in seqs]), starts)
+
+    @staticmethod
+    def empty(hidden: int) -> "FeatureSet":
+        return FeatureSet(torch.zeros(0, hidden, dtype=torch.float16), torch.zeros(0, dtype=torch.int32),
+                          torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.long))
 
     @staticmethod
     def concat(parts: list["FeatureSet"]) -> "FeatureSet":
@@ -198,6 +288,8 @@ class FeatureSet:
 def extract_features(target, sequences: list[list[int]], shard_dir: Path, shard_size: int = 64,
                      progress: Progress | None = None, should_cancel: Callable[[], bool] = lambda: False) -> FeatureSet:
     """Run the target over ``sequences``; return features and labels. Shards on disk make it resumable."""
+    if not sequences:
+        return FeatureSet.empty(target.info.hidden_size)
     shard_dir.mkdir(parents=True, exist_ok=True)
     parts = []
     n_shards = (len(sequences) + shard_size - 1) // shard_size

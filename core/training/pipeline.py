@@ -6,7 +6,7 @@ interrupted run resumes where it stopped (``--resume`` for the training itself).
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,16 +14,14 @@ from typing import Callable
 
 import torch
 
-from core.atomic import write_text_atomic
 from core.heads import save_heads
-from core.models.linear import storage_of
-from core.models.loader import float_weights_dir
 from core.paths import cache_dir, data_dir
 from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
-from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_responses,
+from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_answers,
                                 instruction_prompts)
 
 Progress = Callable[[str, "float | None"], None]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,9 +31,10 @@ class DataSettings:
     answer_tokens: int = 256
     seq_len: int = 512
     seed: int = 0
+    slots: int = 16  # answers generated at once
 
     def key(self) -> str:
-        return f"c{self.code_tokens}-a{self.answers}x{self.answer_tokens}-s{self.seed}"
+        return f"c{self.code_tokens}-s{self.seed}"
 
 
 def default_workdir(target_spec: str) -> Path:
@@ -48,31 +47,27 @@ def default_output(kind: str, target_spec: str) -> Path:
 
 def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progress,
                  should_cancel: Callable[[], bool]) -> tuple[FeatureSet, dict]:
-    """Sequences (standard-library code + the target's answers) and their target features."""
+    """Standard-library source and the target's answers, with the target's features."""
     workdir.mkdir(parents=True, exist_ok=True)
     sequences = code_sequences(target.tokenizer, settings.code_tokens, settings.seq_len, settings.seed)
-    answers: list[list[int]] = []
+    code = extract_features(target.model, sequences, workdir / f"features-{settings.key()}", progress=progress,
+                            should_cancel=should_cancel)
+    parts = [code]
+    answers = None
     if settings.answers > 0:
-        cache = workdir / f"answers-{settings.answer_tokens}-s{settings.seed}.json"
         prompts = instruction_prompts(settings.answers, settings.seed)
-        done = json.loads(cache.read_text())["sequences"] if cache.is_file() else []
-        if len(done) < len(prompts):
-            def save(answers_so_far):
-                write_text_atomic(cache, json.dumps({"prompts": prompts[: len(answers_so_far)],
-                                                     "sequences": answers_so_far}))
-
-            done = generate_responses(float_weights_dir(target.spec, target.path), prompts, settings.answer_tokens,
-                                      storage=storage_of(target.model.info), progress=progress,
-                                      should_cancel=should_cancel, done=done, on_batch=save)
-        answers = done[: len(prompts)]
-    sequences = sequences + answers
-    features = extract_features(target.model, sequences, workdir / f"features-{settings.key()}", progress=progress,
-                                should_cancel=should_cancel)
-    stats = {"code_tokens": sum(len(s) for s in sequences[: len(sequences) - len(answers)]),
-             "answer_tokens": sum(len(s) for s in answers), "answers": len(answers), "sequences": len(sequences),
-             "total_tokens": features.num_tokens,
+        started = time.perf_counter()
+        answers = generate_answers(target.model, target.tokenizer, prompts, settings.answer_tokens,
+                                   workdir / f"answers-{settings.answer_tokens}-s{settings.seed}",
+                                   slots=settings.slots, progress=progress, should_cancel=should_cancel)
+        parts.append(answers)
+        log.info("answers ready in %.0f s", time.perf_counter() - started)
+    features = FeatureSet.concat(parts)
+    n_answers = 0 if answers is None else answers.starts.numel() - 1
+    stats = {"code_tokens": code.num_tokens, "answer_tokens": features.num_tokens - code.num_tokens,
+             "answers": n_answers, "sequences": features.starts.numel() - 1, "total_tokens": features.num_tokens,
              "sources": "Python standard library source; the target's greedy answers to instructions written "
-                        "from standard-library docstrings"}
+                        "from the standard library (functions, classes, function bodies, modules, reference topics)"}
     return features, stats
 
 

@@ -1,0 +1,95 @@
+"""Self-distillation data: batched greedy answers with their features, resumable."""
+
+from __future__ import annotations
+
+import torch
+
+from core.models.native import greedy_batch
+from tests.tiny import tiny_pair
+
+
+def plain_greedy(model, prompt, max_new, stop=(2,)):
+    """One sequence at a time: tokens, final-norm features and argmax at every position."""
+    model.reset()
+    out = model.forward(torch.tensor(prompt), hidden=True)
+    model.commit(len(prompt))
+    feats, labels = [out.hidden], [out.logits.argmax(-1)]
+    tokens = list(prompt) + [int(labels[-1][-1])]
+    while tokens[-1] not in stop and len(tokens) - len(prompt) < max_new:
+        out = model.forward(torch.tensor([tokens[-1]]), hidden=True)
+        model.commit(1)
+        feats.append(out.hidden)
+        labels.append(out.logits.argmax(-1))
+        tokens.append(int(labels[-1][-1]))
+    model.reset()
+    return tokens[:-1], torch.cat(feats), torch.cat(labels)
+
+
+def test_greedy_batch_matches_one_sequence_at_a_time():
+    """More prompts than slots, of different lengths, some stopping early: every sequence, its
+    features and its labels are those of plain greedy decoding (float64, so no near-ties)."""
+    model, _ = tiny_pair(dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    prompts = [(k, torch.randint(3, 64, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist())
+               for k in range(7)]
+    got = {}
+    greedy_batch(model, prompts, max_new_tokens=9, stop_ids=(2, 5, 7), slots=3,
+                 on_done=lambda key, gen: got.__setitem__(key, gen))
+    assert sorted(got) == list(range(7))
+    lengths = set()
+    for key, prompt in prompts:
+        tokens, feats, labels = plain_greedy(model, prompt, 9, stop=(2, 5, 7))
+        gen = got[key]
+        assert gen.tokens.tolist() == tokens
+        assert gen.prompt_len == len(prompt)
+        assert gen.labels.tolist() == labels.tolist()
+        # Stored in float16: equal up to that format's rounding (one step: 2^-11 relative).
+        torch.testing.assert_close(gen.features.double(), feats, rtol=2 ** -10, atol=1e-6)
+        lengths.add(len(tokens) - len(prompt))
+    assert len(lengths) > 1  # some answers stopped before others: slots were refilled mid-run
+
+
+def chat_tokenizer():
+    from tests.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok
+
+
+def sequences_of(data):
+    """The set of token sequences in a FeatureSet (order-free: answers finish in any order)."""
+    return sorted(tuple(data.tokens[a:b].tolist()) for a, b in zip(data.starts[:-1].tolist(), data.starts[1:].tolist()))
+
+
+def test_answer_generation_resumes_after_a_cancel(tmp_path):
+    """A cancelled generation keeps its finished answers on disk; the next run answers only the
+    rest, and the result is the one an uninterrupted run gives."""
+    import pytest
+
+    from core.errors import Cancelled
+    from core.training.data import generate_answers
+
+    model, _ = tiny_pair(dtype=torch.float64)
+    tok = chat_tokenizer()
+    prompts = ["ab cd", "xyz", "hello world", "q", "abc abc", "zz top", "m n o", "kk"]
+    whole = generate_answers(model, tok, prompts, 6, tmp_path / "whole", slots=3, shard_size=2)
+
+    calls = {"n": 0}
+
+    def cancel_later():
+        calls["n"] += 1
+        return calls["n"] > 8
+
+    with pytest.raises(Cancelled):
+        generate_answers(model, tok, prompts, 6, tmp_path / "resumed", slots=3, shard_size=2,
+                         should_cancel=cancel_later)
+    kept = list((tmp_path / "resumed").glob("answers-*.safetensors"))
+    assert kept, "finished answers were not kept"
+    answered = []
+    resumed = generate_answers(model, tok, prompts, 6, tmp_path / "resumed", slots=3, shard_size=2,
+                               progress=lambda msg, frac: answered.append(msg))
+    assert sequences_of(resumed) == sequences_of(whole)
+    assert resumed.starts.numel() - 1 == len(prompts)
+    assert resumed.features.shape == (resumed.num_tokens, model.info.hidden_size)
+    assert len(answered) < len(prompts)  # the second run did not redo the kept answers
