@@ -13,9 +13,11 @@ from app.palette import method_colour
 from app.tokenview import TokenView
 from core.methods import METHODS
 
-TABLE_COLUMNS = ("Method", "Identical", "tok/s", "Speedup", "τ", "Acceptance", "Tokens", "Steps", "Notes")
+TABLE_COLUMNS = ("Method", "Identical", "tok/s", "First token", "Speedup", "τ", "Acceptance", "Tokens", "Steps",
+                 "Notes")
 COLUMN_TIPS = ("", "Token for token the same output as autoregressive (checked at temperature 0)",
-               "New tokens per second, prefill included", "tok/s over autoregressive's in this comparison",
+               "New tokens per second, prefill included", "Time to the first new token (the prompt's prefill)",
+               "tok/s over autoregressive's in this comparison",
                "Mean tokens added per step (accepted draft tokens + 1)", "Accepted draft tokens / drafted tokens",
                "New tokens", "Decoding steps (target forward passes)", "")
 IDENTICAL_COL = 1
@@ -184,13 +186,14 @@ class CompareView(QWidget):
             if r.get("stop_reason") and r.get("stop_reason") not in ("max_tokens", "cancelled"):
                 notes.append(f"stopped: {r['stop_reason']}")
             title = METHODS[r["method"]].title if r["method"] in METHODS else r["method"]
+            ttft = r.get("time_to_first_token")
             values = (title, identical_text(r.get("identical_to_baseline")), f"{r['tokens_per_s']:.2f}",
-                      "–" if sp is None else f"{sp:.2f}×", f"{r['mean_accepted']:.2f}",
+                      "–" if ttft is None else f"{ttft:.2f} s", "–" if sp is None else f"{sp:.2f}×", f"{r['mean_accepted']:.2f}",
                       "–" if acc is None else f"{acc:.0%}", str(r["new_tokens"]), str(r.get("steps", "")),
                       ", ".join(notes))
             for col, v in enumerate(values):
                 item = QTableWidgetItem(v)
-                if 2 <= col <= 7:
+                if 2 <= col <= 8:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 if col == IDENTICAL_COL:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)

@@ -28,6 +28,7 @@ from app.internals import InternalsPanel
 from app.panels import MethodsPanel, ModelsPanel, PromptPanel
 from app.settings import AppSettings, open_settings
 from app.tokenview import FateLegend, TokenView
+from app.whyspeed_view import WhySpeedView
 from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
 from app.xray import XRayPanel
 from core.compare import WARMUP_TOKENS, annotate
@@ -137,6 +138,8 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.addTab(self.live, "Live")
         self.tabs.addTab(self.compare, "Compare")
+        self.why = WhySpeedView()
+        self.tabs.addTab(self.why, "Why this speed")
         self.setCentralWidget(self.tabs)
         self.models_panel = ModelsPanel()
         self.prompt_panel = PromptPanel()
@@ -181,6 +184,7 @@ class MainWindow(QMainWindow):
         self.worker.sig_step.connect(self._on_step)
         self.worker.sig_run_finished.connect(self._resolve)
         self.worker.sig_failed.connect(self._on_failed)
+        self.worker.sig_cost_curve.connect(self.why.set_curve)
         self.thread.start()
 
         # wiring
@@ -470,6 +474,8 @@ class MainWindow(QMainWindow):
             self._stop_requested = False
         self.models = loaded
         self._token_texts.clear()
+        self.why.set_curve(loaded.cost_curve)
+        self.why.set_records([])
         mp.set_loaded(loaded)
         self.methods_panel.set_draft_available(loaded.draft is not None)
         self.settings.target, self.settings.draft = target, draft
@@ -679,6 +685,7 @@ class MainWindow(QMainWindow):
                 break
         annotate(records, greedy)
         self.compare.set_records(records)
+        self.why.set_records(records)
         self._set_busy(None)
         stopped = self._stop_requested
         self._stop_requested = False

@@ -19,6 +19,8 @@ from core.errors import SpecPlayError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
 
+CALIBRATION_MESSAGE = "Measuring this machine's verification cost, once (a few seconds)…"
+
 
 @dataclass
 class ModelsLoaded:
@@ -29,6 +31,7 @@ class ModelsLoaded:
     warnings: list[str] = field(default_factory=list)
     draft_error: str | None = None
     job: int = 0
+    cost_curve: object | None = None  # the target's CostCurve when already measured (a model kept loaded)
 
     def __iter__(self):  # (target, draft) unpacking, as the first window used
         return iter((self.target, self.draft))
@@ -63,6 +66,7 @@ class EngineWorker(QObject):
         sig_step(object): a ``StepEvent`` of the current run.
         sig_run_finished(object): the ``RunResult`` (finished or cancelled).
         sig_failed(str): a message for the user (the job ended without a result).
+        sig_cost_curve(object): the target's verification ``CostCurve``, measured before its first run.
     """
 
     sig_progress = Signal(str, float)
@@ -70,6 +74,7 @@ class EngineWorker(QObject):
     sig_step = Signal(object)
     sig_run_finished = Signal(object)
     sig_failed = Signal(str)
+    sig_cost_curve = Signal(object)
 
     def __init__(self):
         super().__init__()
@@ -144,13 +149,16 @@ class EngineWorker(QObject):
                 except SpecPlayError as exc:  # the target is fine; report the draft's problem (or its cancel)
                     draft, draft_error = None, str(exc)
             self.draft = draft
-            self.sig_models_loaded.emit(ModelsLoaded(target, draft, warnings, draft_error, request.job))
+            from core import costmodel
+
+            curve = costmodel.cost_curve(target.model) if costmodel.is_measured(target.model) else None
+            self.sig_models_loaded.emit(ModelsLoaded(target, draft, warnings, draft_error, request.job, curve))
         except Exception as exc:  # the worker must survive any failure
             self._fail(exc)
 
     @Slot(object)
     def generate(self, request: RunRequest) -> None:
-        from core import compare
+        from core import compare, costmodel
         from core.engine import drain, generate
         from core.methods import build_method
 
@@ -161,6 +169,10 @@ class EngineWorker(QObject):
             from core.text import encode_prompt
 
             ids = encode_prompt(self.target.tokenizer, request.prompt, request.chat_template)
+            if not costmodel.is_measured(self.target.model):
+                # Once per loaded target: several methods size their drafts by it, and "Why this speed" shows it.
+                self.sig_progress.emit(CALIBRATION_MESSAGE, -1.0)
+                self.sig_cost_curve.emit(costmodel.cost_curve(self.target.model))
             key = (request.method, request.method_config)
             method = self._methods.get(key)
             if method is None:

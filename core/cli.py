@@ -341,7 +341,7 @@ def cmd_train(args) -> int:
 
     path, manifest = train_heads(args.kind, target, data, settings, num_heads=args.num_heads,
                                  draft_vocab=args.draft_vocab, intermediate=args.intermediate, window=args.window,
-                                 unroll=args.unroll,
+                                 unroll=args.unroll, init=args.init,
                                  workdir=args.workdir, out=args.out, resume=args.resume,
                                  command="specplay " + " ".join(sys.argv[1:]), progress=progress, on_step=on_step)
     print(f"saved {path}")
@@ -424,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, default=128, help="eagle: training window length")
     g.add_argument("--unroll", type=int, default=1, help="eagle: also train on the head's own predicted features, "
                    "this many drafting levels deep (costs about this many times the time per step)")
+    g.add_argument("--init", choices=["target", "identity"], default="target",
+                   help="eagle: start the head's layer from the target's last layer, or from a near-identity layer")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the work folder")
     g.add_argument("--log-every", type=int, default=25)
     g.add_argument("--out", type=Path, help="heads file to write (default: user data folder)")

@@ -74,6 +74,11 @@ def measure(model, sizes: Sequence[int] = SIZES, context: int = 64, repeats: int
     return CostCurve(tuple(sizes), tuple(relative))
 
 
+def is_measured(model) -> bool:
+    """Whether :func:`cost_curve` already holds this model's curve (so asking for it is free)."""
+    return model in _CURVES
+
+
 def cost_curve(model) -> CostCurve:
     """The model's cost curve, measured on first use (about a second on a CPU) and kept."""
     curve = _CURVES.get(model)

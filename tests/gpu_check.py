@@ -35,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.engine import drain, generate  # noqa: E402
 from core.heads import save_heads  # noqa: E402
 from core.methods import build_method  # noqa: E402
-from core.methods.eagle import EagleConfig, EagleHead, head_config  # noqa: E402
+from core.heads import EagleHead, MedusaHeads, head_config  # noqa: E402
+from core.methods.eagle import EagleConfig  # noqa: E402
 from core.methods.lookahead import LookaheadConfig  # noqa: E402
-from core.methods.medusa import MedusaConfig, MedusaHeads  # noqa: E402
+from core.methods.medusa import MedusaConfig  # noqa: E402
 from core.methods.speculative import SpeculativeConfig  # noqa: E402
 from core.models.loader import LoadedModel  # noqa: E402
 from core.models.native import DecoderConfig, NativeDecoder  # noqa: E402

@@ -533,8 +533,9 @@ def test_compare_fills_the_table_with_identical_flags(window, qtbot):
         assert r["identical_to_baseline"] is True
         assert table.item(row, 1).text() == "✓"
         assert table.item(row, 2).text() == f"{r['tokens_per_s']:.2f}"
+        assert table.item(row, 3).text() == f"{r['time_to_first_token']:.2f} s"
         assert abs(r["speedup"] - r["tokens_per_s"] / records[0]["tokens_per_s"]) < 1e-9
-    assert table.item(0, 3).text() == "1.00×"
+    assert table.item(0, 4).text() == "1.00×"
     # side by side: one column per method, each showing that run's text
     for r in records:
         assert window.compare.column(r["method"]).view.committed_text() == r["text"]
@@ -550,6 +551,38 @@ def test_compare_fills_the_table_with_identical_flags(window, qtbot):
     token, step = view.token(2)
     assert window.xray.token is token
     assert window.internals.steps == view.steps and window.internals.step_box.value() == view.steps.index(step)
+
+
+def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, qtbot):
+    """The first run says it measures the machine's verification cost; after a comparison the
+    "Why this speed" tab holds that curve, the break-even lines and one cost row per method,
+    the same numbers ``specplay compare --why`` prints."""
+    from core.costmodel import cost_curve
+    from core.whyspeed import break_even_cost, explain
+
+    seen = []
+    window.worker.sig_progress.connect(lambda stage, fraction: seen.append(stage))
+    assert window.why.table.rowCount() == 0 and "first run measures" in window.why.summary.text()
+    names = ["autoregressive", "speculative", "prompt_lookup"]
+    records = run(qtbot, window.run_compare(names), timeout=60_000)
+    assert sum("verification cost, once" in s for s in seen) == 1
+    curve = cost_curve(window.models.target.model)
+    xs, ys = window.why.cost_line.getOriginalDataset()
+    assert list(xs) == list(curve.sizes) and list(ys) == pytest.approx(curve.relative)
+    _, even = window.why.even_lines[5].getData()
+    assert even[50] == pytest.approx(break_even_cost(0.5, 5, curve), rel=0.05)
+    want = explain(records, curve)
+    table = window.why.table
+    assert table.rowCount() == 3
+    for row, e in enumerate(want):
+        assert table.item(row, 6).text() == f"{e.predicted_speedup:.2f}×"
+        assert table.item(row, 7).text() == f"{e.measured_speedup:.2f}×"
+    # methods that draft sit on the break-even chart at their measured acceptance and draft cost
+    placed = {s.data(): (s.pos().x(), s.pos().y()) for s in window.why.points.points()}
+    assert set(placed) == {"speculative", "prompt_lookup"}
+    spec = next(r for r in records if r["method"] == "speculative")
+    assert placed["speculative"] == pytest.approx((spec["acceptance_rate"], want[1].draft_cost_per_token))
+    assert "T(1)" in window.why.summary.text()
 
 
 def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, monkeypatch):

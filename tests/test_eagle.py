@@ -5,9 +5,9 @@ import torch
 
 from core.engine import drain, generate
 from core.errors import ModelError
-from core.heads import save_heads
+from core.heads import EagleHead, head_config, save_heads
 from core.methods import build_method
-from core.methods.eagle import EagleConfig, EagleHead, head_config
+from core.methods.eagle import EagleConfig
 from core.training.common import TrainSettings
 from core.training.eagle import EagleObjective, train_eagle
 from core.types import GenerationConfig
@@ -160,3 +160,22 @@ def test_unrolled_levels_match_drafting_one_pair_at_a_time():
                 f, e = torch.cat([f, pred], 1), torch.cat([e, embeds[:, base + i - 1: base + i]], 1)
                 pred = head(e, f)[:, -1:]
             assert torch.allclose(outs[level - 1][:, t], pred[:, 0], atol=1e-10), (level, t)
+
+
+def test_a_head_started_from_the_target_layer_computes_that_layer():
+    """With the input projection passing the feature through, a head initialised from the
+    target's last layer maps a sequence of features exactly as that layer does."""
+    from core.heads.eagle import init_from_target_layer
+    from core.models.native import layer_forward, rope_tables
+
+    native = native_from_hf(tiny_hf_model(seed=3), dtype=torch.float32)
+    cfg = head_config(native.cfg)
+    head = EagleHead(cfg)
+    layer = native.layers[-1]
+    init_from_target_layer(head, layer)
+    feats = torch.randn(1, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    got = head(torch.randn(1, 7, cfg.hidden_size), feats)
+    kv = torch.zeros(2, cfg.num_kv_heads, 7, cfg.head_dim)
+    cos, sin = rope_tables(torch.arange(7), native._inv_freq, cfg.rope_scaling, torch.float32)
+    want = layer_forward(cfg, layer, feats[0], cos, sin, kv, 0, torch.ones(7, 7, dtype=torch.bool).tril()[None, None])
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,8 @@ from core.engine import drain, generate
 from core.errors import Cancelled, ConfigError, ModelError
 from core.heads import load_heads, save_heads
 from core.methods import build_method
-from core.methods.medusa import MedusaConfig, MedusaHeads
+from core.heads import MedusaHeads
+from core.methods.medusa import MedusaConfig
 from core.training.common import TrainSettings
 from core.training.medusa import MedusaObjective, train_medusa
 from core.tree import TreeSpec, ancestor_mask, choose_tree, path_to

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from core.errors import ConfigError, ModelError
 from core.costmodel import CostCurve, best_size, cost_curve
-from core.heads import draft_lm_rows, load_heads, resolve_heads_path
+from core.heads import MedusaHeads, draft_lm_rows, load_heads, resolve_heads_path
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.tree import TreeSpec, choose_tree
 from core.types import Draft
@@ -40,29 +39,6 @@ NAMED_TREES = {"auto": "the most valuable paths by measured accuracy, as many as
                "chain": "top-1 of every head", "small": "the 8 most valuable paths", "large": "the 32 most valuable paths"}
 _BUDGETS = {"small": 8, "large": 32}
 _AUTO_MAX = 64
-
-
-class ResBlock(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-        nn.init.zeros_(self.linear.weight)  # starts as the identity: each head begins as the LM head
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x):
-        return x + nn.functional.silu(self.linear(x))
-
-
-class MedusaHeads(nn.Module):
-    """K residual blocks; logits come from the frozen LM head rows of the draft vocabulary."""
-
-    def __init__(self, hidden: int, num_heads: int):
-        super().__init__()
-        self.blocks = nn.ModuleList([ResBlock(hidden) for _ in range(num_heads)])  # K distinct modules
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """``[B, hidden]`` -> ``[K, B, hidden]``."""
-        return torch.stack([b(h) for b in self.blocks])
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def rope_frequencies(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same order of operations as transformers' RMSNorm: normalise in float32, then scale.
     dtype = x.dtype
     x32 = x.to(torch.float32)
@@ -133,12 +133,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class _Layer:
+class LayerWeights:
+    """One decoder layer's weights: fused q/k/v and gate/up projections, output and down, two norms."""
+
     def __init__(self, qkv, o, gate_up, down, ln_in, ln_post):
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.ln_in, self.ln_post = ln_in, ln_post
@@ -151,7 +153,7 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
     return (emb.cos() * scaling).to(dtype)[None], (emb.sin() * scaling).to(dtype)[None]
 
 
-def layer_forward(c: DecoderConfig, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def layer_forward(c: DecoderConfig, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv: torch.Tensor, base: int, mask4: torch.Tensor | None,
                   attn_dtype: torch.dtype | None = None) -> torch.Tensor:
     """One pre-norm decoder layer over ``n`` new rows ``x``, writing their keys and values into
@@ -163,13 +165,13 @@ def layer_forward(c: DecoderConfig, layer: _Layer, x: torch.Tensor, cos: torch.T
     q_size = c.num_heads * c.head_dim
     kv_size = c.num_kv_heads * c.head_dim
     end = base + n
-    h = _rms_norm(x, layer.ln_in, c.rms_norm_eps)
+    h = rms_norm(x, layer.ln_in, c.rms_norm_eps)
     qkv = layer.qkv(h).to(dt)
     q = qkv[:, :q_size].view(n, c.num_heads, c.head_dim).transpose(0, 1)
     k = qkv[:, q_size: q_size + kv_size].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
     v = qkv[:, q_size + kv_size:].view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
     kv[0, :, base:end] = k
     kv[1, :, base:end] = v
     adt = attn_dtype or kv.dtype
@@ -178,7 +180,7 @@ def layer_forward(c: DecoderConfig, layer: _Layer, x: torch.Tensor, cos: torch.T
         enable_gqa=c.num_kv_heads != c.num_heads,
     )
     x = x + layer.o(attn[0].transpose(0, 1).reshape(n, q_size).to(dt)).to(dt)
-    h = _rms_norm(x, layer.ln_post, c.rms_norm_eps)
+    h = rms_norm(x, layer.ln_post, c.rms_norm_eps)
     gate, up = layer.gate_up(h).to(dt).chunk(2, dim=-1)
     return x + layer.down(F.silu(gate) * up).to(dt)
 
@@ -261,7 +263,7 @@ class NativeDecoder(CausalLM):
             # int4 layers keep no copy to read back; lm_head_weight reads the int8 rows instead.
             self._head_rows = head_weight if storage == "int4-draft" else None
             head_layer = pool.submit(make_linear, head_weight, None, storage)
-            self.layers = [_Layer(**{k: v.result() if isinstance(v, Future) else v for k, v in layer.items()})
+            self.layers = [LayerWeights(**{k: v.result() if isinstance(v, Future) else v for k, v in layer.items()})
                            for layer in pending]
             self._head = head_layer.result()
         self._inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=self.device)
@@ -358,7 +360,7 @@ class NativeDecoder(CausalLM):
         return self._head.dequantized_weight()
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.norm_weight, self.cfg.rms_norm_eps)
+        return rms_norm(x, self.norm_weight, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(),
@@ -482,13 +484,13 @@ def greedy_batch(model: NativeDecoder, prompts: Sequence[tuple[int, Sequence[int
         x = model._embed_rows(tokens).to(dt)
         dense = m == slots  # all slots live: attend over cache views instead of gathered copies
         for i, layer in enumerate(model.layers):
-            h = _rms_norm(x, layer.ln_in, c.rms_norm_eps)
+            h = rms_norm(x, layer.ln_in, c.rms_norm_eps)
             qkv = layer.qkv(h).to(dt)
             q = qkv[:, :q_size].view(m, c.num_heads, 1, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(m, c.num_kv_heads, 1, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(m, c.num_kv_heads, 1, c.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             kv[i, 0, rows, :, pos] = k[:, :, 0]
             kv[i, 1, rows, :, pos] = v[:, :, 0]
             keys = kv[i, 0, :, :, :length] if dense else kv[i, 0, rows, :, :length]
@@ -496,7 +498,7 @@ def greedy_batch(model: NativeDecoder, prompts: Sequence[tuple[int, Sequence[int
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible,
                                                   enable_gqa=c.num_kv_heads != c.num_heads)
             x = x + layer.o(attn.reshape(m, q_size)).to(dt)
-            h = _rms_norm(x, layer.ln_post, c.rms_norm_eps)
+            h = rms_norm(x, layer.ln_post, c.rms_norm_eps)
             gate, up = layer.gate_up(h).to(dt).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up).to(dt)
         normed = model.final_norm(x)

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.methods.eagle import EagleHead
+from core.heads import EagleHead
 from core.training.common import Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences, vocab_lookup
 from core.training.data import FeatureSet
 

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.methods.medusa import MedusaHeads
+from core.heads import MedusaHeads
 from core.training.common import (Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences,
                                   vocab_lookup)
 from core.training.data import FeatureSet

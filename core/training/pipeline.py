@@ -88,6 +88,7 @@ def held_out_vocabulary(features: FeatureSet, size: int, always: tuple[int, ...]
 
 def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, *, num_heads: int = 4,
                 draft_vocab: int = 32768, intermediate: int | None = None, window: int = 128, unroll: int = 1,
+                init: str = "target",
                 workdir: Path | None = None, out: Path | None = None, resume: bool = False, command: str = "",
                 progress: Progress = lambda s, f: None, on_step: ProgressFn | None = None,
                 should_cancel: Callable[[], bool] = lambda: False) -> tuple[Path, dict]:
@@ -120,16 +121,19 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
         manifest.update(num_heads=num_heads, accuracy=[[round(a, 4) for a in row] for row in accuracy],
                         top1=[round(row[0], 4) for row in accuracy], top5=[round(sum(row[:5]), 4) for row in accuracy])
     elif kind == "eagle":
-        from core.methods.eagle import EagleHead, head_config
+        from core.heads import EagleHead, head_config
+        from core.heads.eagle import init_from_target_layer
         from core.training.eagle import train_eagle
 
         cfg = head_config(model.cfg, intermediate)
         head = EagleHead(cfg)
+        if init == "target":
+            init_from_target_layer(head, model.layers[-1])
         accuracy, steps = train_eagle(features, head, model.embed, lm_rows, vocab_ids, model.info.vocab_size, settings,
                                       window=window, unroll=unroll, workdir=workdir, progress=step_done,
                                       should_cancel=should_cancel, resume=resume)
         tensors = dict(head.state_dict())
-        manifest.update(intermediate_size=cfg.intermediate_size, window=window, unroll=unroll,
+        manifest.update(intermediate_size=cfg.intermediate_size, window=window, unroll=unroll, init=init,
                         accuracy={k: [round(a, 4) for a in v] if isinstance(v, list) else round(v, 4)
                                   for k, v in accuracy.items()})
     else:
