@@ -10,7 +10,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QGridLayout
                                QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.palette import method_colour
-from app.tokenview import TokenView
+from app.tokenview import REJECTED_INLINE_TIP, TokenView
 from core.methods import METHODS
 
 TABLE_COLUMNS = ("Method", "Identical", "tok/s", "First token", "Speedup", "τ", "Acceptance", "Tokens", "Steps",
@@ -81,13 +81,13 @@ class CompareView(QWidget):
         self.note = QLabel("")
         self.note.setWordWrap(True)
         self.note.setStyleSheet("QLabel { color: #555555; }")
-        self.show_rejected = QCheckBox("show rejected drafts")
-        self.show_rejected.setChecked(True)
-        self.show_rejected.setToolTip("Show rejected draft tokens, struck through, where the verifier tried them")
-        self.show_rejected.toggled.connect(self._set_show_rejected)
+        self.rejected_inline = QCheckBox("rejected drafts inline")
+        self.rejected_inline.setChecked(False)
+        self.rejected_inline.setToolTip(REJECTED_INLINE_TIP)
+        self.rejected_inline.toggled.connect(self._set_rejected_inline)
         note_row = QHBoxLayout()
         note_row.addWidget(self.note, 1)
-        note_row.addWidget(self.show_rejected)
+        note_row.addWidget(self.rejected_inline)
         self.columns_box = QWidget()
         self.columns_layout = QHBoxLayout(self.columns_box)
         self.columns_layout.setContentsMargins(0, 0, 0, 0)
@@ -159,14 +159,14 @@ class CompareView(QWidget):
         self.placeholder.setVisible(False)
         for name in names:
             col = CompareColumn(name, method_colour(name, self.order))
-            col.view.set_show_rejected(self.show_rejected.isChecked())
+            col.view.set_rejected_inline(self.rejected_inline.isChecked())
             self.columns[name] = col
             self.columns_layout.addWidget(col, 1)
         self.set_records([])
 
-    def _set_show_rejected(self, show: bool) -> None:
+    def _set_rejected_inline(self, show: bool) -> None:
         for col in self.columns.values():
-            col.view.set_show_rejected(show)
+            col.view.set_rejected_inline(show)
 
     def column(self, name: str) -> CompareColumn | None:
         return self.columns.get(name)

@@ -48,7 +48,7 @@ class AppSettings:
     method: str = "speculative"
     method_values: dict[str, dict] = field(default_factory=dict)
     compare_methods: list[str] = field(default_factory=lambda: ["autoregressive", "speculative", "prompt_lookup"])
-    show_rejected: bool = True
+    rejected_inline: bool = False
     export_dir: str = ""
 
     @classmethod

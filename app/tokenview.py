@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import html
 
 from PySide6.QtCore import QPointF, QRect, Qt, Signal
 from PySide6.QtGui import QColor, QFontDatabase, QTextCharFormat, QTextCursor, QTextFormat
@@ -24,11 +25,23 @@ def display_text(token: TokenEvent) -> str:
     return text
 
 
+REJECTED_INLINE_TIP = ("Show rejected draft tokens in full, struck through, where the verifier tried them "
+                       "(otherwise a ✕ marks the spot: hover it to see them)")
+
+
+def marker_text(rejected: list[TokenEvent]) -> str:
+    """The mark left where rejected drafts were tried: a cross, with their count when more than one."""
+    return "✕" if len(rejected) == 1 else f"✕{len(rejected)}"
+
+
 class TokenView(QTextEdit):
     """Read-only text of a run, built step by step from :class:`~core.types.StepEvent` objects.
 
-    Rejected draft tokens are shown struck through where they were tried (or hidden);
-    neighbouring tokens alternate between two shades so token boundaries stay visible.
+    The committed text reads as text, each token tinted by its fate. Draft tokens the verifier
+    turned down leave a small raised mark (✕, with their count) where they were tried; hovering
+    it lists them, clicking it opens the first in the X-ray. With ``rejected_inline`` they are
+    shown in full instead, struck through. Neighbouring tokens alternate between two shades so
+    token boundaries stay visible.
 
     Signals:
         sig_token_hovered(object, object): the ``TokenEvent`` under the mouse and its ``StepEvent``.
@@ -47,12 +60,13 @@ class TokenView(QTextEdit):
         self.viewport().setMouseTracking(True)
         self.setPlaceholderText("Generated tokens appear here, coloured by their fate.")
         self.steps: list[StepEvent] = []
-        self.show_rejected = True
+        self.rejected_inline = False
+        self.markers: dict[int, list[TokenEvent]] = {}  # span index of a mark -> the rejected drafts it stands for
         self._starts: list[int] = []  # document position of each shown token (sorted)
         self._index: dict[tuple[int, int], int] = {}  # (step index, token index) -> span index
         self._spans: list[tuple[int, int, int, int]] = []  # (start, end, step index, token index)
         self._shade = 0
-        self._formats: dict[tuple[Fate, int], QTextCharFormat] = {}
+        self._formats: dict[object, QTextCharFormat] = {}  # (fate, shade) or "marker"
         self._hovered: tuple[int, int] | None = None
         self._pinned: tuple[int, int] | None = None
 
@@ -61,6 +75,7 @@ class TokenView(QTextEdit):
     def clear_run(self) -> None:
         self.steps = []
         self._starts, self._spans, self._index = [], [], {}
+        self.markers = {}
         self._shade = 0
         self._hovered = self._pinned = None
         self.setExtraSelections([])
@@ -77,9 +92,9 @@ class TokenView(QTextEdit):
             self.setUpdatesEnabled(True)
         self.moveCursor(QTextCursor.MoveOperation.Start)
 
-    def set_show_rejected(self, show: bool) -> None:
-        if show != self.show_rejected:
-            self.show_rejected = show
+    def set_rejected_inline(self, inline: bool) -> None:
+        if inline != self.rejected_inline:
+            self.rejected_inline = inline
             steps = list(self.steps)
             bar = self.verticalScrollBar()
             frac = bar.value() / bar.maximum() if bar.maximum() else 1.0
@@ -93,19 +108,41 @@ class TokenView(QTextEdit):
         self.steps.append(event)
         cursor = QTextCursor(self.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
-        for ti, tok in enumerate(event.tokens):
-            if tok.fate is Fate.REJECTED and not self.show_rejected:
+        tokens = event.tokens
+        ti = 0
+        while ti < len(tokens):
+            tok = tokens[ti]
+            if tok.fate is Fate.REJECTED and not self.rejected_inline:
+                run_end = ti
+                while run_end < len(tokens) and tokens[run_end].fate is Fate.REJECTED:
+                    run_end += 1
+                rejected = list(tokens[ti:run_end])
+                self._add_span(cursor, marker_text(rejected), self._marker_format(), si, ti)
+                self.markers[len(self._spans) - 1] = rejected
+                ti = run_end
                 continue
             text = display_text(tok)
-            if not text:
-                continue  # an incomplete UTF-8 character: its text arrives with the next token
-            start = cursor.position()
-            cursor.insertText(text, self._format(tok.fate))
-            self._index[(si, ti)] = len(self._spans)
-            self._starts.append(start)
-            self._spans.append((start, cursor.position(), si, ti))
+            if text:  # empty: an incomplete UTF-8 character, whose text arrives with the next token
+                self._add_span(cursor, text, self._format(tok.fate), si, ti)
+            ti += 1
         if follow and at_end:
             bar.setValue(bar.maximum())
+
+    def _add_span(self, cursor: QTextCursor, text: str, fmt: QTextCharFormat, si: int, ti: int) -> None:
+        start = cursor.position()
+        cursor.insertText(text, fmt)
+        self._index[(si, ti)] = len(self._spans)
+        self._starts.append(start)
+        self._spans.append((start, cursor.position(), si, ti))
+
+    def _marker_format(self) -> QTextCharFormat:
+        fmt = self._formats.get("marker")
+        if fmt is None:
+            fmt = QTextCharFormat()
+            fmt.setForeground(QColor(FATE_STYLES[Fate.REJECTED].colour))
+            fmt.setVerticalAlignment(QTextCharFormat.VerticalAlignment.AlignSuperScript)
+            self._formats["marker"] = fmt
+        return fmt
 
     def _format(self, fate: Fate) -> QTextCharFormat:
         self._shade ^= 1
@@ -172,7 +209,18 @@ class TokenView(QTextEdit):
             else:
                 token, step = self.token(i)
                 self.sig_token_hovered.emit(token, step)
-                QToolTip.showText(event.globalPosition().toPoint(), tooltip_html(token, step), self.viewport())
+                QToolTip.showText(event.globalPosition().toPoint(), self._tooltip(i), self.viewport())
+
+    def _tooltip(self, i: int) -> str:
+        token, step = self.token(i)
+        rejected = self.markers.get(i)
+        if not rejected:
+            return tooltip_html(token, step)
+        tried = ", ".join(f"<code>{html.escape(display_text(t))}</code>" for t in rejected[:12])
+        more = f" and {len(rejected) - 12} more" if len(rejected) > 12 else ""
+        head = (f"<b>{len(rejected)} draft token{'s' if len(rejected) > 1 else ''} rejected here:</b> {tried}{more}"
+                "<br>(click for the first in the X-ray)<hr>")
+        return head + tooltip_html(token, step)
 
     def mousePressEvent(self, event):  # noqa: N802 (Qt name)
         super().mousePressEvent(event)

@@ -27,7 +27,7 @@ from app.history_panel import HistoryPanel
 from app.internals import InternalsPanel
 from app.panels import MethodsPanel, ModelsPanel, PromptPanel
 from app.settings import AppSettings, open_settings
-from app.tokenview import FateLegend, TokenView
+from app.tokenview import REJECTED_INLINE_TIP, FateLegend, TokenView
 from app.whyspeed_view import WhySpeedView
 from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
 from app.xray import XRayPanel
@@ -54,9 +54,9 @@ class LiveView(QWidget):
         self.stats = QLabel("")
         self.stats.setWordWrap(True)
         self.stats.setStyleSheet("QLabel { color: #444444; }")
-        self.show_rejected = QCheckBox("show rejected drafts")
-        self.show_rejected.setChecked(True)
-        self.show_rejected.setToolTip("Show rejected draft tokens, struck through, where the verifier tried them")
+        self.rejected_inline = QCheckBox("rejected drafts inline")
+        self.rejected_inline.setChecked(False)
+        self.rejected_inline.setToolTip(REJECTED_INLINE_TIP)
         self.banner = QLabel("")
         self.banner.setObjectName("error_banner")
         self.banner.setWordWrap(True)
@@ -79,7 +79,7 @@ class LiveView(QWidget):
         head = QHBoxLayout()
         head.addWidget(self.title)
         head.addStretch(1)
-        head.addWidget(self.show_rejected)
+        head.addWidget(self.rejected_inline)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addLayout(head)
@@ -87,7 +87,7 @@ class LiveView(QWidget):
         layout.addWidget(self.banner_box)
         layout.addWidget(self.view, 1)
         layout.addWidget(self.legend)
-        self.show_rejected.toggled.connect(self.view.set_show_rejected)
+        self.rejected_inline.toggled.connect(self.view.set_rejected_inline)
 
     def show_error(self, message: str) -> None:
         self.banner.setText(message)
@@ -289,11 +289,11 @@ class MainWindow(QMainWindow):
         self.methods_panel.set_all_values(s.method_values)
         self.methods_panel.set_method(s.method)
         self.compare.set_selected(s.compare_methods)
-        self.live.show_rejected.setChecked(s.show_rejected)
-        self.compare.show_rejected.setChecked(s.show_rejected)
+        self.live.rejected_inline.setChecked(s.rejected_inline)
+        self.compare.rejected_inline.setChecked(s.rejected_inline)
         # one setting for every token view
-        self.live.show_rejected.toggled.connect(self.compare.show_rejected.setChecked)
-        self.compare.show_rejected.toggled.connect(self.live.show_rejected.setChecked)
+        self.live.rejected_inline.toggled.connect(self.compare.rejected_inline.setChecked)
+        self.compare.rejected_inline.toggled.connect(self.live.rejected_inline.setChecked)
         if s.geometry is None or not self.restoreGeometry(s.geometry):
             self._default_size()
         if s.window_state is not None:
@@ -341,7 +341,7 @@ class MainWindow(QMainWindow):
         s.method = self.methods_panel.method()
         s.method_values = self.methods_panel.all_values()
         s.compare_methods = self.compare.selected()
-        s.show_rejected = self.live.show_rejected.isChecked()
+        s.rejected_inline = self.live.rejected_inline.isChecked()
         return s
 
     def save_settings(self) -> None:

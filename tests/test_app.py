@@ -185,7 +185,11 @@ def test_each_method_streams_into_the_live_view(window, qtbot, method):
 
     for i, tok in enumerate(view.shown_tokens()):
         fmt, _ = token_format(view, i)
-        assert fmt.fontStrikeOut() == (tok.fate is Fate.REJECTED)
+        if i in view.markers:  # rejected drafts leave a raised mark, not struck text
+            assert tok.fate is Fate.REJECTED and view.markers[i][0] is tok
+            assert fmt.verticalAlignment() == fmt.VerticalAlignment.AlignSuperScript
+            continue
+        assert tok.fate is not Fate.REJECTED and not fmt.fontStrikeOut()
         assert fmt.foreground().color().name() == FATE_STYLES[tok.fate].text
     # the run went to the history file and the panel
     assert window.history.load()[-1]["token_ids"] == result.token_ids
@@ -237,7 +241,11 @@ def test_twin_draft_tokens_are_accepted_and_coloured_so(window, qtbot):
         assert bg in {FATE_STYLES[tok.fate].background(s).name() for s in (0, 1)}
 
 
-def test_unrelated_draft_shows_rejections_struck_through_and_hideable(qtbot, aloop, model_dirs):
+def test_rejected_drafts_leave_marks_and_can_be_shown_inline(qtbot, aloop, model_dirs):
+    """With an unrelated draft many tokens are rejected: by default the text stays the answer,
+    each run of rejections a ✕ mark counting them; inline, each is shown struck through."""
+    from app.tokenview import marker_text
+
     w = make_window(qtbot)
     run(qtbot, w.load_models(str(model_dirs["target"]), str(model_dirs["other"]), "cpu", "float32"))
     w.prompt_panel.editor.setPlainText("ab cd ab cd ab")
@@ -248,13 +256,17 @@ def test_unrelated_draft_shows_rejections_struck_through_and_hideable(qtbot, alo
     rejected = [t for e in result.events for t in e.tokens if t.fate is Fate.REJECTED]
     assert rejected, "an unrelated random draft should be rejected at least once"
     view = w.live.view
+    assert sum(len(r) for r in view.markers.values()) == len(rejected)
+    assert view.document().toPlainText() == "".join(
+        marker_text(view.markers[i]) if i in view.markers else t.text for i, t in enumerate(view.shown_tokens()))
+    assert not any(token_format(view, i)[0].fontStrikeOut() for i in range(len(view.shown_tokens())))
+    assert view.committed_text() == result.text
+    w.live.rejected_inline.setChecked(True)
+    assert not view.markers
     struck = [i for i, t in enumerate(view.shown_tokens()) if token_format(view, i)[0].fontStrikeOut()]
     assert len(struck) == len(rejected)
-    w.live.show_rejected.setChecked(False)
-    assert all(t.fate is not Fate.REJECTED for t in view.shown_tokens())
-    assert view.committed_text() == result.text
-    w.live.show_rejected.setChecked(True)
     assert len(view.shown_tokens()) == sum(len(e.tokens) for e in result.events)
+    assert view.committed_text() == result.text
     w.close()
 
 
@@ -284,6 +296,7 @@ def test_token_view_colours_each_fate(qtbot):
 
     view = TokenView()
     qtbot.addWidget(view)
+    view.set_rejected_inline(True)
     view.append_step(_step(KNOWN))
     assert view.document().toPlainText() == "alphabetagammadeltaeps"
     for i, tok in enumerate(KNOWN):
@@ -298,8 +311,10 @@ def test_token_view_colours_each_fate(qtbot):
             assert fmt.background().color().name() in {style.background(s).name() for s in (0, 1)}
     # distinct colours for distinct fates
     assert len({s.colour for s in FATE_STYLES.values()}) == len(FATE_STYLES)
-    view.set_show_rejected(False)
-    assert view.document().toPlainText() == "alphagammadeltaeps"
+    view.set_rejected_inline(False)
+    assert view.document().toPlainText() == "alpha✕gammadeltaeps"
+    assert view.markers == {1: [KNOWN[1]]}
+    assert "1 draft token rejected here" in view._tooltip(1) and "<code>beta</code>" in view._tooltip(1)
 
 
 def test_hovering_a_token_shows_its_xray(qtbot):
@@ -729,7 +744,7 @@ def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
     w.methods_panel.forms["prompt_lookup"].editors["num_tokens"].set_value(21)
     w.methods_panel.forms["speculative"].editors["adaptive"].set_value(True)
     w.compare.set_selected(["autoregressive", "prompt_lookup"])
-    w.live.show_rejected.setChecked(False)
+    w.live.rejected_inline.setChecked(True)  # not the default
     w.resize(777, 555)  # within the offscreen screen (restoring clamps to the screen)
     w.close()  # saves
 
@@ -739,7 +754,7 @@ def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
     assert (s.max_new_tokens, s.temperature, s.top_p, s.seed) == (77, 0.7, 0.9, 1234)
     assert s.method == "prompt_lookup" and s.method_values["prompt_lookup"]["num_tokens"] == 21
     assert s.method_values["speculative"]["adaptive"] is True
-    assert s.compare_methods == ["autoregressive", "prompt_lookup"] and s.show_rejected is False
+    assert s.compare_methods == ["autoregressive", "prompt_lookup"] and s.rejected_inline is True
 
     w2 = MainWindow()  # reads the same file
     qtbot.addWidget(w2)
@@ -749,7 +764,7 @@ def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
     assert w2.methods_panel.method() == "prompt_lookup"
     assert w2.methods_panel.forms["prompt_lookup"].config().num_tokens == 21
     assert w2.compare.selected() == ["autoregressive", "prompt_lookup"]
-    assert not w2.live.show_rejected.isChecked()
+    assert w2.live.rejected_inline.isChecked() and w2.compare.rejected_inline.isChecked()
     assert (w2.width(), w2.height()) == (777, 555)
     w2.close()
 
