@@ -2,9 +2,8 @@
 around a live token view and a compare view.
 
 Orchestration (load, run, compare sequences, exports) is written as coroutines on the qasync
-loop; every model call happens in the one :class:`~app.worker.EngineWorker` thread, which
-the coroutines reach through queued signals and await through futures resolved by the
-worker's signals. Nothing here calls torch.
+loop; every model call happens in the engine thread, reached through
+:class:`~app.engine_client.EngineClient`. Nothing here calls torch.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, Qt, QThread, QTimer, Signal
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QCheckBox, QDockWidget, QFileDialog, QHBoxLayout, QLabel, QMainWindow, QMessageBox,
-                               QSizePolicy, QStyle, QTabWidget, QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QSizePolicy, QStyle,
+                               QTabWidget, QWidget)
 
 from app.charts import ChartsPanel, configure_pyqtgraph
 from app.compare_view import CompareView
@@ -27,85 +26,25 @@ from app.history_panel import HistoryPanel
 from app.internals import InternalsPanel
 from app.panels import MethodsPanel, ModelsPanel, PromptPanel
 from app.settings import AppSettings, open_settings
-from app.tokenview import REJECTED_INLINE_TIP, FateLegend, TokenView
+from app.window_settings import apply_to_window, collect_from_window
+from app.tokenview import TokenView
 from app.whyspeed_view import WhySpeedView
-from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
+from app.engine_client import EngineClient, EngineFailed
+from app.live_view import LiveView
+from app.worker import LoadRequest, ModelsLoaded, RunRequest
 from app.xray import XRayPanel
 from core.compare import WARMUP_TOKENS, annotate
 from core.errors import ConfigError
 from core.history import History
 from core.memory import memory_text
 from core.methods import METHODS
+from core.runlog import stats_line
 from core.types import RunResult, StepEvent
 
 log = logging.getLogger(__name__)
 
 
-class EngineFailed(Exception):
-    """The worker reported a failure (its message is for the user)."""
-
-
-class LiveView(QWidget):
-    """The central view of a single run: header, error banner, legend and the token view."""
-
-    def __init__(self):
-        super().__init__()
-        self.title = QLabel("<b>No run yet</b>")
-        self.stats = QLabel("")
-        self.stats.setWordWrap(True)
-        self.stats.setStyleSheet("QLabel { color: #444444; }")
-        self.rejected_inline = QCheckBox("rejected drafts inline")
-        self.rejected_inline.setChecked(False)
-        self.rejected_inline.setToolTip(REJECTED_INLINE_TIP)
-        self.banner = QLabel("")
-        self.banner.setObjectName("error_banner")
-        self.banner.setWordWrap(True)
-        self.banner.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.banner.setStyleSheet("QLabel { background: #fde8e8; color: #8a0016; border: 1px solid #e5a5ad; "
-                                  "border-radius: 3px; padding: 6px; }")
-        close = QToolButton()
-        close.setIcon(self.style().standardIcon(QStyle.StandardPixmap.SP_TitleBarCloseButton))
-        close.setAutoRaise(True)
-        close.setToolTip("Dismiss")
-        close.clicked.connect(self.clear_error)
-        self.banner_box = QWidget()
-        b = QHBoxLayout(self.banner_box)
-        b.setContentsMargins(0, 0, 0, 0)
-        b.addWidget(self.banner, 1)
-        b.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
-        self.banner_box.setVisible(False)
-        self.view = TokenView()
-        self.legend = FateLegend()
-        head = QHBoxLayout()
-        head.addWidget(self.title)
-        head.addStretch(1)
-        head.addWidget(self.rejected_inline)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(6, 6, 6, 6)
-        layout.addLayout(head)
-        layout.addWidget(self.stats)
-        layout.addWidget(self.banner_box)
-        layout.addWidget(self.view, 1)
-        layout.addWidget(self.legend)
-        self.rejected_inline.toggled.connect(self.view.set_rejected_inline)
-
-    def show_error(self, message: str) -> None:
-        self.banner.setText(message)
-        self.banner_box.setVisible(True)
-
-    def clear_error(self) -> None:
-        self.banner.setText("")
-        self.banner_box.setVisible(False)
-
-
 class MainWindow(QMainWindow):
-    """Signals (to the worker, queued):
-        sig_load(LoadRequest), sig_generate(RunRequest)
-    """
-
-    sig_load = Signal(object)
-    sig_generate = Signal(object)
-
     def __init__(self, settings: AppSettings | None = None, history: History | None = None):
         super().__init__()
         configure_pyqtgraph()
@@ -118,8 +57,6 @@ class MainWindow(QMainWindow):
         self.history = history if history is not None else History()
         self.models: ModelsLoaded | None = None
         self._closed: asyncio.Future | None = None
-        self._job = 0
-        self._pending: asyncio.Future | None = None
         self._busy: str | None = None
         self._stop_requested = False
         self._step_sinks: list = []
@@ -138,6 +75,9 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.addTab(self.live, "Live")
         self.tabs.addTab(self.compare, "Compare")
+        # one "rejected drafts inline" setting for every token view
+        self.live.rejected_inline.toggled.connect(self.compare.rejected_inline.setChecked)
+        self.compare.rejected_inline.toggled.connect(self.live.rejected_inline.setChecked)
         self.why = WhySpeedView()
         self.tabs.addTab(self.why, "Why this speed")
         self.setCentralWidget(self.tabs)
@@ -173,19 +113,12 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.memory_label)
 
         # the worker thread
-        self.thread = QThread(self)
-        self.thread.setObjectName("engine")
-        self.worker = EngineWorker()
-        self.worker.moveToThread(self.thread)
-        self.sig_load.connect(self.worker.load)
-        self.sig_generate.connect(self.worker.generate)
+        self.engine = EngineClient(self)
+        self.worker = self.engine.worker
         self.worker.sig_progress.connect(self._on_progress)
-        self.worker.sig_models_loaded.connect(self._on_models_loaded)
         self.worker.sig_step.connect(self._on_step)
-        self.worker.sig_run_finished.connect(self._resolve)
-        self.worker.sig_failed.connect(self._on_failed)
         self.worker.sig_cost_curve.connect(self.why.set_curve)
-        self.thread.start()
+        self.engine.sig_error.connect(self.show_error)
 
         # wiring
         self.models_panel.sig_load_requested.connect(lambda: self.spawn(self.load_models()))
@@ -270,30 +203,7 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------------ settings
     def apply_settings(self, s: AppSettings) -> None:
-        mp = self.models_panel
-        mp.target.add_recent(s.recent_models)
-        mp.draft.add_recent(s.recent_models)
-        mp.target.set_spec(s.target)
-        mp.draft.set_spec(s.draft)
-        if mp.device.findText(s.device) >= 0:
-            mp.device.setCurrentText(s.device)
-        if mp.dtype.findText(s.dtype) >= 0:
-            mp.dtype.setCurrentText(s.dtype)
-        pp = self.prompt_panel
-        pp.editor.setPlainText(s.prompt)
-        pp.chat_template.setChecked(s.chat_template)
-        pp.max_new_tokens.setValue(s.max_new_tokens)
-        pp.temperature.setValue(s.temperature)
-        pp.top_p.setValue(s.top_p)
-        pp.seed.setValue(s.seed)
-        self.methods_panel.set_all_values(s.method_values)
-        self.methods_panel.set_method(s.method)
-        self.compare.set_selected(s.compare_methods)
-        self.live.rejected_inline.setChecked(s.rejected_inline)
-        self.compare.rejected_inline.setChecked(s.rejected_inline)
-        # one setting for every token view
-        self.live.rejected_inline.toggled.connect(self.compare.rejected_inline.setChecked)
-        self.compare.rejected_inline.toggled.connect(self.live.rejected_inline.setChecked)
+        apply_to_window(self, s)
         if s.geometry is None or not self.restoreGeometry(s.geometry):
             self._default_size()
         if s.window_state is not None:
@@ -323,30 +233,9 @@ class MainWindow(QMainWindow):
             w, h = min(w, int(screen.width() * 0.96)), min(h, int(screen.height() * 0.92))
         self.resize(w, h)
 
-    def collect_settings(self) -> AppSettings:
-        s = self.settings
-        mp, pp = self.models_panel, self.prompt_panel
-        s.geometry = QByteArray(self.saveGeometry())
-        s.window_state = QByteArray(self.saveState())
-        s.target = mp.target.spec()
-        s.draft = mp.draft.spec()
-        s.device = mp.device.currentText()
-        s.dtype = mp.dtype.currentText()
-        s.prompt = pp.prompt()
-        s.chat_template = pp.chat_template.isChecked()
-        s.max_new_tokens = pp.max_new_tokens.value()
-        s.temperature = pp.temperature.value()
-        s.top_p = pp.top_p.value()
-        s.seed = pp.seed.value()
-        s.method = self.methods_panel.method()
-        s.method_values = self.methods_panel.all_values()
-        s.compare_methods = self.compare.selected()
-        s.rejected_inline = self.live.rejected_inline.isChecked()
-        return s
-
     def save_settings(self) -> None:
         try:
-            self.collect_settings().save(open_settings())
+            collect_from_window(self).save(open_settings())
         except Exception as exc:  # never lose the close because settings could not be written
             log.warning("could not save settings: %s", exc)
 
@@ -374,23 +263,6 @@ class MainWindow(QMainWindow):
         self._closed = asyncio.get_event_loop().create_future()
         return self._closed
 
-    def _expect(self) -> asyncio.Future:
-        fut = asyncio.get_event_loop().create_future()
-        self._pending = fut
-        return fut
-
-    def _resolve(self, value) -> None:
-        fut, self._pending = self._pending, None
-        if fut is not None and not fut.done():
-            fut.set_result(value)
-
-    def _on_failed(self, message: str) -> None:
-        fut, self._pending = self._pending, None
-        if fut is not None and not fut.done():
-            fut.set_exception(EngineFailed(message))
-        else:
-            self.show_error(message)
-
     def _set_busy(self, what: str | None) -> None:
         self._busy = what
         loaded = self.models is not None
@@ -411,7 +283,7 @@ class MainWindow(QMainWindow):
         if self._busy is None:
             return
         self._stop_requested = True
-        self.worker.cancel(self._job)
+        self.engine.cancel()
         self.set_status("Stopping…")
 
     # ------------------------------------------------------------------------ status and errors
@@ -460,11 +332,9 @@ class MainWindow(QMainWindow):
         self.models = None
         self.methods_panel.set_draft_available(False)
         self.set_status(f"Loading {target}" + (f" and {draft}" if draft else "") + "…")
-        self._job += 1
-        fut = self._expect()
-        self.sig_load.emit(LoadRequest(target=target, draft=draft or None, device=device, dtype=dtype, job=self._job))
         try:
-            loaded: ModelsLoaded = await fut
+            loaded: ModelsLoaded = await self.engine.load(LoadRequest(target=target, draft=draft or None,
+                                                                      device=device, dtype=dtype))
         except EngineFailed as exc:
             mp.set_failed(str(exc))
             self.show_error(f"Loading failed: {exc}")
@@ -493,9 +363,6 @@ class MainWindow(QMainWindow):
         self.models_panel.set_progress(stage, fraction)
         self.set_status(stage + ("" if fraction < 0 else f" {fraction:.0%}"))
 
-    def _on_models_loaded(self, loaded: ModelsLoaded) -> None:
-        self._resolve(loaded)
-
     def _token_text(self, token_id: int) -> str:
         """Text of a token id for the internals views (cached; decoding is cheap and thread-safe)."""
         text = self._token_texts.get(token_id)
@@ -522,15 +389,9 @@ class MainWindow(QMainWindow):
 
     async def _run(self, request: RunRequest, sinks: list) -> RunResult | None:
         """Send one run to the worker and wait for its result; errors are shown, and give None."""
-        self._job += 1
-        request.job = self._job
-        if self._stop_requested:
-            self.worker.cancel(self._job)
         self._step_sinks = sinks
-        fut = self._expect()
-        self.sig_generate.emit(request)
         try:
-            return await fut
+            return await self.engine.generate(request, stop_first=self._stop_requested)
         except EngineFailed as exc:
             self.show_error(f"{METHODS[request.method].title if request.method in METHODS else request.method}: {exc}")
             return None
@@ -591,9 +452,9 @@ class MainWindow(QMainWindow):
         self.charts.finish_run(method, result.metrics.to_dict())
         if self._internals_view is self.live.view:
             self.internals.set_steps(result.events)
-        self.live.stats.setText(self._stats_text(record))
+        self.live.stats.setText(stats_line(record))
         state = "Cancelled" if result.cancelled else "Done"
-        self.set_status(f"{state}: {self._stats_text(record)} ({time.perf_counter() - started:.1f} s)")
+        self.set_status(f"{state}: {stats_line(record)} ({time.perf_counter() - started:.1f} s)")
         self._report_run_error(result)
         return result
 
@@ -613,18 +474,6 @@ class MainWindow(QMainWindow):
         self.internals.clear()
         self.charts.begin_run(method)
         self.xray.show_token(None, None)
-
-    @staticmethod
-    def _stats_text(r: dict) -> str:
-        acc = r.get("acceptance_rate")
-        parts = [f"{r['new_tokens']} tokens in {r['wall_time']:.2f} s", f"{r['tokens_per_s']:.1f} tok/s",
-                 f"τ {r['mean_accepted']:.2f}"]
-        if acc is not None:
-            parts.append(f"acceptance {acc:.0%}")
-        parts.append(f"stop: {r['stop_reason']}")
-        if r.get("lossy"):
-            parts.append("LOSSY")
-        return " · ".join(parts)
 
     async def run_compare(self, names: list[str]) -> list[dict] | None:
         """Run ``names`` one after another on the same prompt, seed and settings; fill the table."""
@@ -677,7 +526,7 @@ class MainWindow(QMainWindow):
             self._save_to_history(record)
             records.append(record)
             self.charts.finish_run(name, result.metrics.to_dict())
-            col.stats.setText(self._stats_text(record))
+            col.stats.setText(stats_line(record))
             self._report_run_error(result)
             annotate(records, greedy)
             self.compare.set_records(records)
@@ -731,7 +580,7 @@ class MainWindow(QMainWindow):
                                               "acceptance_by_position": record.get("acceptance_by_position"),
                                               "draft_s": split.get("draft", 0.0), "verify_s": split.get("verify", 0.0),
                                               "other_s": split.get("other", 0.0)})
-        self.live.stats.setText(self._stats_text(record) if "wall_time" in record else "")
+        self.live.stats.setText(stats_line(record) if "wall_time" in record else "")
         self.set_status(f"Showing a saved run: {method}, {record.get('new_tokens', '?')} tokens.")
 
     # ------------------------------------------------------------------------ export
@@ -801,8 +650,9 @@ class MainWindow(QMainWindow):
 
         lines = [f"<p><b style='color:{s.colour}'>{s.label}</b>: {s.description}</p>" for s in FATE_STYLES.values()]
         box = QMessageBox(QMessageBox.Icon.Information, "Colours and marks",
-                          "".join(lines) + "<p>Rejected tokens are struck through, resampled ones underlined, bonus "
-                          "ones overlined, so the fates read without colour too.</p>", QMessageBox.StandardButton.Ok,
+                          "".join(lines) + "<p>Rejected drafts leave a raised ✕ (with their count) where they were tried, "
+                          "or show struck through with “rejected drafts inline”; resampled tokens are underlined, "
+                          "bonus ones overlined, so the fates read without colour too.</p>", QMessageBox.StandardButton.Ok,
                           self)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         box.open()
@@ -810,16 +660,9 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event):  # noqa: N802 (Qt name)
         self.save_settings()
         self._stop_requested = True
-        self.worker.cancel(self._job)
-        self.worker.cancel()
-        fut, self._pending = self._pending, None
-        if fut is not None and not fut.done():
-            fut.set_exception(EngineFailed("the window was closed"))
+        self.engine.shutdown()
         self._memory_timer.stop()
         self._io.shutdown(wait=False)
-        self.thread.quit()
-        if not self.thread.wait(30_000):
-            log.warning("the engine thread did not stop within 30 s")
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(0)
         super().closeEvent(event)

@@ -172,7 +172,7 @@ def _methods_from(text: str) -> list[str]:
 def cmd_run(args) -> int:
     from core.engine import drain, generate
     from core.methods import build_method, get_spec
-    from core.runlog import dumps, run_record
+    from core.runlog import dumps, run_record, stats_line
     from core.text import encode_prompt
 
     spec = get_spec(args.method)
@@ -195,10 +195,8 @@ def cmd_run(args) -> int:
     if args.json:
         print(dumps(record))
     else:
-        m = result.metrics
         print(file=sys.stdout)
-        print(f"[{result.method}] {m.new_tokens} tokens in {m.wall_time:.2f} s = {m.tokens_per_s:.2f} tok/s, "
-              f"τ {m.mean_accepted:.2f}, {m.steps} steps, stop: {result.stop_reason.value}", file=sys.stderr)
+        print(f"[{result.method}] {stats_line(record)} · {result.metrics.steps} steps", file=sys.stderr)
     if args.log:
         _write_log(args.log, [run_record(result, target=target, draft=draft, prompt=prompt, include_events=True)])
     if result.error:

@@ -69,6 +69,21 @@ def event_from_dict(d: dict, total_before: int = 0) -> StepEvent:
                      internals=d.get("internals", {}))
 
 
+def stats_line(record: dict) -> str:
+    """One line that sums up a run record (the CLI prints it after a run; the app shows it under the text)."""
+    acc = record.get("acceptance_rate")
+    parts = [f"{record['new_tokens']} tokens in {record['wall_time']:.2f} s", f"{record['tokens_per_s']:.1f} tok/s"]
+    if record.get("time_to_first_token") is not None:
+        parts.append(f"first token {record['time_to_first_token']:.2f} s")
+    parts.append(f"τ {record['mean_accepted']:.2f}")
+    if acc is not None:
+        parts.append(f"acceptance {acc:.0%}")
+    parts.append(f"stop: {record['stop_reason']}")
+    if record.get("lossy"):
+        parts.append("LOSSY")
+    return " · ".join(parts)
+
+
 def run_record(result: RunResult, *, target, draft=None, prompt: str | None = None, question_id=None,
                include_events: bool = False, extra: dict | None = None) -> dict:
     m = result.metrics

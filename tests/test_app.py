@@ -478,7 +478,7 @@ def test_stop_cancels_within_one_step(window, qtbot):
     def press_stop(event):  # runs in the worker thread, right after the step: the next check must stop
         seen.append(event)
         if len(seen) == 3:
-            window.worker.cancel(window._job)
+            window.engine.cancel()
 
     window.worker.sig_step.connect(press_stop, _Qt.ConnectionType.DirectConnection)
     result = run(qtbot, window.run_single())

@@ -1,0 +1,101 @@
+"""The window's side of the engine: requests out as queued signals, results back as futures.
+
+All model work runs in one :class:`~app.worker.EngineWorker` thread. A coroutine sends a
+request and awaits its future; the worker's result signal (or its failure) resolves it. One
+request is awaited at a time, and each carries a job number, so a Stop pressed while a job
+is still queued reaches it (:meth:`EngineWorker.cancel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from PySide6.QtCore import QObject, QThread, Signal
+
+from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
+from core.types import RunResult
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(Exception):
+    """The worker reported an error for the awaited request (the message is for the user)."""
+
+
+class EngineClient(QObject):
+    """Owns the engine thread and its worker.
+
+    Signals:
+        sig_error(str): a worker error while no request was awaited (still for the user).
+    The worker's own progress, step and cost-curve signals are connected directly by the window.
+    """
+
+    sig_load = Signal(object)
+    sig_generate = Signal(object)
+    sig_error = Signal(str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.job = 0
+        self._pending: asyncio.Future | None = None
+        self.thread = QThread(self)
+        self.thread.setObjectName("engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        self.sig_load.connect(self.worker.load)
+        self.sig_generate.connect(self.worker.generate)
+        self.worker.sig_models_loaded.connect(self._resolve)
+        self.worker.sig_run_finished.connect(self._resolve)
+        self.worker.sig_failed.connect(self._on_failed)
+        self.thread.start()
+
+    async def load(self, request: LoadRequest) -> ModelsLoaded:
+        """Load the requested models (raises :class:`EngineFailed` with the worker's message)."""
+        self.job += 1
+        request.job = self.job
+        fut = self._expect()
+        self.sig_load.emit(request)
+        return await fut
+
+    async def generate(self, request: RunRequest, stop_first: bool = False) -> RunResult:
+        """Run one generation; ``stop_first``: Stop was already pressed, so the job ends at once."""
+        self.job += 1
+        request.job = self.job
+        if stop_first:
+            self.worker.cancel(self.job)
+        fut = self._expect()
+        self.sig_generate.emit(request)
+        return await fut
+
+    def cancel(self) -> None:
+        """Stop the current job (and any queued before it) within one step."""
+        self.worker.cancel(self.job)
+
+    def shutdown(self, wait_ms: int = 30_000) -> None:
+        """Cancel everything, fail the awaited request, and stop the thread."""
+        self.worker.cancel(self.job)
+        self.worker.cancel()
+        fut, self._pending = self._pending, None
+        if fut is not None and not fut.done():
+            fut.set_exception(EngineFailed("the window was closed"))
+        self.thread.quit()
+        if not self.thread.wait(wait_ms):
+            log.warning("the engine thread did not stop within %d s", wait_ms // 1000)
+
+    def _expect(self) -> asyncio.Future:
+        fut = asyncio.get_event_loop().create_future()
+        self._pending = fut
+        return fut
+
+    def _resolve(self, value) -> None:
+        fut, self._pending = self._pending, None
+        if fut is not None and not fut.done():
+            fut.set_result(value)
+
+    def _on_failed(self, message: str) -> None:
+        fut, self._pending = self._pending, None
+        if fut is not None and not fut.done():
+            fut.set_exception(EngineFailed(message))
+        else:
+            self.sig_error.emit(message)
