@@ -101,6 +101,24 @@ def _find_stop(text: str, pieces: list[str], stop_strings: tuple[str, ...]) -> t
     return None
 
 
+def _cut_at_stop_string(new: list[int], pieces: list[str], text: str,
+                        stop_strings: tuple[str, ...]) -> tuple[list[int], list[str], str, str, bool]:
+    """A step's tokens and text, cut where a stop string completes.
+
+    Returns (tokens, their pieces, the step's text, the run's text before this step's text,
+    whether a stop string was hit). On a hit the committed tokens end at the one that
+    completes the stop string (every metric follows) and the text ends right before the
+    stop string; it may straddle steps, so text streamed earlier can already show its first
+    characters (the run's text is cut back too).
+    """
+    cut = _find_stop(text, pieces, stop_strings) if stop_strings else None
+    if cut is None:
+        return new, pieces, "".join(pieces), text, False
+    end_token, end_char = cut
+    pieces = pieces[: end_token + 1]
+    return new[: end_token + 1], pieces, "".join(pieces)[: max(0, end_char - len(text))], text[:end_char], True
+
+
 def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int], config: GenerationConfig,
              should_stop: Callable[[], bool] | None = None) -> Generator[StepEvent, None, RunResult]:
     """Decode ``prompt_ids`` with ``method``; yield one event per step, return the run."""
@@ -127,8 +145,9 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         nonlocal stop, text
         remaining = config.max_new_tokens - ctx.new_tokens
         t0 = time.perf_counter()
-        draft = method.propose(ctx, remaining - 1)
+        draft = method.propose(ctx, remaining - 1)  # propose: any number of draft nodes, as a tree
         t1 = time.perf_counter()
+        # verify: one target pass over the root and the draft; only the verifier accepts tokens
         tokens, positions, mask = _forward_inputs(draft, ctx.tokens[-1], target.cache_len)
         logit_rows = None
         if draft.aux_tokens and draft.aux_logit_rows is not None:
@@ -138,28 +157,22 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         verdict = verify(draft, out.logits, config.sampling, verify_gen, typical=method.typical)
         t2 = time.perf_counter()
 
+        # commit: the target keeps the root and the accepted path; the step's tokens end at the
+        # first end-of-sequence token, the token budget or a completed stop string
         kept_rows = [0] + [i + 1 for i in verdict.accepted]
         target.commit(kept_rows)
-        new = [draft.tokens[i] for i in verdict.accepted] + [verdict.next_token]
-        new, stop = _truncate(new, eos, remaining)
-        pieces = detok.add(new)
-        step_text = "".join(pieces)
-        cut = _find_stop(text, pieces, config.stop_strings) if config.stop_strings else None
-        if cut is not None:
-            # The committed tokens end at the one that completes the stop string (every metric
-            # follows); the text ends right before the stop string. It may straddle steps, so
-            # text streamed earlier can already show its first characters.
-            end_token, end_char = cut
-            new, pieces = new[: end_token + 1], pieces[: end_token + 1]
-            step_text = "".join(pieces)[: max(0, end_char - len(text))]
-            text = text[:end_char]
+        new, stop = _truncate([draft.tokens[i] for i in verdict.accepted] + [verdict.next_token], eos, remaining)
+        new, pieces, step_text, text, hit = _cut_at_stop_string(new, detok.add(new), text, config.stop_strings)
+        if hit:
             stop = StopReason.STOP_STRING
         ctx.tokens.extend(new)
         text += step_text
         t3 = time.perf_counter()
+        # observe: the method updates its drafting state (nothing to do once the run ends)
+        notes = None
         if stop is None:
-            method.observe(ctx, StepOutcome(draft=draft, verdict=verdict, target_out=out, kept_rows=kept_rows,
-                                            new_tokens=new))
+            notes = method.observe(ctx, StepOutcome(draft=draft, verdict=verdict, target_out=out, kept_rows=kept_rows,
+                                                    new_tokens=new))
         t4 = time.perf_counter()
 
         accepted_len = min(len(verdict.accepted), len(new))
@@ -172,7 +185,7 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
             elapsed_s=time.perf_counter() - t_start, total_new_tokens=ctx.new_tokens,
             tree={"tokens": draft.tokens, "parents": draft.parents, "fates": [f.value for f in verdict.fates],
                   "accepted": verdict.accepted} if len(draft) else {},
-            internals=draft.info,
+            internals={**draft.info, **notes} if notes else draft.info,
         )
 
     t_start = time.perf_counter()

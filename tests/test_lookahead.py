@@ -105,3 +105,21 @@ def test_pool_is_bounded_per_key_and_in_total():
 def test_out_of_range_parameters_are_clear_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         LookaheadConfig(**kwargs)
+
+
+def test_observing_a_step_leaves_the_proposed_draft_as_it_was(target):
+    """What observe learns (the winning candidate) reaches the step's internals without being
+    written into the draft's own info, which the method proposed and may share."""
+    method = build_method("lookahead", LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False), target)
+    drafts = []
+    propose = method.propose
+
+    def spy(ctx, budget):
+        drafts.append(propose(ctx, budget))
+        return drafts[-1]
+
+    method.propose = spy
+    gen = GenerationConfig(max_new_tokens=60, stop_at_eos=False)
+    res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
+    assert any(e.internals.get("won") is not None for e in res.events)
+    assert all(d.info.get("won") is None for d in drafts)

@@ -138,8 +138,13 @@ class Method(ABC):
     def propose(self, ctx: RunContext, budget: int) -> Draft:
         """Propose at most ``budget`` draft tokens along any path (``budget`` may be 0)."""
 
-    def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
-        """Update drafting state after the verdict (the target has already committed)."""
+    def observe(self, ctx: RunContext, outcome: StepOutcome) -> dict[str, Any] | None:
+        """Update drafting state after the verdict (the target has already committed).
+
+        May return notes on the outcome for the step's internals (e.g. which candidate won);
+        they are shown next to the draft's own ``info``, which stays as proposed.
+        """
+        return None
 
     def describe(self) -> dict[str, Any]:
         """Method parameters for run logs."""

@@ -140,7 +140,7 @@ class Lookahead(Method):
                   "candidates": [list(g) for g in cands], "won": None, "hits": self.hits},
         )
 
-    def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
+    def observe(self, ctx: RunContext, outcome: StepOutcome) -> dict:
         c = self.config
         draft = outcome.draft
         n_verify = len(draft) + 1
@@ -151,9 +151,9 @@ class Lookahead(Method):
             self.levels = self.levels[1:]
         self.levels.append(new_level)
         accepted = outcome.verdict.accepted
+        won = None
         if accepted:
             self.hits += 1
-            cands = draft.info["candidates"]
             path = [draft.tokens[i] for i in accepted]
-            draft.info["won"] = next(k for k, g in enumerate(cands) if list(g[:len(path)]) == path)
-        draft.info["hits"] = self.hits
+            won = next(k for k, g in enumerate(draft.info["candidates"]) if list(g[:len(path)]) == path)
+        return {"won": won, "hits": self.hits}
