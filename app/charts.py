@@ -20,6 +20,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
 from app.palette import method_colour
+from core.tree import depths
 from core.types import StepEvent
 
 SPLIT_COLOURS = {"draft": "#E69F00", "verify": "#56B4E9", "other": "#BBBBBB"}
@@ -65,13 +66,7 @@ class Series:
 
 
 def _draft_depth(e: StepEvent) -> int:
-    parents = (e.tree or {}).get("parents") or []
-    if not parents:
-        return 0
-    depths: list[int] = []
-    for p in parents:
-        depths.append(1 if p < 0 or p >= len(depths) else depths[p] + 1)
-    return max(depths)
+    return max(depths((e.tree or {}).get("parents") or []), default=0)
 
 
 class IntAxis(pg.AxisItem):

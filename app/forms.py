@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import types
-import typing
 from typing import Any
 
 from PySide6.QtCore import Signal
@@ -19,28 +17,10 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QLineEdit, QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from core.errors import ConfigError
+from core.methods.base import field_type
 
 _INT_LIMIT = 2**31 - 1
 LOSSY_CSS = "QLabel { color: white; background: #D55E00; border-radius: 3px; padding: 0 4px; font-weight: bold; }"
-
-
-def field_type(cls: type, f: dataclasses.Field) -> tuple[type | None, bool]:
-    """(base type, optional) of a dataclass field, resolving string annotations."""
-    try:
-        hint = typing.get_type_hints(cls).get(f.name, f.type)
-    except Exception:  # an annotation that does not evaluate: treat it as text
-        hint = f.type
-    if isinstance(hint, str):
-        optional = "None" in hint or "Optional" in hint
-        base = {"int": int, "float": float, "bool": bool, "str": str}
-        name = hint.replace("Optional[", "").replace("]", "").replace("| None", "").replace("None |", "").strip()
-        return base.get(name), optional
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional = len(args) < len(typing.get_args(hint))
-        return (args[0] if len(args) == 1 else None), optional
-    return hint, False
 
 
 def field_default(f: dataclasses.Field) -> Any:
@@ -279,4 +259,4 @@ class ConfigForm(QWidget):
         self.sig_changed.emit()
 
 
-__all__ = ["ConfigForm", "FieldEditor", "field_type"]
+__all__ = ["ConfigForm", "FieldEditor"]

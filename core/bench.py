@@ -374,22 +374,12 @@ def format_summary(summary: dict, verify_cost: dict | None = None) -> str:
 
 
 def measure_verify_cost(model, context: int = 200, repeats: int = 7) -> dict:
-    """Median time of a forward pass of 1 and of 8 new tokens after ``context`` cached tokens."""
-    g = torch.Generator().manual_seed(0)
-    vocab = model.info.vocab_size
-    ctx = torch.randint(0, vocab, (context,), generator=g).tolist()
-    model.reset()
-    model.forward_chain(ctx)
-    times = {}
-    for n in (1, 8, 1, 8):
-        samples = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            model.forward(torch.randint(0, vocab, (n,), generator=g))
-            samples.append(time.perf_counter() - t)
-        times[n] = statistics.median(samples)
-    model.reset()
-    return {"t1_ms": times[1] * 1e3, "t8_ms": times[8] * 1e3, "ratio": times[8] / times[1], "context": context}
+    """Median time of a forward pass of 1 and of 8 new tokens after ``context`` cached tokens
+    (each timed twice, alternating; the second, warm pair counts)."""
+    from core.costmodel import time_passes
+
+    _, _, t1, t8 = time_passes(model, (1, 8, 1, 8), context, repeats)
+    return {"t1_ms": t1 * 1e3, "t8_ms": t8 * 1e3, "ratio": t8 / t1, "context": context}
 
 
 # ----------------------------------------------------------------------------- driver

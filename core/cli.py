@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import sys
-import typing
 from pathlib import Path
 
 from core.errors import SpecPlayError
@@ -44,22 +43,16 @@ class _Progress:
             self.stage, self.shown = stage, decile
 
 
-def _field_type(cls, f: dataclasses.Field):
-    hints = typing.get_type_hints(cls)
-    t = hints.get(f.name, str)
-    args = [a for a in typing.get_args(t) if a is not type(None)]
-    return args[0] if args else t
-
-
 def method_options() -> dict[str, dict]:
     """Every method option across methods: flag -> {dest, type, help, fields: [(method, field)]}."""
     from core.methods import METHODS
+    from core.methods.base import field_type
 
     opts: dict[str, dict] = {}
     for spec in METHODS.values():
         for f in dataclasses.fields(spec.config_class):
             flag = f.metadata.get("cli") or "--" + f.name.replace("_", "-")
-            typ = _field_type(spec.config_class, f)
+            typ = field_type(spec.config_class, f)[0] or str
             if typ is bool and f.default is True:  # a switch that is on by default is turned off
                 flag = "--no-" + flag[2:]
             entry = opts.setdefault(flag, {"dest": "m_" + flag[2:].replace("-", "_"), "type": typ, "helps": [],

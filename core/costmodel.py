@@ -50,8 +50,12 @@ class CostCurve:
 _CURVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def measure(model, sizes: Sequence[int] = SIZES, context: int = 64, repeats: int = 3) -> CostCurve:
-    """Time forward passes of each block size after ``context`` cached tokens; the cache is reset after."""
+def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3) -> list[float]:
+    """Median seconds of a forward pass of each block size after ``context`` cached tokens.
+
+    The one timing harness: the cost curve and the benchmark's verify-cost line both use it.
+    The cache is reset afterwards.
+    """
     vocab = model.info.vocab_size
     g = torch.Generator().manual_seed(0)
     model.reset()
@@ -66,6 +70,12 @@ def measure(model, sizes: Sequence[int] = SIZES, context: int = 64, repeats: int
             samples.append(time.perf_counter() - start)
         medians.append(statistics.median(samples))
     model.reset()
+    return medians
+
+
+def measure(model, sizes: Sequence[int] = SIZES, context: int = 64, repeats: int = 3) -> CostCurve:
+    """This model's curve on this machine (see :func:`time_passes`)."""
+    medians = time_passes(model, sizes, context, repeats)
     # A bigger block never costs less (timing noise or an odd kernel choice aside).
     relative, peak = [], 0.0
     for t in medians:

@@ -29,6 +29,7 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
 
 
 def depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node of a tree given as parent indices (-1: the root): 1 for the root's children."""
     d: list[int] = []
     for p in parents:
         d.append(1 if p < 0 else d[p] + 1)

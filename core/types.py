@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from core.errors import ConfigError
+from core.tree import depths
 
 
 def _is_number(value) -> bool:
@@ -127,10 +128,7 @@ class Draft:
 
     def depths(self) -> list[int]:
         """Depth of each node: 1 for children of the root."""
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return d
+        return depths(self.parents)
 
 
 @dataclass

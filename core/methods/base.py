@@ -9,7 +9,9 @@ the verifier decides, the target cache commits the accepted path, and the method
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -70,6 +72,27 @@ def param(default, help: str, *, label: str | None = None, minimum=None, maximum
     return field(default=default, metadata=meta)
 
 
+def field_type(cls: type, f: Field) -> tuple[type | None, bool]:
+    """(base type, optional) of a config dataclass field, string annotations resolved.
+
+    The one reading of a field's type that validation, the command line and the app's forms share.
+    """
+    try:
+        hint = typing.get_type_hints(cls).get(f.name, f.type)
+    except Exception:  # an annotation that does not evaluate: treat it as text
+        hint = f.type
+    if isinstance(hint, str):
+        optional = "None" in hint or "Optional" in hint
+        base = {"int": int, "float": float, "bool": bool, "str": str}
+        name = hint.replace("Optional[", "").replace("]", "").replace("| None", "").replace("None |", "").strip()
+        return base.get(name), optional
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        return (args[0] if len(args) == 1 else None), optional
+    return hint, False
+
+
 class MethodConfig:
     """Base for the typed, validated configuration dataclass of each method."""
 
@@ -79,19 +102,16 @@ class MethodConfig:
     def _check_ranges(self) -> None:
         """Each field must have its declared type, be finite, and lie within its bounds and choices."""
         import math
-        import typing
 
         from core.errors import ConfigError
 
-        hints = typing.get_type_hints(type(self))
         for f in fields(self):
             value = getattr(self, f.name)
             meta = f.metadata
             label = meta.get("label") or f.name
-            allowed = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
-            if value is None and len(allowed) < len(typing.get_args(hints[f.name]) or (0,)):
-                continue  # Optional field left empty
-            kind = allowed[0]
+            kind, optional = field_type(type(self), f)
+            if kind is None or (value is None and optional):
+                continue  # a type this check does not know, or an optional field left empty
             ok = (isinstance(value, bool) if kind is bool else
                   isinstance(value, int) and not isinstance(value, bool) if kind is int else
                   isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float else

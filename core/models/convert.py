@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 from core.errors import Cancelled, ModelError
 from core.atomic import replacing
@@ -30,21 +30,12 @@ from core.models.cache import (FLOAT_WEIGHTS, INT8_WEIGHTS, MARKER, WEIGHT_KINDS
                                write_marker)
 from core.models.catalog import CatalogEntry
 from core.paths import cache_dir
+from core.progress import Progress, ShouldCancel, log_progress, never
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str, "float | None"], None]
-ShouldCancel = Callable[[], bool]
 
 _CHUNK = 16 << 20
-
-
-def _noop_progress(stage: str, fraction: float | None) -> None:
-    log.info("%s%s", stage, "" if fraction is None else f" {fraction:.0%}")
-
-
-def _never() -> bool:
-    return False
 
 
 def models_root() -> Path:
@@ -133,11 +124,11 @@ def _copy_hashing(sources: Iterable[Path], dest: Path | None, total: int, progre
     return digest.hexdigest()
 
 
-def sha256_file(path: Path, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> str:
+def sha256_file(path: Path, progress: Progress = log_progress, should_cancel: ShouldCancel = never) -> str:
     return _copy_hashing([path], None, path.stat().st_size, progress, should_cancel, f"Checking {path.name}")
 
 
-def catalog_gguf(entry: CatalogEntry, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> Path:
+def catalog_gguf(entry: CatalogEntry, progress: Progress = log_progress, should_cancel: ShouldCancel = never) -> Path:
     """A catalog model's original GGUF file, assembled from its parts and checked once, then cached.
 
     Only peers that run GGUF themselves (llama.cpp) need it; SpecPlay's own engine reads the
@@ -177,8 +168,8 @@ def _needed_kinds(folder: Path, weights: str, progress: Progress) -> set[str] | 
     return {weights} | {kind for kind in WEIGHT_KINDS if weights_name(kind) in recorded}
 
 
-def prepare_catalog_model(entry: CatalogEntry, progress: Progress = _noop_progress,
-                          should_cancel: ShouldCancel = _never, weights: str = "int8") -> Path:
+def prepare_catalog_model(entry: CatalogEntry, progress: Progress = log_progress,
+                          should_cancel: ShouldCancel = never, weights: str = "int8") -> Path:
     """Assemble, verify and convert a catalog model once; return its cached directory with ``weights``."""
     target = converted_dir_for(entry.id)
     kinds = _needed_kinds(target, weights, progress)
@@ -202,7 +193,7 @@ def prepare_catalog_model(entry: CatalogEntry, progress: Progress = _noop_progre
     return target
 
 
-def prepare_gguf_file(path: Path, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never,
+def prepare_gguf_file(path: Path, progress: Progress = log_progress, should_cancel: ShouldCancel = never,
                       weights: str = "int8") -> Path:
     """Convert a local ``.gguf`` once (cached by content hash); return the cached directory with ``weights``."""
     if not path.is_file():

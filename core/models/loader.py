@@ -17,7 +17,8 @@ from core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_
 from core.models.base import CausalLM
 from core.models.cache import FLOAT_WEIGHTS, INT8_WEIGHTS, Int8WeightsReader
 from core.models.catalog import CATALOG, get_entry
-from core.models.convert import Progress, ShouldCancel, _never, _noop_progress, prepare_catalog_model, prepare_gguf_file
+from core.models.convert import prepare_catalog_model, prepare_gguf_file
+from core.progress import Progress, ShouldCancel, log_progress, never
 from core.models.linear import has_bf16_units, int8_supported
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, str]:
     return getattr(torch, dtype), "float"
 
 
-def resolve(spec: str, progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never,
+def resolve(spec: str, progress: Progress = log_progress, should_cancel: ShouldCancel = never,
             weights: str = "int8") -> Path:
     """Return a local Hugging Face-style directory for ``spec``, preparing it if needed.
 
@@ -177,7 +178,7 @@ def draft_storage() -> str:
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
-               progress: Progress = _noop_progress, should_cancel: ShouldCancel = _never) -> LoadedModel:
+               progress: Progress = log_progress, should_cancel: ShouldCancel = never) -> LoadedModel:
     """Load ``spec`` for decoding on ``device`` with ``dtype`` (see :func:`pick_dtype`).
 
     A ``draft`` model's numerics never affect losslessness (the verifier sees the q that was
@@ -247,8 +248,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
 
 
-def float_weights_dir(spec: str, path: Path, progress: Progress = _noop_progress,
-                      should_cancel: ShouldCancel = _never) -> Path:
+def float_weights_dir(spec: str, path: Path, progress: Progress = log_progress,
+                      should_cancel: ShouldCancel = never) -> Path:
     """A folder of model ``spec`` (resolved to ``path``) that ``transformers`` can read: with float weights.
 
     The cache keeps int8 weights for int8 models; a catalog model or ``.gguf`` file gets its

@@ -28,10 +28,10 @@ import torch
 
 from core.atomic import replacing
 from core.errors import Cancelled
+from core.progress import Progress
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[str, "float | None"], None]
 
 def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])

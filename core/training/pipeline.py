@@ -16,11 +16,11 @@ import torch
 
 from core.heads import save_heads
 from core.paths import cache_dir, data_dir
+from core.progress import Progress
 from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
 from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_answers,
                                 instruction_prompts)
 
-Progress = Callable[[str, "float | None"], None]
 log = logging.getLogger(__name__)
 
 
