@@ -168,6 +168,8 @@ def cmd_run(args) -> int:
     from core.runlog import dumps, run_record, stats_line
     from core.text import encode_prompt
 
+    if args.engine:
+        return _run_remote(args)
     spec = get_spec(args.method)
     method_config = config_for(args.method, args)
     gen_config = _generation_config(args)
@@ -212,6 +214,10 @@ def cmd_compare(args) -> int:
     from core.runlog import dumps
     from core.text import encode_prompt
 
+    if args.engine:
+        return _compare_remote(args)
+    if not args.methods:
+        raise SpecPlayError("name the methods to compare (--methods) or the endpoints (--engine URL, repeatable)")
     names = _methods_from(args.methods)
     if "autoregressive" not in names:
         names.insert(0, "autoregressive")
@@ -250,6 +256,64 @@ def cmd_compare(args) -> int:
     failed = [r for r in comparison.results.values() if r.error]
     if failed:
         raise SpecPlayError(f"{failed[0].method}: {failed[0].error}")
+    return 0
+
+
+def _compare_remote(args) -> int:
+    from core.remote import Endpoint, compare_endpoints, format_remote_table
+    from core.runlog import dumps
+
+    if args.methods:
+        raise SpecPlayError("compare either local methods (--methods) or endpoints (--engine), not both in one run")
+    endpoints = [Endpoint.parse(e) for e in args.engine]
+    prompt = _prompt_text(args)
+
+    def progress(run):
+        if not args.json:
+            state = f"ERROR: {run.error}" if run.error else f"{run.tokens_per_s:.2f} tok/s"
+            print(f"{run.endpoint.label}: {state}", file=sys.stderr)
+
+    records = compare_endpoints(endpoints, prompt, max_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed, chat=not args.no_chat_template,
+                                warmup_tokens=args.warmup_tokens, on_run=progress)
+    if args.json:
+        print(dumps({"runs": records, "baseline": records[0]["method"] if records else None}))
+    else:
+        print(format_remote_table(records))
+    if args.log:
+        _write_log(args.log, records)
+    failed = [r for r in records if r["error"]]
+    if failed:
+        raise SpecPlayError(f"{failed[0]['method']}: {failed[0]['error']}")
+    return 0
+
+
+def _run_remote(args) -> int:
+    from core.remote import Endpoint, remote_record, stream_completion
+    from core.runlog import dumps, stats_line
+
+    endpoint = Endpoint.parse(args.engine)
+    prompt = _prompt_text(args)
+
+    def stream(piece, _t):
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    run = stream_completion(endpoint, prompt, max_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, chat=not args.no_chat_template, on_text=stream)
+    record = remote_record(run, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           seed=args.seed)
+    if args.json:
+        print(dumps(record))
+    else:
+        print(file=sys.stdout)
+        spec = "" if record["spec_source"] else " · speculation: not exposed"
+        print(f"[{record['method']}] {stats_line(record)}{spec}", file=sys.stderr)
+    if args.log:
+        _write_log(args.log, [record])
+    if run.error:
+        raise SpecPlayError(run.error)
     return 0
 
 
@@ -355,13 +419,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="generate with one method and stream the text")
     p.add_argument("--method", default="autoregressive", choices=list(METHODS))
+    p.add_argument("--engine", metavar="URL[,model=M][,name=N]",
+                   help="stream from an OpenAI-compatible endpoint instead of a local method")
     _add_generation_args(p)
     _add_model_args(p)
     add_method_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("compare", help="run several methods on the same prompt and compare them")
-    p.add_argument("--methods", required=True, help=f"comma-separated, from: {', '.join(METHODS)}")
+    p.add_argument("--methods", help=f"comma-separated, from: {', '.join(METHODS)}")
+    p.add_argument("--engine", action="append", default=[], metavar="URL[,model=M][,name=N]",
+                   help="an OpenAI-compatible endpoint to compare instead of local methods (repeatable; the first "
+                        "is the baseline); the API key comes from $OPENAI_API_KEY (key-env=VAR) or the OS keyring")
     p.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS,
                    help="untimed warm-up generation per method (0 = none)")
     p.add_argument("--why", action="store_true",

@@ -75,7 +75,8 @@ def stats_line(record: dict) -> str:
     parts = [f"{record['new_tokens']} tokens in {record['wall_time']:.2f} s", f"{record['tokens_per_s']:.1f} tok/s"]
     if record.get("time_to_first_token") is not None:
         parts.append(f"first token {record['time_to_first_token']:.2f} s")
-    parts.append(f"τ {record['mean_accepted']:.2f}")
+    if record.get("mean_accepted") is not None:
+        parts.append(f"τ {record['mean_accepted']:.2f}")
     if acc is not None:
         parts.append(f"acceptance {acc:.0%}")
     parts.append(f"stop: {record['stop_reason']}")

@@ -1,0 +1,466 @@
+"""Remote engines: an OpenAI-compatible endpoint (vLLM, SGLang, llama.cpp's server, TGI, ...)
+run and measured the way local methods are.
+
+A run streams one completion (server-sent events), timing every chunk as it arrives: time to
+first token, inter-token latency, tokens per second. Speculative decoding is read from each
+engine's own documented surface, where it has one:
+
+- **vLLM**: its Prometheus counters ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+  ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos`` (label ``position``),
+  read from ``/metrics`` before and after the run; the difference is this run's (on a server
+  nobody else uses at the time).
+- **SGLang**: the gauges ``sglang:spec_accept_length`` and ``sglang:spec_accept_rate`` from
+  ``/metrics`` after the run (the server's recent average).
+- **llama.cpp's server**: ``timings.draft_n`` and ``timings.draft_n_accepted`` in the response.
+
+Where an engine exposes none of these, the run says so (``spec_source`` is None). The API key
+is read from an environment variable (``OPENAI_API_KEY`` unless the endpoint names another) or
+the OS keyring (service ``specplay``, user = the base URL) and is never written to a record,
+a log or the history.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import time
+import urllib.parse
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from core.errors import ConfigError, SpecPlayError
+
+KEY_ENV = "OPENAI_API_KEY"
+
+
+class RemoteError(SpecPlayError):
+    """An endpoint could not be reached or answered with an error (the message says which)."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible server: ``url`` is its API base (``http://host:port/v1``)."""
+
+    url: str
+    model: str = ""  # sent as "model"; empty: the first model the server lists
+    name: str = ""  # label in tables and records (default: host:port and model)
+    key_env: str = KEY_ENV
+    timeout_s: float = 120.0  # per read: a server silent this long ends the run
+
+    @staticmethod
+    def parse(spec: str) -> "Endpoint":
+        """``URL[,model=NAME][,name=LABEL][,key-env=VAR][,timeout=SECONDS]`` (the command line's form)."""
+        parts = [p.strip() for p in spec.split(",") if p.strip()]
+        if not parts:
+            raise ConfigError("an endpoint needs a URL, e.g. http://127.0.0.1:8000/v1")
+        url, fields_ = parts[0], {}
+        for p in parts[1:]:
+            key, sep, value = p.partition("=")
+            if not sep or key not in ("model", "name", "key-env", "timeout"):
+                raise ConfigError(f"endpoint option '{p}' is not model=, name=, key-env= or timeout=")
+            fields_[key.replace("-", "_")] = value
+        timeout = fields_.pop("timeout", None)
+        try:
+            ep = Endpoint(url=url, **fields_, timeout_s=float(timeout) if timeout else 120.0)
+        except ValueError:
+            raise ConfigError(f"endpoint timeout must be a number of seconds, got {timeout!r}") from None
+        ep.check()
+        return ep
+
+    def check(self) -> None:
+        u = urllib.parse.urlsplit(self.url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ConfigError(f"endpoint URL must be http(s)://host[:port]/..., got {self.url!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError("endpoint timeout must be positive")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        u = urllib.parse.urlsplit(self.url)
+        return f"{u.hostname}:{u.port or (443 if u.scheme == 'https' else 80)}" + (f"/{self.model}" if self.model else "")
+
+    def describe(self) -> dict:
+        """What a record keeps of the endpoint: never the key."""
+        return {"url": self.url, "model": self.model, "name": self.label}
+
+
+def api_key(endpoint: Endpoint) -> str | None:
+    """The key from the endpoint's environment variable, else the OS keyring, else None."""
+    key = os.environ.get(endpoint.key_env)
+    if key:
+        return key
+    try:
+        import keyring  # optional
+    except ImportError:
+        return None
+    try:
+        return keyring.get_password("specplay", endpoint.url)
+    except Exception:  # no usable keyring backend
+        return None
+
+
+# ------------------------------------------------------------------------------------ HTTP
+class _Connection:
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+        u = urllib.parse.urlsplit(endpoint.url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        self.conn = cls(u.hostname, u.port, timeout=endpoint.timeout_s)
+        self.base = u.path.rstrip("/")
+        self.root = f"{u.scheme}://{u.netloc}"
+
+    def request(self, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
+        headers = {"Accept": "text/event-stream, application/json"}
+        key = api_key(self.endpoint)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        where = f"{self.root}{path}"
+        try:
+            self.conn.request(method, path, body=data, headers=headers)
+            return self.conn.getresponse()
+        except (ConnectionError, socket.gaierror, OSError) as exc:
+            if isinstance(exc, (socket.timeout, TimeoutError)):
+                raise RemoteError(f"{where} did not answer within {self.endpoint.timeout_s:g} s") from None
+            raise RemoteError(f"cannot reach {where}: {getattr(exc, 'strerror', None) or exc}") from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _error_message(resp: http.client.HTTPResponse, where: str) -> str:
+    raw = resp.read(4096).decode("utf-8", "replace")
+    try:
+        doc = json.loads(raw)
+        err = doc.get("error", doc)
+        detail = err.get("message") if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        detail = raw.strip()[:300]
+    return f"{where} answered {resp.status} {resp.reason}: {detail or 'no details'}"
+
+
+def _get(endpoint: Endpoint, path: str, absolute: bool = False) -> tuple[int, str]:
+    c = _Connection(endpoint)
+    try:
+        resp = c.request("GET", path if absolute else c.base + path)
+        return resp.status, resp.read().decode("utf-8", "replace")
+    finally:
+        c.close()
+
+
+def list_models(endpoint: Endpoint) -> list[str]:
+    status, body = _get(endpoint, "/models")
+    if status != 200:
+        raise RemoteError(f"{endpoint.url}/models answered {status}")
+    try:
+        return [m["id"] for m in json.loads(body).get("data", [])]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise RemoteError(f"{endpoint.url}/models is not an OpenAI-compatible model list") from None
+
+
+def _sse_events(resp: http.client.HTTPResponse) -> Iterator[dict]:
+    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``."""
+    for raw in resp:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        try:
+            yield json.loads(payload)
+        except ValueError:
+            continue
+
+
+# ------------------------------------------------------------------------------- metrics
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Samples of Prometheus' text format: (name, sorted labels) -> value."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
+        out[(m.group(1), labels)] = value
+    return out
+
+
+def _total(samples: dict, name: str) -> float | None:
+    """The sum of a metric over its label sets (engines, ranks), or None if absent."""
+    values = [v for (n, _), v in samples.items() if n == name]
+    return sum(values) if values else None
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding as an engine reports it; any field may be unknown (None)."""
+
+    source: str  # "vllm-metrics", "sglang-metrics", "llamacpp-timings"
+    mean_accepted: float | None = None  # tokens per step, the bonus token included (τ)
+    acceptance_rate: float | None = None  # accepted / drafted
+    drafted: int | None = None
+    accepted: int | None = None
+    by_position: list[float] | None = None  # acceptance at draft position 1, 2, ...
+
+
+def vllm_spec_stats(before: dict, after: dict) -> SpecStats | None:
+    """This run's speculation from vLLM's counters read before and after it."""
+    def delta(name: str) -> float | None:
+        a, b = _total(after, name), _total(before, name)
+        return None if a is None else a - (b or 0.0)
+
+    drafts = delta("vllm:spec_decode_num_drafts_total")
+    drafted = delta("vllm:spec_decode_num_draft_tokens_total")
+    accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
+    if drafts is None or drafted is None or accepted is None:
+        return None
+    per_pos: dict[int, float] = {}
+    for (name, labels), value in after.items():
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            pos = dict(labels).get("position")
+            if pos is not None and pos.isdigit():
+                per_pos[int(pos)] = per_pos.get(int(pos), 0.0) + value - before.get((name, labels), 0.0)
+    return SpecStats(source="vllm-metrics", drafted=int(drafted), accepted=int(accepted),
+                     mean_accepted=1 + accepted / drafts if drafts else None,
+                     acceptance_rate=accepted / drafted if drafted else None,
+                     by_position=[per_pos[k] / drafts for k in sorted(per_pos)] if per_pos and drafts else None)
+
+
+def sglang_spec_stats(after: dict) -> SpecStats | None:
+    length = _total(after, "sglang:spec_accept_length")
+    if length is None:
+        return None
+    rates = [v for (n, _), v in after.items() if n == "sglang:spec_accept_rate"]
+    return SpecStats(source="sglang-metrics", mean_accepted=length,
+                     acceptance_rate=sum(rates) / len(rates) if rates else None)
+
+
+def llamacpp_spec_stats(timings: dict | None) -> SpecStats | None:
+    if not timings or not timings.get("draft_n"):
+        return None
+    drafted, accepted = int(timings["draft_n"]), int(timings.get("draft_n_accepted") or 0)
+    generated = timings.get("predicted_n")
+    steps = (generated - accepted) if generated else None
+    return SpecStats(source="llamacpp-timings", drafted=drafted, accepted=accepted, acceptance_rate=accepted / drafted,
+                     mean_accepted=generated / steps if steps else None)
+
+
+def read_metrics(endpoint: Endpoint) -> dict:
+    """The server's ``/metrics`` samples, or {} where it has none (not every engine does)."""
+    try:
+        status, body = _get(endpoint, "/metrics", absolute=True)
+    except RemoteError:
+        return {}
+    return parse_prometheus(body) if status == 200 else {}
+
+
+# ----------------------------------------------------------------------------------- runs
+@dataclass
+class RemoteRun:
+    """One streamed completion. ``error`` set: the run ended early; what arrived is kept."""
+
+    endpoint: Endpoint
+    prompt: str
+    text: str = ""
+    chunks: list[tuple[float, str]] = field(default_factory=list)  # (seconds since the request, text)
+    completion_tokens: int | None = None  # the server's count (usage), when it gives one
+    finish_reason: str | None = None
+    wall_time: float = 0.0
+    spec: SpecStats | None = None
+    error: str | None = None
+    cancelled: bool = False
+    model: str = ""
+
+    @property
+    def new_tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else len(self.chunks)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return self.chunks[0][0] if self.chunks else None
+
+    @property
+    def inter_token_latency(self) -> float | None:
+        """Mean seconds between tokens after the first (chunks may carry several tokens)."""
+        if self.new_tokens < 2 or len(self.chunks) < 2:
+            return None
+        return (self.chunks[-1][0] - self.chunks[0][0]) / (self.new_tokens - 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+
+def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = 0, chat: bool = True,
+                      on_text: Callable[[str, float], None] | None = None,
+                      should_stop: Callable[[], bool] = lambda: False) -> RemoteRun:
+    """Stream one completion from ``endpoint``. A failure (unreachable, refused, dropped, timed
+    out) does not raise: the run carries the message and the text received so far."""
+    if not prompt.strip():
+        raise ConfigError("the prompt is empty")
+    run = RemoteRun(endpoint=endpoint, prompt=prompt, model=endpoint.model)
+    try:
+        run.model = endpoint.model or (list_models(endpoint) or [""])[0]
+    except RemoteError as exc:
+        run.error = str(exc)
+        return run
+    model = run.model
+    before = read_metrics(endpoint)
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                  "stream": True, "stream_options": {"include_usage": True}}
+    if seed is not None:
+        body["seed"] = seed
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    conn = _Connection(endpoint)
+    path = conn.base + ("/chat/completions" if chat else "/completions")
+    timings = None
+    start = time.perf_counter()
+    try:
+        resp = conn.request("POST", path, body)
+        if resp.status != 200:
+            raise RemoteError(_error_message(resp, f"{conn.root}{path}"))
+        for event in _sse_events(resp):
+            now = time.perf_counter() - start
+            if "error" in event:
+                err = event["error"]
+                raise RemoteError(f"{endpoint.label}: {err.get('message') if isinstance(err, dict) else err}")
+            timings = event.get("timings") or timings
+            usage = event.get("usage")
+            if usage and usage.get("completion_tokens") is not None:
+                run.completion_tokens = int(usage["completion_tokens"])
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if piece:
+                    run.chunks.append((now, piece))
+                    run.text += piece
+                    if on_text:
+                        on_text(piece, now)
+                run.finish_reason = choice.get("finish_reason") or run.finish_reason
+            if should_stop():
+                run.cancelled = True
+                break
+        else:
+            if run.finish_reason is None and not run.cancelled:
+                run.error = f"{endpoint.label} closed the stream before the answer ended"
+    except RemoteError as exc:
+        run.error = str(exc)
+    except (socket.timeout, TimeoutError):
+        run.error = f"{endpoint.label} sent nothing for {endpoint.timeout_s:g} s (timed out)"
+    except (http.client.HTTPException, ConnectionError, OSError) as exc:
+        run.error = f"{endpoint.label} dropped the connection: {exc!r}"
+    finally:
+        run.wall_time = time.perf_counter() - start
+        conn.close()
+    if run.error is None or run.chunks:
+        run.spec = llamacpp_spec_stats(timings)
+        if run.spec is None and before:
+            after = read_metrics(endpoint)
+            run.spec = vllm_spec_stats(before, after) or sglang_spec_stats(after)
+    return run
+
+
+def remote_record(run: RemoteRun, *, max_new_tokens: int, temperature: float, top_p: float,
+                  seed: int | None) -> dict:
+    """A run record in the same format as a local run's (:func:`core.runlog.run_record`)."""
+    spec = run.spec
+    stop = ("cancelled" if run.cancelled else "error" if run.error else
+            "eos" if run.finish_reason == "stop" else "max_tokens")
+    steps = None
+    if spec is not None and spec.mean_accepted:
+        steps = max(1, round(run.new_tokens / spec.mean_accepted))
+    return {
+        "question_id": None, "answer_id": uuid.uuid4().hex, "model_id": run.model, "tstamp": time.time(),
+        "method": f"remote:{run.endpoint.label}", "params": {"endpoint": run.endpoint.describe()}, "lossy": False,
+        "engine": {**run.endpoint.describe(), "served_model": run.model}, "target": None, "draft": None,
+        "prompt": run.prompt, "prompt_tokens": None, "text": run.text, "token_ids": None,
+        "stop_reason": stop, "cancelled": run.cancelled, "error": run.error,
+        "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": max_new_tokens,
+        "new_tokens": run.new_tokens, "wall_time": run.wall_time, "accept_lengths": None,
+        "choices": [{"index": 0, "turns": [run.text], "decoding_steps": [steps], "new_tokens": [run.new_tokens],
+                     "wall_time": [run.wall_time], "accept_lengths": [None]}],
+        "steps": steps, "tokens_per_s": run.tokens_per_s, "prefill_time": None,
+        "time_to_first_token": run.time_to_first_token, "inter_token_latency": run.inter_token_latency,
+        "mean_accepted": spec.mean_accepted if spec else None,
+        "mean_acceptance_length": spec.mean_accepted if spec else None,
+        "acceptance_rate": spec.acceptance_rate if spec else None,
+        "draft_acceptance_rate": spec.acceptance_rate if spec else None,
+        "drafted": spec.drafted if spec else None, "accepted": spec.accepted if spec else None,
+        "acceptance_by_position": spec.by_position if spec else None, "acceptance_histogram": None,
+        "spec_source": spec.source if spec else None,
+        "time_split": None, "environment": None,
+    }
+
+
+def compare_endpoints(endpoints: list[Endpoint], prompt: str, *, max_tokens: int, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int | None = 0, chat: bool = True, warmup_tokens: int = 8,
+                      on_run: Callable[[RemoteRun], None] | None = None,
+                      should_stop: Callable[[], bool] = lambda: False) -> list[dict]:
+    """The same prompt on each endpoint in turn (each after a short untimed warm-up request);
+    run records with ``speedup`` over the first endpoint and, at temperature 0,
+    ``identical_to_baseline`` (the same text as the first endpoint's)."""
+    records = []
+    for ep in endpoints:
+        if should_stop():
+            break
+        if warmup_tokens > 0:
+            stream_completion(ep, prompt, max_tokens=warmup_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              chat=chat, should_stop=should_stop)
+        run = stream_completion(ep, prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                chat=chat, should_stop=should_stop)
+        if on_run:
+            on_run(run)
+        records.append(remote_record(run, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed))
+    if records:
+        base = records[0]
+        for r in records:
+            ok = base["tokens_per_s"] > 0 and not r["error"]
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
+            r["identical_to_baseline"] = (r["text"] == base["text"]) if temperature == 0 and not r["error"] else None
+    return records
+
+
+def format_remote_table(records: list[dict]) -> str:
+    """Endpoints side by side; '–' where an engine exposes no speculation metrics."""
+    head = (f"{'endpoint':28s} {'tok/s':>7s} {'speedup':>8s} {'TTFT':>7s} {'ITL':>8s} {'τ':>5s} {'accept':>7s} "
+            f"{'tokens':>6s}  {'identical':9s} speculation")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        def num(v, fmt):
+            return "–" if v is None else format(v, fmt)
+        itl = None if r.get("inter_token_latency") is None else r["inter_token_latency"] * 1000
+        ident = {True: "✓", False: "✗ differs", None: "–"}[r.get("identical_to_baseline")]
+        source = r.get("spec_source") or "not exposed"
+        if r.get("acceptance_by_position"):
+            source += " · by position " + " ".join(f"{a:.0%}" for a in r["acceptance_by_position"])
+        if r.get("error"):
+            source = f"ERROR: {r['error']}"
+        name = r["method"].removeprefix("remote:")
+        lines.append(f"{name[:28]:28s} {r['tokens_per_s']:7.2f} {num(r.get('speedup'), '.2f') + 'x':>8s} "
+                     f"{num(r.get('time_to_first_token'), '.2f') + 's':>7s} {num(itl, '.1f') + 'ms':>8s} "
+                     f"{num(r.get('mean_accepted'), '.2f'):>5s} {num(r.get('acceptance_rate'), '.0%'):>7s} "
+                     f"{r['new_tokens']:6d}  {ident:9s} {source}")
+    return "\n".join(lines)

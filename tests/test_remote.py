@@ -1,0 +1,208 @@
+"""Remote engines: metric parsers on engine output, and streaming against servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from core.errors import ConfigError
+from core.remote import (Endpoint, compare_endpoints, format_remote_table, llamacpp_spec_stats, parse_prometheus,
+                         remote_record, sglang_spec_stats, stream_completion, vllm_spec_stats)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "remote"
+
+
+# ----------------------------------------------------------------------------------- parsers
+def test_vllm_counters_give_this_runs_acceptance_and_per_position_rates():
+    before = parse_prometheus((FIXTURES / "vllm_metrics_before.txt").read_text())
+    after = parse_prometheus((FIXTURES / "vllm_metrics_after.txt").read_text())
+    s = vllm_spec_stats(before, after)
+    # 40 drafts, 120 draft tokens, 90 accepted during the run
+    assert (s.drafted, s.accepted) == (120, 90)
+    assert s.mean_accepted == pytest.approx(1 + 90 / 40)
+    assert s.acceptance_rate == pytest.approx(0.75)
+    assert s.by_position == pytest.approx([36 / 40, 30 / 40, 24 / 40])
+    assert s.source == "vllm-metrics"
+
+
+def test_sglang_gauges_and_llamacpp_timings_are_read():
+    s = sglang_spec_stats(parse_prometheus((FIXTURES / "sglang_metrics.txt").read_text()))
+    assert (s.mean_accepted, s.acceptance_rate, s.source) == (3.12, 0.53, "sglang-metrics")
+    chunk = json.loads((FIXTURES / "llamacpp_chunk.json").read_text())
+    s = llamacpp_spec_stats(chunk["timings"])
+    assert (s.drafted, s.accepted) == (48, 36)
+    assert s.acceptance_rate == pytest.approx(0.75)
+    assert s.mean_accepted == pytest.approx(64 / (64 - 36))  # 28 target steps made 64 tokens
+    assert llamacpp_spec_stats({"predicted_n": 64}) is None  # no drafting: nothing claimed
+
+
+def test_an_engine_without_speculation_metrics_is_said_so():
+    assert vllm_spec_stats({}, parse_prometheus("vllm:num_requests_running 0\n")) is None
+    assert sglang_spec_stats(parse_prometheus("sglang:gen_throughput 1.0\n")) is None
+
+
+def test_endpoint_specs_parse_and_bad_ones_are_refused():
+    ep = Endpoint.parse("http://127.0.0.1:8000/v1,model=qwen,name=spec on,timeout=5")
+    assert (ep.url, ep.model, ep.name, ep.timeout_s) == ("http://127.0.0.1:8000/v1", "qwen", "spec on", 5.0)
+    for bad in ("", "ftp://x/v1", "http://h:1/v1,colour=red", "http://h:1/v1,timeout=soon"):
+        with pytest.raises(ConfigError):
+            Endpoint.parse(bad)
+
+
+# ------------------------------------------------------------------------- a fake OpenAI server
+class FakeEngine:
+    """An OpenAI-compatible server on 127.0.0.1 that streams a fixed answer word by word.
+
+    ``mode``: "ok", "drop" (closes the stream half-way), "stall" (stops sending half-way),
+    ``spec``: "vllm" (Prometheus counters that grow with each request) or "llamacpp" (timings).
+    """
+
+    def __init__(self, mode="ok", spec="vllm", words=12, model="qwen-test", delay=0.002):
+        self.mode, self.spec, self.words, self.model, self.delay = mode, spec, words, model, delay
+        self.requests = 0
+        self.auth: list[str | None] = []
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, body, ctype="application/json"):
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802
+                if self.path == "/v1/models":
+                    self._send(200, json.dumps({"data": [{"id": engine.model}]}))
+                elif self.path == "/metrics" and engine.spec == "vllm":
+                    n = engine.requests
+                    self._send(200, "\n".join([
+                        f'vllm:spec_decode_num_drafts_total{{engine="0"}} {4.0 * n}',
+                        f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {12.0 * n}',
+                        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {8.0 * n}',
+                        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="0"}} {4.0 * n}',
+                        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="1"}} {3.0 * n}',
+                        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="2"}} {1.0 * n}',
+                    ]) + "\n", "text/plain")
+                else:
+                    self._send(404, json.dumps({"error": {"message": "not found"}}))
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.auth.append(self.headers.get("Authorization"))
+                if body.get("model") != engine.model:
+                    self._send(404, json.dumps({"error": {"message": f"The model `{body.get('model')}` does not exist."}}))
+                    return
+                engine.requests += 1
+                n = min(engine.words, body["max_tokens"])
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for i in range(n):
+                    if engine.mode in ("drop", "stall") and i == n // 2:
+                        if engine.mode == "stall":
+                            time.sleep(3)
+                        self.wfile.flush()
+                        self.connection.close()
+                        return
+                    chunk = {"choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                    time.sleep(engine.delay)
+                last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                        "usage": {"completion_tokens": n}}
+                if engine.spec == "llamacpp":
+                    last["timings"] = {"predicted_n": n, "draft_n": 9, "draft_n_accepted": 6}
+                self.wfile.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+                self.wfile.flush()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_streamed_run_is_timed_and_its_speculation_read_from_the_counters(monkeypatch):
+    monkeypatch.setenv("SPECPLAY_TEST_KEY", "sk-secret")
+    with FakeEngine(spec="vllm") as engine:
+        ep = Endpoint(engine.url, key_env="SPECPLAY_TEST_KEY")
+        seen = []
+        run = stream_completion(ep, "say words", max_tokens=10, on_text=lambda piece, t: seen.append(piece))
+    assert run.error is None and run.text == "".join(seen) == "".join(f"w{i} " for i in range(10))
+    assert run.new_tokens == 10 and run.model == "qwen-test"  # the server's first model, asked for
+    assert 0 < run.time_to_first_token <= run.wall_time and run.inter_token_latency > 0
+    assert run.spec.mean_accepted == pytest.approx(1 + 8 / 4) and run.spec.by_position == [1.0, 0.75, 0.25]
+    assert engine.auth == ["Bearer sk-secret"]
+    record = remote_record(run, max_new_tokens=10, temperature=0.0, top_p=1.0, seed=0)
+    assert "sk-secret" not in json.dumps(record)  # the key never reaches a record
+    assert record["method"].startswith("remote:") and record["choices"][0]["turns"] == [run.text]
+    assert record["acceptance_by_position"] == [1.0, 0.75, 0.25] and record["spec_source"] == "vllm-metrics"
+
+
+def test_two_endpoints_compare_side_by_side():
+    with FakeEngine(spec="none", delay=0.004) as plain, FakeEngine(spec="llamacpp", delay=0.001) as fast:
+        records = compare_endpoints([Endpoint(plain.url, name="plain"), Endpoint(fast.url, name="with draft")],
+                                    "say words", max_tokens=12, warmup_tokens=2)
+    assert [r["method"] for r in records] == ["remote:plain", "remote:with draft"]
+    assert records[0]["speedup"] == 1.0 and records[1]["identical_to_baseline"] is True
+    assert records[0]["spec_source"] is None and records[1]["spec_source"] == "llamacpp-timings"
+    table = format_remote_table(records)
+    assert "not exposed" in table.splitlines()[2] and "llamacpp-timings" in table.splitlines()[3]
+
+
+def test_bad_endpoints_give_clear_messages_and_keep_what_arrived():
+    with FakeEngine() as engine:
+        wrong = stream_completion(Endpoint(engine.url, model="no-such-model"), "hi", max_tokens=4)
+        assert "no-such-model" in wrong.error and "does not exist" in wrong.error
+    with FakeEngine(mode="drop", words=10) as engine:
+        dropped = stream_completion(Endpoint(engine.url), "hi", max_tokens=10)
+    assert dropped.text == "w0 w1 w2 w3 w4 " and "closed the stream" in dropped.error
+    with FakeEngine(mode="stall", words=10) as engine:
+        slow = stream_completion(Endpoint(engine.url, timeout_s=0.5), "hi", max_tokens=10)
+    assert slow.text == "w0 w1 w2 w3 w4 " and "timed out" in slow.error
+    with FakeEngine() as engine:
+        port = engine.server.server_address[1]
+    gone = stream_completion(Endpoint(f"http://127.0.0.1:{port}/v1"), "hi", max_tokens=4)
+    assert "cannot reach" in gone.error and gone.text == ""
+    record = remote_record(gone, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0)
+    assert record["stop_reason"] == "error" and record["new_tokens"] == 0
+    with pytest.raises(ConfigError, match="empty"):
+        stream_completion(Endpoint(f"http://127.0.0.1:{port}/v1"), "  ", max_tokens=4)
+
+
+def test_compare_and_run_from_the_command_line(tmp_path, capsys):
+    from core.cli import main
+
+    log = tmp_path / "runs.jsonl"
+    with FakeEngine(spec="none") as plain, FakeEngine(spec="vllm") as spec:
+        rc = main(["compare", "--engine", f"{plain.url},name=plain", "--engine", f"{spec.url},name=eagle",
+                   "--prompt", "say words", "--max-new-tokens", "8", "--log", str(log)])
+        out = capsys.readouterr().out
+        assert rc == 0 and "plain" in out and "eagle" in out and "vllm-metrics" in out
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [r["method"] for r in records] == ["remote:plain", "remote:eagle"]
+        assert records[1]["mean_accepted"] == pytest.approx(3.0)
+        rc = main(["run", "--engine", spec.url, "--prompt", "say words", "--max-new-tokens", "5"])
+        captured = capsys.readouterr()
+        assert rc == 0 and captured.out.startswith("w0 w1 w2 w3 w4") and "τ 3.00" in captured.err
+    assert main(["compare", "--engine", plain.url, "--prompt", "x"]) != 0  # the server is gone: a message, no trace
+    assert "cannot reach" in capsys.readouterr().err
