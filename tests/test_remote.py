@@ -206,3 +206,80 @@ def test_compare_and_run_from_the_command_line(tmp_path, capsys):
         assert rc == 0 and captured.out.startswith("w0 w1 w2 w3 w4") and "τ 3.00" in captured.err
     assert main(["compare", "--engine", plain.url, "--prompt", "x"]) != 0  # the server is gone: a message, no trace
     assert "cannot reach" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a real server: llama.cpp's
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaCppServer:
+    """``python -m llama_cpp.server`` on the default GGUF, on 127.0.0.1, two threads."""
+
+    def __init__(self, gguf: Path, draft: bool):
+        import subprocess
+        import sys
+
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+               "--port", str(self.port), "--n_threads", "2", "--n_ctx", "1024", "--verbose", "False"]
+        if draft:
+            cmd += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "8"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self):
+        from core.remote import list_models, RemoteError
+
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the llama.cpp server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if list_models(Endpoint(self.url, timeout_s=5)):
+                    return self
+            except RemoteError:
+                time.sleep(0.5)
+        raise RuntimeError("the llama.cpp server did not start within 180 s")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.mark.real_model
+def test_llamacpp_server_with_and_without_its_draft(tmp_path):
+    import importlib.util
+    import os
+
+    missing = [m for m in ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        message = f"llama-cpp-python's server is not installed ({', '.join(missing)} missing): pip install -e \".[peers]\""
+        if os.environ.get("SPECPLAY_REQUIRE_PEERS"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from core.models.catalog import CATALOG, DEFAULT_TARGET
+    from core.models.convert import catalog_gguf
+
+    if not CATALOG[DEFAULT_TARGET].installed():
+        pytest.skip("the default target is not installed")
+    gguf = catalog_gguf(CATALOG[DEFAULT_TARGET])
+    prompt = "Repeat this line exactly three times: the quick brown fox jumps over the lazy dog."
+    records = []
+    for draft in (False, True):
+        with LlamaCppServer(gguf, draft) as server:
+            records += compare_endpoints([Endpoint(server.url, name="draft" if draft else "plain")], prompt,
+                                         max_tokens=32, warmup_tokens=2)
+    for r in records:
+        assert r["error"] is None and r["new_tokens"] > 0 and r["text"].strip()
+        assert r["time_to_first_token"] > 0 and r["tokens_per_s"] > 0
+        assert r["spec_source"] is None  # llama-cpp-python's server reports no draft counts
+    print(format_remote_table(records))
