@@ -6,7 +6,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QGridLayout, QHBoxLayout, QHeaderView, QLabel, QPushButton,
+from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QGridLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPushButton,
                                QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.palette import method_colour
@@ -78,6 +78,17 @@ class CompareView(QWidget):
                                    "(each after a short warm-up)")
         self.run_button.clicked.connect(lambda: self.sig_run_requested.emit(self.selected()))
         choose.addWidget(self.run_button, 0, Qt.AlignmentFlag.AlignTop)
+        self.endpoints_edit = QLineEdit()
+        self.endpoints_edit.setPlaceholderText("optional: OpenAI-compatible endpoints, e.g. "
+                                               "http://127.0.0.1:8000/v1,name=plain; http://127.0.0.1:8001/v1,name=eagle")
+        self.endpoints_edit.setToolTip(
+            "Remote engines (vLLM, SGLang, llama.cpp's server, …) to run on the same prompt after the checked methods, "
+            "separated by ';'. Options after a comma: model=NAME, name=LABEL, key-env=VAR, timeout=SECONDS. The API "
+            "key is read from $OPENAI_API_KEY (or key-env) or the OS keyring, never saved. Endpoints are compared with "
+            "the first endpoint; speculation metrics appear where the engine exposes them.")
+        endpoints_row = QHBoxLayout()
+        endpoints_row.addWidget(QLabel("Endpoints:"))
+        endpoints_row.addWidget(self.endpoints_edit, 1)
         self.note = QLabel("")
         self.note.setWordWrap(True)
         self.note.setStyleSheet("QLabel { color: #555555; }")
@@ -139,9 +150,14 @@ class CompareView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(choose)
+        layout.addLayout(endpoints_row)
         layout.addLayout(note_row)
         layout.addWidget(split, 1)
         self.records: list[dict] = []
+
+    def endpoints(self) -> list[str]:
+        """The endpoint specs typed in (``URL[,option=value...]``), in order."""
+        return [e.strip() for e in self.endpoints_edit.text().split(";") if e.strip()]
 
     def selected(self) -> list[str]:
         return [n for n, box in self.checks.items() if box.isChecked()]
@@ -151,7 +167,7 @@ class CompareView(QWidget):
             box.setChecked(n in names)
 
     def begin(self, names: list[str]) -> None:
-        """New comparison: one column per method (token views are widgets; the charts stay)."""
+        """New comparison: one column per method or endpoint (token views are widgets; the charts stay)."""
         for col in self.columns.values():
             col.setParent(None)
             col.deleteLater()
@@ -187,9 +203,14 @@ class CompareView(QWidget):
                 notes.append(f"stopped: {r['stop_reason']}")
             title = METHODS[r["method"]].title if r["method"] in METHODS else r["method"]
             ttft = r.get("time_to_first_token")
+            tau = r.get("mean_accepted")
+            if r["method"].startswith("remote:") and r.get("spec_source") is None and not r.get("error"):
+                notes.append("speculation not exposed")
             values = (title, identical_text(r.get("identical_to_baseline")), f"{r['tokens_per_s']:.2f}",
-                      "–" if ttft is None else f"{ttft:.2f} s", "–" if sp is None else f"{sp:.2f}×", f"{r['mean_accepted']:.2f}",
-                      "–" if acc is None else f"{acc:.0%}", str(r["new_tokens"]), str(r.get("steps", "")),
+                      "–" if ttft is None else f"{ttft:.2f} s", "–" if sp is None else f"{sp:.2f}×",
+                      "–" if tau is None else f"{tau:.2f}",
+                      "–" if acc is None else f"{acc:.0%}", str(r["new_tokens"]),
+                      "–" if r.get("steps") is None else str(r["steps"]),
                       ", ".join(notes))
             for col, v in enumerate(values):
                 item = QTableWidgetItem(v)

@@ -13,7 +13,8 @@ import logging
 
 from PySide6.QtCore import QObject, QThread, Signal
 
-from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RunRequest
+from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
+from core.remote import RemoteRun
 from core.types import RunResult
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class EngineClient(QObject):
 
     sig_load = Signal(object)
     sig_generate = Signal(object)
+    sig_generate_remote = Signal(object)
     sig_error = Signal(str)
 
     def __init__(self, parent=None):
@@ -45,6 +47,7 @@ class EngineClient(QObject):
         self.worker.moveToThread(self.thread)
         self.sig_load.connect(self.worker.load)
         self.sig_generate.connect(self.worker.generate)
+        self.sig_generate_remote.connect(self.worker.generate_remote)
         self.worker.sig_models_loaded.connect(self._resolve)
         self.worker.sig_run_finished.connect(self._resolve)
         self.worker.sig_failed.connect(self._on_failed)
@@ -66,6 +69,16 @@ class EngineClient(QObject):
             self.worker.cancel(self.job)
         fut = self._expect()
         self.sig_generate.emit(request)
+        return await fut
+
+    async def generate_remote(self, request: RemoteRequest, stop_first: bool = False) -> RemoteRun:
+        """Stream one completion from a remote endpoint (its failures come back in the ``RemoteRun``)."""
+        self.job += 1
+        request.job = self.job
+        if stop_first:
+            self.worker.cancel(self.job)
+        fut = self._expect()
+        self.sig_generate_remote.emit(request)
         return await fut
 
     def cancel(self) -> None:

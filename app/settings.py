@@ -49,6 +49,7 @@ class AppSettings:
     method_values: dict[str, dict] = field(default_factory=dict)
     compare_methods: list[str] = field(default_factory=lambda: ["autoregressive", "speculative", "prompt_lookup"])
     rejected_inline: bool = False
+    compare_endpoints: str = ""  # remote endpoint specs, ';'-separated (never a key)
     export_dir: str = ""
 
     @classmethod

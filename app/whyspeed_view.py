@@ -102,7 +102,7 @@ class WhySpeedView(QWidget):
 
     def set_records(self, records: list[dict]) -> None:
         """The run records of one comparison (finished runs only)."""
-        self.records = [r for r in records if not r.get("cancelled") and r.get("steps")]
+        self.records = [r for r in records if not r.get("cancelled") and r.get("steps") and r.get("time_split")]
         self._refresh()
 
     def _refresh(self) -> None:

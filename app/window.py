@@ -31,9 +31,10 @@ from app.tokenview import TokenView
 from app.whyspeed_view import WhySpeedView
 from app.engine_client import EngineClient, EngineFailed
 from app.live_view import LiveView
-from app.worker import LoadRequest, ModelsLoaded, RunRequest
+from app.worker import LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
 from app.xray import XRayPanel
 from core.compare import WARMUP_TOKENS, annotate
+from core.remote import annotate_remote
 from core.errors import ConfigError
 from core.history import History
 from core.memory import memory_text
@@ -475,16 +476,25 @@ class MainWindow(QMainWindow):
         self.charts.begin_run(method)
         self.xray.show_token(None, None)
 
-    async def run_compare(self, names: list[str]) -> list[dict] | None:
-        """Run ``names`` one after another on the same prompt, seed and settings; fill the table."""
+    async def run_compare(self, names: list[str], endpoints: list[str] | None = None) -> list[dict] | None:
+        """Run ``names`` one after another on the same prompt, seed and settings, then the remote
+        ``endpoints`` (specs as ``core.remote.Endpoint.parse`` reads them); fill the table."""
+        from core.remote import Endpoint
+
         if self.busy or self.models is None:
             return None
         names = [n for n in names if n in METHODS]
-        if not names:
-            self.show_error("Check at least one method to compare.")
+        try:
+            remote = [Endpoint.parse(e) for e in (self.compare.endpoints() if endpoints is None else endpoints)]
+        except ConfigError as exc:
+            self.show_error(f"Endpoint: {exc}")
+            return None
+        if not names and not remote:
+            self.show_error("Check at least one method (or name an endpoint) to compare.")
             return None
         try:
             requests = {n: self._request(n, warmup_tokens=WARMUP_TOKENS) for n in names}
+            remote_requests = [self._remote_request(ep) for ep in remote]
         except ConfigError as exc:
             self.show_error(str(exc))
             return None
@@ -492,15 +502,17 @@ class MainWindow(QMainWindow):
         self._stop_requested = False
         self.live.clear_error()
         self.tabs.setCurrentWidget(self.compare)
-        self.compare.begin(names)
+        self.compare.begin(names + [f"remote:{ep.label}" for ep in remote])
         self.charts.clear()
-        greedy = next(iter(requests.values())).config.sampling.greedy
+        greedy = self.prompt_panel.generation_config().sampling.greedy
         self.compare.note.setText(
-            "Same prompt, seed and settings for every method, each after a short warm-up. "
+            "Same prompt, seed and settings for every method, each after a short warm-up"
+            + (" (endpoints are compared with the first endpoint). " if remote else ". ")
             + ("Temperature 0: every lossless method must match autoregressive token for token."
                if greedy else "Temperature > 0: outputs differ run to run; the distribution is what is preserved."))
         await asyncio.sleep(0.05)  # let the new columns lay out before the first timed run starts
         records: list[dict] = []
+        aborted = False
         for i, name in enumerate(names):
             if self._stop_requested:
                 break
@@ -521,6 +533,7 @@ class MainWindow(QMainWindow):
             result = await self._run(requests[name], sinks)
             if result is None:
                 col.stats.setText("failed (see the message above)")
+                aborted = True
                 break
             record = self._record(result, requests[name].prompt, requests[name].chat_template)
             self._save_to_history(record)
@@ -531,8 +544,15 @@ class MainWindow(QMainWindow):
             annotate(records, greedy)
             self.compare.set_records(records)
             if result.cancelled or getattr(result.stop_reason, "value", None) == "error":
+                aborted = True
                 break
+        for j, req in enumerate(remote_requests):
+            if self._stop_requested or aborted:
+                break
+            aborted = not await self._compare_remote(req, f"remote:{req.endpoint.label}", records, greedy,
+                                                     f"endpoint {j + 1}/{len(remote_requests)}")
         annotate(records, greedy)
+        annotate_remote(records, greedy)
         self.compare.set_records(records)
         self.why.set_records(records)
         self._set_busy(None)
@@ -540,6 +560,51 @@ class MainWindow(QMainWindow):
         self._stop_requested = False
         self.set_status(("Comparison stopped" if stopped else "Comparison done") + f": {len(records)} run(s).")
         return records
+
+    def _remote_request(self, endpoint) -> RemoteRequest:
+        gen = self.prompt_panel.generation_config()
+        prompt = self.prompt_panel.prompt()
+        if not prompt.strip():
+            raise ConfigError("The prompt is empty.")
+        s = gen.sampling
+        return RemoteRequest(endpoint=endpoint, prompt=prompt, max_tokens=gen.max_new_tokens, temperature=s.temperature,
+                             top_p=s.top_p, seed=s.seed, chat=self.prompt_panel.chat_template.isChecked(),
+                             warmup_tokens=8)
+
+    async def _compare_remote(self, request: RemoteRequest, name: str, records: list[dict], greedy: bool,
+                              where: str) -> bool:
+        """One endpoint's run in a comparison: streamed into its column, recorded, annotated.
+        Returns False when the comparison should stop (cancelled, or the engine thread failed)."""
+        from core.remote import remote_record
+
+        col = self.compare.column(name)
+        self.charts.begin_run(name)
+
+        def col_stats(e: StepEvent) -> None:
+            rate = e.total_new_tokens / e.elapsed_s if e.elapsed_s > 0 else 0.0
+            col.stats.setText(f"{e.total_new_tokens} chunks · {rate:.1f}/s so far")
+
+        col.stats.setText(f"connecting to {request.endpoint.url}…")
+        self.set_status(f"Comparing: {request.endpoint.label} ({where})…")
+        self._step_sinks = [col.view.append_step, lambda e: self.charts.add_step(name, e), col_stats]
+        try:
+            run = await self.engine.generate_remote(request, stop_first=self._stop_requested)
+        except EngineFailed as exc:
+            self.show_error(f"{request.endpoint.label}: {exc}")
+            return False
+        finally:
+            self._step_sinks = []
+        record = remote_record(run, max_new_tokens=request.max_tokens, temperature=request.temperature,
+                               top_p=request.top_p, seed=request.seed)
+        self._save_to_history(record)
+        records.append(record)
+        col.stats.setText(stats_line(record) if not run.error else f"error: {run.error}")
+        if run.error:
+            kept = f" The {len(run.text)} characters received are kept." if run.text else ""
+            self.show_error(f"{request.endpoint.label}: {run.error}.{kept}")
+        annotate_remote(records, greedy)
+        self.compare.set_records(records)
+        return not run.cancelled
 
     # ------------------------------------------------------------------------ history
     async def reload_history(self) -> list[dict]:

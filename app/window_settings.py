@@ -28,6 +28,7 @@ def apply_to_window(window, s: AppSettings) -> None:
     window.methods_panel.set_all_values(s.method_values)
     window.methods_panel.set_method(s.method)
     window.compare.set_selected(s.compare_methods)
+    window.compare.endpoints_edit.setText(s.compare_endpoints)
     window.live.rejected_inline.setChecked(s.rejected_inline)
     window.compare.rejected_inline.setChecked(s.rejected_inline)
 
@@ -51,5 +52,6 @@ def collect_from_window(window) -> AppSettings:
     s.method = window.methods_panel.method()
     s.method_values = window.methods_panel.all_values()
     s.compare_methods = window.compare.selected()
+    s.compare_endpoints = window.compare.endpoints_edit.text()
     s.rejected_inline = window.live.rejected_inline.isChecked()
     return s

@@ -38,6 +38,21 @@ class ModelsLoaded:
 
 
 @dataclass
+class RemoteRequest:
+    """One streamed completion from an OpenAI-compatible endpoint (a :class:`core.remote.Endpoint`)."""
+
+    endpoint: object
+    prompt: str
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = 0
+    chat: bool = True
+    warmup_tokens: int = 0
+    job: int = 0
+
+
+@dataclass
 class LoadRequest:
     target: str
     draft: str | None = None
@@ -183,6 +198,30 @@ class EngineWorker(QObject):
             result = drain(generate(self.target.model, self.target.tokenizer, method, ids, request.config, should_stop),
                            self.sig_step.emit)
             self.sig_run_finished.emit(result)
+        except Exception as exc:
+            self._fail(exc)
+
+
+    @Slot(object)
+    def generate_remote(self, request: RemoteRequest) -> None:
+        """Stream from a remote endpoint: each chunk is a step event; the result is a ``RemoteRun``."""
+        from core.remote import chunk_event, stream_completion
+
+        should_stop = self._stopper(request.job)
+        try:
+            kwargs = dict(temperature=request.temperature, top_p=request.top_p, seed=request.seed, chat=request.chat,
+                          should_stop=should_stop)
+            if request.warmup_tokens > 0:
+                stream_completion(request.endpoint, request.prompt, max_tokens=request.warmup_tokens, **kwargs)
+            count = [0]
+
+            def on_text(piece: str, elapsed: float) -> None:
+                count[0] += 1
+                self.sig_step.emit(chunk_event(count[0] - 1, piece, elapsed, count[0]))
+
+            run = stream_completion(request.endpoint, request.prompt, max_tokens=request.max_tokens, on_text=on_text,
+                                    **kwargs)
+            self.sig_run_finished.emit(run)
         except Exception as exc:
             self._fail(exc)
 

@@ -29,9 +29,12 @@ class Comparison:
 
 
 def annotate(records: list[dict], greedy: bool, baseline: str = "autoregressive") -> None:
-    """Add ``speedup`` and ``identical_to_baseline`` to each record, in place."""
+    """Add ``speedup`` and ``identical_to_baseline`` to each local run record, in place (remote
+    runs are compared with each other: :func:`core.remote.annotate_remote`)."""
     base = next((r for r in records if r["method"] == baseline), None)
     for r in records:
+        if r.get("token_ids") is None:
+            continue
         if base is None:
             r["speedup"], r["identical_to_baseline"] = None, None
             continue

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from core.errors import ConfigError, SpecPlayError
+from core.types import Fate, StepEvent, StepTiming, TokenEvent
 
 KEY_ENV = "OPENAI_API_KEY"
 
@@ -434,13 +435,29 @@ def compare_endpoints(endpoints: list[Endpoint], prompt: str, *, max_tokens: int
         if on_run:
             on_run(run)
         records.append(remote_record(run, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed))
-    if records:
-        base = records[0]
-        for r in records:
-            ok = base["tokens_per_s"] > 0 and not r["error"]
-            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
-            r["identical_to_baseline"] = (r["text"] == base["text"]) if temperature == 0 and not r["error"] else None
+    annotate_remote(records, greedy=temperature == 0)
     return records
+
+
+def annotate_remote(records: list[dict], greedy: bool) -> None:
+    """Add ``speedup`` and ``identical_to_baseline`` (same text, at temperature 0) to remote run
+    records, in place, against the first of them: endpoints are compared with each other (a
+    local run's token ids and a server's text are not the same measure)."""
+    remote = [r for r in records if r["method"].startswith("remote:")]
+    if not remote:
+        return
+    base = remote[0]
+    for r in remote:
+        ok = base["tokens_per_s"] > 0 and not r["error"]
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
+        r["identical_to_baseline"] = (r["text"] == base["text"]) if greedy and not r["error"] else None
+
+
+def chunk_event(index: int, piece: str, elapsed: float, total_tokens: int) -> StepEvent:
+    """A streamed chunk as a step event, so token views and charts show remote runs live."""
+    return StepEvent(step=index, tokens=[TokenEvent(token_id=-1, text=piece, fate=Fate.TARGET, depth=0, node=-1)],
+                     committed=[], text=piece, num_drafted=0, num_accepted=0, timing=StepTiming(0.0, 0.0, 0.0),
+                     elapsed_s=elapsed, total_new_tokens=total_tokens)
 
 
 def format_remote_table(records: list[dict]) -> str:

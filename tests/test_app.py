@@ -568,6 +568,39 @@ def test_compare_fills_the_table_with_identical_flags(window, qtbot):
     assert window.internals.steps == view.steps and window.internals.step_box.value() == view.steps.index(step)
 
 
+def test_compare_runs_remote_endpoints_beside_local_methods(window, qtbot):
+    """Two OpenAI-compatible endpoints after a local method: their text streams into their own
+    columns, the table shows their speeds, first-token times and (where exposed) τ, and the runs
+    go to the history in the same record format."""
+    from tests.test_remote import FakeEngine
+
+    with FakeEngine(spec="none") as plain, FakeEngine(spec="vllm") as spec:
+        window.compare.endpoints_edit.setText(f"{plain.url},name=plain; {spec.url},name=spec")
+        records = run(qtbot, window.run_compare(["autoregressive"]), timeout=60_000)
+    assert [r["method"] for r in records] == ["autoregressive", "remote:plain", "remote:spec"]
+    table = window.compare.table
+    assert table.rowCount() == 3
+    assert table.item(1, 0).text() == "remote:plain" and "speculation not exposed" in table.item(1, 9).text()
+    assert table.item(2, 5).text() == "3.00" and table.item(2, 4).text() == f"{records[2]['speedup']:.2f}×"
+    assert table.item(1, 4).text() == "1.00×" and records[2]["identical_to_baseline"] is True
+    assert window.compare.column("remote:spec").view.committed_text() == records[2]["text"]
+    assert [r["method"] for r in window.history.load()[-3:]] == ["autoregressive", "remote:plain", "remote:spec"]
+    assert window.why.table.rowCount() == 1  # only local runs have step costs to explain
+
+
+def test_an_unreachable_endpoint_is_a_message_and_the_window_stays_usable(window, qtbot):
+    from tests.test_remote import FakeEngine
+
+    with FakeEngine() as engine:
+        port = engine.server.server_address[1]
+    window.compare.endpoints_edit.setText(f"http://127.0.0.1:{port}/v1")
+    records = run(qtbot, window.run_compare([]), timeout=30_000)
+    assert len(records) == 1 and "cannot reach" in records[0]["error"]
+    assert "cannot reach" in window.live.banner.text() and not window.busy
+    window.compare.endpoints_edit.setText("ftp://nowhere")
+    assert run(qtbot, window.run_compare([])) is None and "Endpoint:" in window.last_error
+
+
 def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, qtbot):
     """The first run says it measures the machine's verification cost; after a comparison the
     "Why this speed" tab holds that curve, the break-even lines and one cost row per method,
