@@ -246,6 +246,35 @@ class LlamaCppPeer:
         return TurnResult(new, text, wall, None, time_to_first_token=first)
 
 
+class RemotePeer:
+    """An OpenAI-compatible endpoint (:mod:`core.remote`) answering the same prompts.
+
+    It gets the prompt as SpecPlay formats it (chat template applied, as text, through the
+    completions API), so a server of the same model family sees what the local methods see;
+    its answer is counted in the target's tokens (the server's own count where it gives one).
+    """
+
+    def __init__(self, endpoint, target):
+        self.endpoint = endpoint
+        self.name = f"remote:{endpoint.label}"
+        self.target = target
+
+    def params(self) -> dict:
+        return {"endpoint": self.endpoint.describe()}
+
+    def run(self, prompt_ids: list[int], gen) -> TurnResult:
+        from core.remote import stream_completion
+
+        s = gen.sampling
+        tok = self.target.tokenizer
+        run = stream_completion(self.endpoint, tok.decode(prompt_ids), max_tokens=gen.max_new_tokens,
+                                temperature=s.temperature, top_p=s.top_p, seed=s.seed, chat=False)
+        ids = tok(run.text, add_special_tokens=False)["input_ids"]
+        spec = run.spec
+        drafted, accepted = ((spec.drafted or 0), (spec.accepted or 0)) if spec else (0, 0)
+        return TurnResult(ids, run.text, run.wall_time, None, drafted, accepted, run.error, run.time_to_first_token)
+
+
 def gguf_file(target) -> Path:
     """The GGUF file a target was loaded from: a ``.gguf`` path, or a catalog model's assembled file."""
     from core.models.catalog import CATALOG
@@ -388,6 +417,7 @@ class BenchSpec:
     methods: list[str]
     configs: dict = field(default_factory=dict)
     max_new_tokens: int = 256
+    endpoints: dict = field(default_factory=dict)  # "remote:<label>" -> core.remote.Endpoint
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
@@ -413,6 +443,8 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
             runners[name] = HFPeer(name, target, draft, hf_models)
         elif name in LLAMACPP_PEERS:
             runners[name] = LlamaCppPeer(name, target)
+        elif name in spec.endpoints:
+            runners[name] = RemotePeer(spec.endpoints[name], target)
         else:
             runners[name] = OurMethod(name, spec.configs.get(name), target, draft)
     verify_cost = measure_verify_cost(target.model)
@@ -471,7 +503,7 @@ def _write_outputs(out_dir, answers, summary, verify_cost, target, draft, spec, 
     from core.runlog import environment, write_jsonl_atomic
 
     for name, recs in answers.items():
-        write_jsonl_atomic(out_dir / f"{name}.jsonl", [{
+        write_jsonl_atomic(out_dir / f"{name.replace(':', '-')}.jsonl", [{
             "question_id": r["question_id"], "category": r["category"], "answer_id": uuid.uuid4().hex,
             "model_id": f"{target.spec}/{name}", "repeat": r["repeat"], "method": name,
             "params": runners[name].params(),

@@ -348,13 +348,17 @@ def cmd_bench(args) -> int:
     from core.bench import PEERS, BenchSpec, check_methods, format_summary, load_questions, run_bench
     from core.methods import get_spec
 
+    from core.remote import Endpoint
+
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_methods(names)
+    endpoints = {f"remote:{ep.label}": ep for ep in (Endpoint.parse(e) for e in args.engine)}
     questions = load_questions(args.prompts, args.categories, args.limit, args.per_category)
     configs = {n: config_for(n, args) for n in names if n not in PEERS}
     need_draft = any(n == "hf_assisted" or (n not in PEERS and get_spec(n).needs_draft) for n in names)
     target, draft = _load_models(args, need_draft)
-    spec = BenchSpec(methods=names, configs=configs, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    spec = BenchSpec(methods=names + list(endpoints), endpoints=endpoints, configs=configs,
+                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_p=args.top_p, seed=args.seed, warmup=args.warmup, repeats=args.repeats,
                      chat_template=not args.no_chat_template)
     result = run_bench(target, draft, questions, spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -449,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", required=True,
                    help="comma-separated methods and peers (hf_generate, hf_assisted, hf_prompt_lookup; with the "
                         "'peers' extra: llamacpp_generate, llamacpp_prompt_lookup)")
+    p.add_argument("--engine", action="append", default=[], metavar="URL[,model=M][,name=N]",
+                   help="also benchmark an OpenAI-compatible endpoint on the same prompts (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -114,7 +114,9 @@ class FakeEngine:
                         self.wfile.flush()
                         self.connection.close()
                         return
-                    chunk = {"choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]}
+                    piece = f"w{i} "
+                    choice = {"delta": {"content": piece}} if self.path.endswith("/chat/completions") else {"text": piece}
+                    chunk = {"choices": [{"index": 0, **choice, "finish_reason": None}]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
                     time.sleep(engine.delay)
@@ -283,3 +285,23 @@ def test_llamacpp_server_with_and_without_its_draft(tmp_path):
         assert r["time_to_first_token"] > 0 and r["tokens_per_s"] > 0
         assert r["spec_source"] is None  # llama-cpp-python's server reports no draft counts
     print(format_remote_table(records))
+
+
+def test_an_endpoint_is_benchmarked_beside_local_methods(tmp_path):
+    import torch
+
+    from core.bench import BenchSpec, Question, run_bench
+    from tests.tiny import loaded, tiny_pair
+
+    target = loaded(tiny_pair(dtype=torch.float64)[0])
+    with FakeEngine(spec="vllm") as engine:
+        ep = Endpoint(engine.url, name="fake")
+        spec = BenchSpec(methods=["autoregressive", "remote:fake"], endpoints={"remote:fake": ep}, max_new_tokens=6,
+                         chat_template=False, warmup=0)
+        questions = [Question(1, "code", ("ab cd",)), Question(2, "code", ("xy",))]
+        result = run_bench(target, None, questions, spec, tmp_path, log=lambda m: None)
+    remote = result["summary"]["remote:fake"]["overall"]
+    assert remote["failures"] == 0 and remote["tokens_per_s"] > 0 and remote["time_to_first_token"] > 0
+    assert remote["acceptance_rate"] == pytest.approx(8 / 12)  # from the server's counters
+    answers = [json.loads(line) for line in (tmp_path / "remote-fake.jsonl").read_text().splitlines()]
+    assert answers[0]["choices"][0]["turns"] == ["w0 w1 w2 w3 w4 w5 "]
