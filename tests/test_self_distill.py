@@ -93,3 +93,21 @@ def test_answer_generation_resumes_after_a_cancel(tmp_path):
     assert resumed.starts.numel() - 1 == len(prompts)
     assert resumed.features.shape == (resumed.num_tokens, model.info.hidden_size)
     assert len(answered) < len(prompts)  # the second run did not redo the kept answers
+
+
+def test_fewer_prompts_take_their_answers_from_a_larger_earlier_run(tmp_path):
+    """Data-size experiments reuse one generation: asking for the first n prompts returns just
+    their answers, without generating anything."""
+    from core.training.data import generate_answers
+
+    model, _ = tiny_pair(dtype=torch.float64)
+    tok = chat_tokenizer()
+    prompts = ["ab cd", "xyz", "hello world", "q", "abc abc", "zz top", "m n o", "kk"]
+    whole = generate_answers(model, tok, prompts, 6, tmp_path, slots=3, shard_size=3)
+    generated = []
+    first = generate_answers(model, tok, prompts[:3], 6, tmp_path, slots=3, shard_size=3,
+                             progress=lambda msg, frac: generated.append(msg))
+    assert not generated and first.starts.numel() - 1 == 3
+    alone = generate_answers(model, tok, prompts[:3], 6, tmp_path / "alone", slots=3, shard_size=3)
+    assert sequences_of(first) == sequences_of(alone)
+    assert set(sequences_of(first)) <= set(sequences_of(whole))

@@ -179,8 +179,11 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     parts, done = [], set()
     for path in sorted(shard_dir.glob("answers-*.safetensors")):
         part, keys = FeatureSet.load_keyed(path)
+        wanted = [i for i, k in enumerate(keys) if k < len(prompts)]  # a larger earlier run: take its prefix
+        if len(wanted) < len(keys):
+            part = part.sequences(wanted)
         parts.append(part)
-        done.update(keys)
+        done.update(keys[i] for i in wanted)
     todo = [(k, chat_prompt_ids(tokenizer, p)) for k, p in enumerate(prompts) if k not in done]
     pending: list[tuple[int, Generated]] = []
     counted = {"tokens": sum(p.num_tokens for p in parts)}
@@ -273,6 +276,14 @@ class FeatureSet:
     def empty(hidden: int) -> "FeatureSet":
         return FeatureSet(torch.zeros(0, hidden, dtype=torch.float16), torch.zeros(0, dtype=torch.int32),
                           torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.long))
+
+    def sequences(self, keep: list[int]) -> "FeatureSet":
+        """The sequences at indices ``keep``, in that order."""
+        bounds = self.starts.tolist()
+        idx = [torch.arange(bounds[i], bounds[i + 1]) for i in keep]
+        rows = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+        starts = torch.tensor([0] + [bounds[i + 1] - bounds[i] for i in keep]).cumsum(0)
+        return FeatureSet(self.features[rows], self.tokens[rows], self.labels[rows], starts)
 
     @staticmethod
     def concat(parts: list["FeatureSet"]) -> "FeatureSet":
