@@ -23,6 +23,35 @@ COLUMN_TIPS = ("", "Token for token the same output as autoregressive (checked a
 IDENTICAL_COL = 1
 
 
+def results_table(columns: tuple[str, ...], tips: tuple[str, ...]) -> QTableWidget:
+    """A read-only table of runs: one row each, headers with tooltips, columns sized to their contents."""
+    table = QTableWidget(0, len(columns))
+    table.setHorizontalHeaderLabels(columns)
+    for i, tip in enumerate(tips):
+        table.horizontalHeaderItem(i).setToolTip(tip)
+    table.verticalHeader().setVisible(False)
+    table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    table.horizontalHeader().setStretchLastSection(True)
+    return table
+
+
+def place_labels(plot: pg.PlotWidget, pool: list, labels: list[tuple[str, float, float]],
+                 anchor: tuple[float, float]) -> None:
+    """Show ``(text, x, y)`` labels on ``plot`` from a pool of text items that only grows."""
+    while len(pool) < len(labels):
+        item = pg.TextItem("", color="#222222", anchor=anchor)
+        plot.addItem(item)
+        pool.append(item)
+    for i, item in enumerate(pool):
+        item.setVisible(i < len(labels))
+        if i < len(labels):
+            text, x, y = labels[i]
+            item.setText(text)
+            item.setPos(x, y)
+
+
 def identical_text(value) -> str:
     return {True: "✓", False: "✗ differs", None: "–"}[value]
 
@@ -111,15 +140,7 @@ class CompareView(QWidget):
         self.placeholder = placeholder
         self.columns_layout.addWidget(placeholder)
 
-        self.table = QTableWidget(0, len(TABLE_COLUMNS))
-        self.table.setHorizontalHeaderLabels(TABLE_COLUMNS)
-        for i, tip in enumerate(COLUMN_TIPS):
-            self.table.horizontalHeaderItem(i).setToolTip(tip)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table = results_table(TABLE_COLUMNS, COLUMN_TIPS)
         self.speedup_plot = pg.PlotWidget()
         self.speedup_plot.setTitle("Speedup over autoregressive", size="10pt")
         self.speedup_plot.setMenuEnabled(False)
@@ -237,15 +258,8 @@ class CompareView(QWidget):
         self.speedup_plot.getAxis("left").setTicks(
             [[(float(y), METHODS[r["method"]].title.split(" (")[0] if r["method"] in METHODS else r["method"])
               for y, r in zip(ys, rows)]])
-        while len(self.speedup_labels) < len(rows):  # value labels: a pool that only grows
-            label = pg.TextItem("", color="#222222", anchor=(0.0, 0.5))
-            self.speedup_plot.addItem(label)
-            self.speedup_labels.append(label)
-        for i, label in enumerate(self.speedup_labels):
-            label.setVisible(i < len(rows))
-            if i < len(rows):
-                label.setText(f" {widths[i]:.2f}×")
-                label.setPos(float(widths[i]), float(ys[i]))
+        place_labels(self.speedup_plot, self.speedup_labels,
+                     [(f" {w:.2f}×", float(w), float(y)) for w, y in zip(widths, ys)], anchor=(0.0, 0.5))
         if len(rows):
             self.speedup_plot.setYRange(-0.6, len(rows) - 0.4, padding=0)
             self.speedup_plot.setXRange(0, max(1.3, float(widths.max()) * 1.25), padding=0)

@@ -55,30 +55,23 @@ class EngineClient(QObject):
 
     async def load(self, request: LoadRequest) -> ModelsLoaded:
         """Load the requested models (raises :class:`EngineFailed` with the worker's message)."""
-        self.job += 1
-        request.job = self.job
-        fut = self._expect()
-        self.sig_load.emit(request)
-        return await fut
+        return await self._submit(self.sig_load, request)
 
     async def generate(self, request: RunRequest, stop_first: bool = False) -> RunResult:
         """Run one generation; ``stop_first``: Stop was already pressed, so the job ends at once."""
-        self.job += 1
-        request.job = self.job
-        if stop_first:
-            self.worker.cancel(self.job)
-        fut = self._expect()
-        self.sig_generate.emit(request)
-        return await fut
+        return await self._submit(self.sig_generate, request, stop_first)
 
     async def generate_remote(self, request: RemoteRequest, stop_first: bool = False) -> RemoteRun:
         """Stream one completion from a remote endpoint (its failures come back in the ``RemoteRun``)."""
+        return await self._submit(self.sig_generate_remote, request, stop_first)
+
+    async def _submit(self, signal, request, stop_first: bool = False):
         self.job += 1
         request.job = self.job
         if stop_first:
             self.worker.cancel(self.job)
         fut = self._expect()
-        self.sig_generate_remote.emit(request)
+        signal.emit(request)
         return await fut
 
     def cancel(self) -> None:

@@ -12,9 +12,9 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QLabel, QSplitter, QTableWidget, QTableWidgetItem,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import QLabel, QSplitter, QTableWidgetItem, QVBoxLayout, QWidget
 
+from app.compare_view import place_labels, results_table
 from app.palette import method_colour
 from core.costmodel import CostCurve
 from core.methods import METHODS
@@ -73,14 +73,7 @@ class WhySpeedView(QWidget):
         self.even_plot.addItem(self.points)
         self.point_labels: list[pg.TextItem] = []
 
-        self.table = QTableWidget(0, len(WHY_COLUMNS))
-        self.table.setHorizontalHeaderLabels(WHY_COLUMNS)
-        for i, tip in enumerate(WHY_TIPS):
-            self.table.horizontalHeaderItem(i).setToolTip(tip)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table = results_table(WHY_COLUMNS, WHY_TIPS)
 
         plots = QSplitter(Qt.Orientation.Horizontal)
         plots.addWidget(self.cost_plot)
@@ -159,15 +152,8 @@ class WhySpeedView(QWidget):
             spots.append({"pos": (float(alpha), float(e.draft_cost_per_token)), "data": e.method,
                           "brush": QColor(method_colour(e.method, self.order)), "pen": pg.mkPen("#222222")})
         self.points.setData(spots)
-        while len(self.point_labels) < len(spots):
-            label = pg.TextItem("", color="#222222", anchor=(0.0, 1.0))
-            self.even_plot.addItem(label)
-            self.point_labels.append(label)
-        for i, label in enumerate(self.point_labels):
-            label.setVisible(i < len(spots))
-            if i < len(spots):
-                label.setText(_title(spots[i]["data"]))
-                label.setPos(*spots[i]["pos"])
+        place_labels(self.even_plot, self.point_labels, [(_title(s["data"]), *s["pos"]) for s in spots],
+                     anchor=(0.0, 1.0))
         top = max([1.0] + [s["pos"][1] * 1.2 for s in spots])
         self.even_plot.setXRange(0, 1, padding=0.02)
         self.even_plot.setYRange(0, top, padding=0.02)
