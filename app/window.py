@@ -44,6 +44,8 @@ from core.types import RunResult, StepEvent
 
 log = logging.getLogger(__name__)
 
+FRAME_MS = 33  # how often arriving step events are drawn (about 30 frames a second)
+
 
 class MainWindow(QMainWindow):
     def __init__(self, settings: AppSettings | None = None, history: History | None = None):
@@ -61,6 +63,13 @@ class MainWindow(QMainWindow):
         self._busy: str | None = None
         self._stop_requested = False
         self._step_sinks: list = []
+        # Step events are drawn once per frame, not as each arrives: with one token a step, drawing
+        # per event would take CPU from the model on a small machine (FRAME_MS below).
+        self._step_queue: list[StepEvent] = []
+        self.frames_drawn = 0  # frames that drew step events (a run of n tokens draws far fewer than n)
+        self._frame = QTimer(self)
+        self._frame.setInterval(FRAME_MS)
+        self._frame.timeout.connect(self._flush_steps)
         self._tasks: set[asyncio.Task] = set()
         self._token_texts: dict[int, str] = {}
         self.last_error = ""
@@ -397,11 +406,27 @@ class MainWindow(QMainWindow):
             self.show_error(f"{METHODS[request.method].title if request.method in METHODS else request.method}: {exc}")
             return None
         finally:
+            self._flush_steps()
             self._step_sinks = []
 
     def _on_step(self, event: StepEvent) -> None:
-        for sink in self._step_sinks:
-            sink(event)
+        self._step_queue.append(event)
+        if not self._frame.isActive():
+            self._frame.start()
+
+    def _flush_steps(self) -> None:
+        """Hand the steps that arrived since the last frame to the current run's views."""
+        events, self._step_queue = self._step_queue, []
+        if not events:
+            self._frame.stop()
+            return
+        self.frames_drawn += 1
+        for event in events:
+            for sink in self._step_sinks:
+                sink(event)
+            self._remember_texts(event)
+
+    def _remember_texts(self, event: StepEvent) -> None:
         # tokens seen in events feed the internals' token texts
         for t in event.tokens:
             if t.token_id not in self._token_texts and t.text:
@@ -593,6 +618,7 @@ class MainWindow(QMainWindow):
             self.show_error(f"{request.endpoint.label}: {exc}")
             return False
         finally:
+            self._flush_steps()
             self._step_sinks = []
         record = remote_record(run, max_new_tokens=request.max_tokens, temperature=request.temperature,
                                top_p=request.top_p, seed=request.seed)

@@ -200,6 +200,18 @@ def test_each_method_streams_into_the_live_view(window, qtbot, method):
     assert sum(window.charts.hist_bars[method].opts["height"]) == len(result.events)
 
 
+def test_step_events_are_drawn_per_frame_not_per_token(window, qtbot):
+    """A fast run's events arrive many per frame; the views get every one of them, in order,
+    but the window draws them in batches (drawing per token would slow the model on two cores)."""
+    window.methods_panel.set_method("autoregressive")
+    window.prompt_panel.max_new_tokens.setValue(200)
+    before = window.frames_drawn
+    result = run(qtbot, window.run_single())
+    assert [e.step for e in window.live.view.steps] == [e.step for e in result.events]
+    assert window.live.view.committed_text() == result.text
+    assert 0 < window.frames_drawn - before < len(result.events)
+
+
 def test_every_registered_method_runs_or_explains_why_not(window, qtbot):
     """Methods added to the registry later (lookahead, medusa, …) run with their default settings,
     or fail with a message in the window, never a hang or a crash."""
