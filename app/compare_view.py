@@ -13,10 +13,10 @@ from app.palette import method_colour
 from app.tokenview import REJECTED_INLINE_TIP, TokenView
 from core.methods import METHODS
 
-TABLE_COLUMNS = ("Method", "Identical", "tok/s", "First token", "Speedup", "τ", "Acceptance", "Tokens", "Steps",
-                 "Notes")
-COLUMN_TIPS = ("", "Token for token the same output as autoregressive (checked at temperature 0)",
-               "New tokens per second, prefill included", "Time to the first new token (the prompt's prefill)",
+TABLE_COLUMNS = ("Method", "Same", "tok/s", "TTFT", "Speedup", "τ", "Accept", "Tokens", "Steps", "Notes")
+COLUMN_TIPS = ("", "Identical: token for token the same output as autoregressive (checked at temperature 0; "
+                   "endpoints: the same text as the first endpoint)",
+               "New tokens per second, prefill included", "Time to first token (the prompt's prefill included)",
                "tok/s over autoregressive's in this comparison",
                "Mean tokens added per step (accepted draft tokens + 1)", "Accepted draft tokens / drafted tokens",
                "New tokens", "Decoding steps (target forward passes)", "")
@@ -50,6 +50,17 @@ def place_labels(plot: pg.PlotWidget, pool: list, labels: list[tuple[str, float,
             text, x, y = labels[i]
             item.setText(text)
             item.setPos(x, y)
+
+
+def short_title(method: str) -> str:
+    """A method's title without its parenthesis ("Speculative (draft model)" -> "Speculative")."""
+    return METHODS[method].title.split(" (")[0] if method in METHODS else method
+
+
+def columns_per_row(n: int) -> int:
+    """Side-by-side columns stay readable at the default window size: at most three a row
+    (four methods make two rows of two)."""
+    return 2 if n == 4 else min(3, max(1, n))
 
 
 def identical_text(value) -> str:
@@ -129,8 +140,9 @@ class CompareView(QWidget):
         note_row.addWidget(self.note, 1)
         note_row.addWidget(self.rejected_inline)
         self.columns_box = QWidget()
-        self.columns_layout = QHBoxLayout(self.columns_box)
+        self.columns_layout = QGridLayout(self.columns_box)
         self.columns_layout.setContentsMargins(0, 0, 0, 0)
+        self.columns_layout.setSpacing(4)
         self.columns: dict[str, CompareColumn] = {}
         placeholder = QLabel("Check two or more methods and press “Run comparison”. Include Autoregressive: it is the "
                              "baseline for speedups and for the identical-output check at temperature 0.")
@@ -138,17 +150,17 @@ class CompareView(QWidget):
         placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
         placeholder.setStyleSheet("QLabel { color: #777777; }")
         self.placeholder = placeholder
-        self.columns_layout.addWidget(placeholder)
+        self.columns_layout.addWidget(placeholder, 0, 0)
 
         self.table = results_table(TABLE_COLUMNS, COLUMN_TIPS)
         self.speedup_plot = pg.PlotWidget()
-        self.speedup_plot.setTitle("Speedup over autoregressive", size="10pt")
+        self.speedup_plot.setTitle("Speedup", size="10pt")
         self.speedup_plot.setMenuEnabled(False)
         self.speedup_plot.setMouseEnabled(x=False, y=False)
         self.speedup_plot.showGrid(x=True, alpha=0.25)
-        self.speedup_plot.setLabel("bottom", "× autoregressive tokens/s")
+        self.speedup_plot.setLabel("bottom", "× the baseline's tokens/s")
         self.speedup_plot.getAxis("bottom").enableAutoSIPrefix(False)
-        self.speedup_plot.setMinimumWidth(260)
+        self.speedup_plot.setMinimumWidth(180)
         # horizontal bars: method names read along the left axis, however many methods there are
         self.speedup_bars = pg.BarGraphItem(x0=np.zeros(0), width=np.zeros(0), y=np.zeros(0), height=0.6,
                                             brushes=[])
@@ -159,9 +171,9 @@ class CompareView(QWidget):
         bottom = QSplitter(Qt.Orientation.Horizontal)
         bottom.addWidget(self.table)
         bottom.addWidget(self.speedup_plot)
-        bottom.setStretchFactor(0, 3)
+        bottom.setStretchFactor(0, 5)
         bottom.setStretchFactor(1, 2)
-        bottom.setSizes([640, 420])
+        bottom.setSizes([760, 240])
         split = QSplitter(Qt.Orientation.Vertical)
         split.addWidget(self.columns_box)
         split.addWidget(bottom)
@@ -194,11 +206,14 @@ class CompareView(QWidget):
             col.deleteLater()
         self.columns.clear()
         self.placeholder.setVisible(False)
-        for name in names:
+        per_row = columns_per_row(len(names))
+        for i, name in enumerate(names):
             col = CompareColumn(name, method_colour(name, self.order))
             col.view.set_rejected_inline(self.rejected_inline.isChecked())
             self.columns[name] = col
-            self.columns_layout.addWidget(col, 1)
+            self.columns_layout.addWidget(col, i // per_row, i % per_row)
+        for c in range(self.columns_layout.columnCount()):
+            self.columns_layout.setColumnStretch(c, 1 if c < per_row else 0)
         self.set_records([])
 
     def _set_rejected_inline(self, show: bool) -> None:
@@ -222,7 +237,7 @@ class CompareView(QWidget):
                 notes.append("cancelled")
             if r.get("stop_reason") and r.get("stop_reason") not in ("max_tokens", "cancelled"):
                 notes.append(f"stopped: {r['stop_reason']}")
-            title = METHODS[r["method"]].title if r["method"] in METHODS else r["method"]
+            title = short_title(r["method"])
             ttft = r.get("time_to_first_token")
             tau = r.get("mean_accepted")
             if r["method"].startswith("remote:") and r.get("spec_source") is None and not r.get("error"):
@@ -256,8 +271,7 @@ class CompareView(QWidget):
         brushes = [QColor(method_colour(r["method"], self.order)) for r in rows]
         self.speedup_bars.setOpts(x0=np.zeros(len(rows)), width=widths, y=ys, height=0.6, brushes=brushes)
         self.speedup_plot.getAxis("left").setTicks(
-            [[(float(y), METHODS[r["method"]].title.split(" (")[0] if r["method"] in METHODS else r["method"])
-              for y, r in zip(ys, rows)]])
+            [[(float(y), short_title(r["method"])) for y, r in zip(ys, rows)]])
         place_labels(self.speedup_plot, self.speedup_labels,
                      [(f" {w:.2f}×", float(w), float(y)) for w, y in zip(widths, ys)], anchor=(0.0, 0.5))
         if len(rows):

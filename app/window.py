@@ -229,7 +229,7 @@ class MainWindow(QMainWindow):
     def _default_dock_sizes(self) -> None:
         d = self.docks
         h = max(600, self.height() - 90)
-        self.resizeDocks([d["models"], d["xray"]], [400, 380], Qt.Orientation.Horizontal)
+        self.resizeDocks([d["models"], d["xray"]], [360, 320], Qt.Orientation.Horizontal)
         self.resizeDocks([d["models"], d["prompt"], d["method"]], [int(h * 0.38), int(h * 0.27), int(h * 0.35)],
                          Qt.Orientation.Vertical)
         self.resizeDocks([d["xray"], d["internals"]], [int(h * 0.42), int(h * 0.58)], Qt.Orientation.Vertical)
