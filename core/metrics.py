@@ -74,5 +74,3 @@ class MetricsRecorder:
         return m
 
 
-def speedup(tokens_per_s: float, baseline_tokens_per_s: float) -> float | None:
-    return tokens_per_s / baseline_tokens_per_s if baseline_tokens_per_s > 0 else None

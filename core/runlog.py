@@ -170,17 +170,5 @@ def write_jsonl_atomic(path: Path, records: Iterable[dict]) -> None:
             f.write(dumps(r) + "\n")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Read run records; a malformed line raises ValueError naming the line."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {n} is not valid JSON ({exc.msg})") from None
-    return out
 
 

@@ -182,10 +182,6 @@ class StepTiming:
     verify_s: float = 0.0
     other_s: float = 0.0
 
-    @property
-    def total_s(self) -> float:
-        return self.draft_s + self.verify_s + self.other_s
-
 
 @dataclass
 class StepEvent:

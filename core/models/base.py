@@ -111,10 +111,6 @@ class CausalLM(ABC):
         """Token embeddings ``[n, hidden]`` (the frozen input embedding)."""
 
     @abstractmethod
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[n, vocab]`` from final-norm hidden states."""
-
-    @abstractmethod
     def lm_head_weight(self) -> torch.Tensor:
         """The output embedding as a float32 ``[vocab, hidden]`` tensor (frozen; heads slice it)."""
 

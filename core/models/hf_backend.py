@@ -123,10 +123,6 @@ class HFCausalLM(CausalLM):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(tokens.to(self.device))
 
-    @torch.inference_mode()
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden).float()
-
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight.detach().float()
 

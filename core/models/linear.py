@@ -42,8 +42,6 @@ class FloatLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight.float()
@@ -145,7 +143,6 @@ class Int8RowExactLinear:
         self._packed = qw.packed(extra_zero_columns=2)
         self.bias = None if bias is None else bias.detach().to(torch.float32)
         self._out = n
-        self._nbytes = n * (k + 2) + n * 4
         # Without VNNI the AVX2 kernel sums pairs of u8*s8 products in 16 bits; 7-bit
         # activations keep those sums from saturating.
         self._reduce_range = not _has_vnni()
@@ -165,8 +162,6 @@ class Int8RowExactLinear:
             y = y + self.bias
         return y.reshape(*shape[:-1], self._out)
 
-    def nbytes(self) -> int:
-        return self._nbytes
 
     def dequantized_weight(self) -> torch.Tensor:
         """The weight as float32 ``[out, in]``, as the kernel sees it (without the pinning columns)."""
@@ -190,7 +185,6 @@ class Int8DraftLinear:
         self._packed = qw.packed()
         self.bias = None if bias is None else bias.detach().to(torch.float32)
         self._out = n
-        self._nbytes = n * k + n * 4
         self._reduce_range = not _has_vnni()
 
     @property
@@ -201,8 +195,6 @@ class Int8DraftLinear:
         y = torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, self._reduce_range)
         return y if self.bias is None else y + self.bias
 
-    def nbytes(self) -> int:
-        return self._nbytes
 
     def dequantized_weight(self) -> torch.Tensor:
         with torch.no_grad():
@@ -245,7 +237,6 @@ class Int4DraftLinear:
         self._scales = torch.stack([scale.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.detach().to(torch.float32)
         self._out = n
-        self._nbytes = n * k // 2 + self._scales.numel() * 2
 
     @property
     def out_features(self) -> int:
@@ -259,8 +250,6 @@ class Int4DraftLinear:
             y = y + self.bias
         return y.reshape(*shape[:-1], self._out)
 
-    def nbytes(self) -> int:
-        return self._nbytes
 
 
 def storage_of(info) -> str:

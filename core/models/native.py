@@ -350,9 +350,6 @@ class NativeDecoder(CausalLM):
     def _compute_dtype(self) -> torch.dtype:
         return torch.float32 if self.storage != "float" else self.dtype
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._head(hidden).float()
-
     def lm_head_weight(self) -> torch.Tensor:
         """The output embedding as a float32 ``[vocab, hidden]`` tensor (dequantized for int8)."""
         if self._head_rows is not None:
