@@ -370,7 +370,8 @@ class MainWindow(QMainWindow):
         return loaded
 
     def _on_progress(self, stage: str, fraction: float) -> None:
-        self.models_panel.set_progress(stage, fraction)
+        if self._busy == "load":  # the models panel's bar is for loading; other stages go to the status bar
+            self.models_panel.set_progress(stage, fraction)
         self.set_status(stage + ("" if fraction < 0 else f" {fraction:.0%}"))
 
     def _token_text(self, token_id: int) -> str:
