@@ -126,3 +126,68 @@ def test_models_list_shows_sizes_and_prune_frees_what_is_made_again_on_demand(tm
     assert main(["models", "prune", "gguf-0123"]) == 0 and not other.exists()
     assert main(["models", "prune", "nothing-here"]) == 1
     assert "not in the model cache" in capsys.readouterr().err
+
+
+def draft_logits(folder, monkeypatch):
+    from core.models import loader
+
+    monkeypatch.setattr(loader, "draft_storage", lambda: "int4-draft")
+    model = load_model(str(folder), device="cpu", dtype="int8", role="draft").model
+    model.reset()
+    return model.forward(TOKENS).logits
+
+
+def int8_cache_folder(root):
+    folder = old_cache_folder(root)
+    cache.add_int8_weights(folder, lambda *a: None)
+    return folder
+
+
+def test_an_int4_draft_is_packed_once_then_read_packed_from_the_cache(tmp_path, monkeypatch):
+    from core.models.linear import Int4DraftLinear
+
+    folder = int8_cache_folder(tmp_path)
+    first = draft_logits(folder, monkeypatch)
+    assert cache.check_weights(folder, "int4-draft") == "ok"
+    assert cache.read_marker(folder)["files"][cache.INT4_WEIGHTS]["torch"] == torch.__version__
+
+    def no_packing(weight):
+        raise AssertionError("an int4 layer was packed again")
+
+    monkeypatch.setattr(Int4DraftLinear, "pack", staticmethod(no_packing))
+    assert torch.equal(draft_logits(folder, monkeypatch), first)
+
+
+@pytest.mark.parametrize("damage", ["flip", "other torch"])
+def test_a_damaged_or_stale_int4_file_is_packed_again_never_loaded(tmp_path, monkeypatch, damage):
+    folder = int8_cache_folder(tmp_path)
+    first = draft_logits(folder, monkeypatch)
+    int4 = folder / cache.INT4_WEIGHTS
+    if damage == "flip":
+        data = bytearray(int4.read_bytes())
+        data[-10] ^= 0xFF
+        int4.write_bytes(bytes(data))
+    else:
+        marker = cache.read_marker(folder)
+        marker["files"][cache.INT4_WEIGHTS]["torch"] = "1.0.0"
+        cache.write_marker(folder, marker)
+    assert cache.check_weights(folder, "int4-draft") == ("damaged" if damage == "flip" else "stale")
+    assert torch.equal(draft_logits(folder, monkeypatch), first)
+    assert cache.check_weights(folder, "int4-draft") == "ok"
+
+
+def test_a_full_disk_while_storing_int4_layers_still_loads_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    folder = int8_cache_folder(tmp_path)
+    before = sorted(p.name for p in folder.iterdir())
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    assert draft_logits(folder, monkeypatch).shape[0] == len(TOKENS)
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert cache.check_weights(folder, "int4-draft") == "missing"

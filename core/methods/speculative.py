@@ -33,7 +33,6 @@ from core.errors import ConfigError
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 from core.models.base import CausalLM
-from core.models.linear import make_linear
 from core.sampling import align_vocab, probabilities, sample
 from core.types import Draft
 
@@ -86,9 +85,7 @@ class Speculative(Method):
         """
         if size == 0 or size >= draft_model.info.vocab_size:
             return None
-        weight = draft_model.lm_head_weight()[:size]
-        storage = {"int8": "int8-draft", "int4": "int4-draft"}.get(draft_model.info.dtype, "float")
-        return make_linear(weight, None, storage)
+        return draft_model.head_rows(size)
 
     def _next_logits(self, tokens: list[int], vocab: int) -> torch.Tensor:
         """Feed ``tokens`` to the draft; its logits for the next token over the target's ``vocab``."""

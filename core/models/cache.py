@@ -7,6 +7,10 @@ and the weights in the form the model runs on:
   with a float32 scale per row (``name:q``, ``name:scale``), vectors in float32. A quarter of
   float32's bytes, read straight into the int8 layers, so a load neither re-quantizes nor
   keeps a float32 copy mapped.
+* ``weights-int4-draft.safetensors`` for a model loaded as an int4 draft: its layers in the
+  int4 kernel's packed layout, written from the int8 file at the first such load, so later
+  loads neither re-quantize nor pack. The layout is torch's, so the marker records the torch
+  version that wrote it, and another version packs it again.
 * ``model.safetensors``, float32, written only when a float dtype is asked for.
 
 The marker records the cache format and, per weights file, its size and CRC-32 as written; a
@@ -31,16 +35,18 @@ log = logging.getLogger(__name__)
 
 MARKER = "specplay.json"
 FORMAT = 2
-WEIGHT_KINDS = ("int8", "float32")
+WEIGHT_KINDS = ("int8", "float32")  # what a conversion writes; int4 draft layers are made from int8
 INT8_WEIGHTS = "weights-int8.safetensors"
+INT4_WEIGHTS = "weights-int4-draft.safetensors"
 FLOAT_WEIGHTS = "model.safetensors"
 _Q, _SCALE = ":q", ":scale"
+_INT4, _INT4_SCALES, _ROWS = ":int4", ":int4scales", ":rows"
 _CHUNK = 16 << 20
 
 
 def weights_name(kind: str) -> str:
-    """The weights file for ``kind``: ``"int8"`` or ``"float32"``."""
-    return INT8_WEIGHTS if kind == "int8" else FLOAT_WEIGHTS
+    """The weights file for ``kind``: ``"int8"``, ``"int4-draft"`` or ``"float32"``."""
+    return {"int8": INT8_WEIGHTS, "int4-draft": INT4_WEIGHTS}.get(kind, FLOAT_WEIGHTS)
 
 
 def read_marker(folder: Path) -> dict:
@@ -63,8 +69,13 @@ def file_record(path: Path) -> dict:
     return {"size": path.stat().st_size, "crc32": crc}
 
 
+# Files this process has checked, with their size and modification time then: not read again.
+_checked: set[tuple[str, int, int, int]] = set()
+
+
 def check_weights(folder: Path, kind: str) -> str:
-    """``"ok"``, ``"missing"``, or ``"damaged"`` (its size or checksum differs from what was written)."""
+    """``"ok"``, ``"missing"``, ``"stale"`` (int4 layers packed by another torch), or ``"damaged"``
+    (its size or checksum differs from what was written)."""
     name = weights_name(kind)
     path = folder / name
     if not path.is_file():
@@ -73,8 +84,15 @@ def check_weights(folder: Path, kind: str) -> str:
     if recorded is None:
         # A format-1 folder recorded nothing: its float32 file is taken as it is.
         return "ok" if kind == "float32" and "format" not in read_marker(folder) else "missing"
-    if path.stat().st_size != recorded["size"] or file_record(path)["crc32"] != recorded["crc32"]:
+    if kind == "int4-draft" and recorded.get("torch") != torch.__version__:
+        return "stale"
+    stat = path.stat()
+    seen = (str(path), stat.st_size, stat.st_mtime_ns, recorded["crc32"])
+    if seen in _checked:
+        return "ok"
+    if stat.st_size != recorded["size"] or file_record(path)["crc32"] != recorded["crc32"]:
         return "damaged"
+    _checked.add(seen)
     return "ok"
 
 
@@ -82,7 +100,10 @@ def record_weights(folder: Path, kind: str) -> None:
     """Note in the marker that ``kind``'s weights file is complete, with its size and checksum."""
     marker = read_marker(folder)
     marker["format"] = FORMAT
-    marker.setdefault("files", {})[weights_name(kind)] = file_record(folder / weights_name(kind))
+    record = file_record(folder / weights_name(kind))
+    if kind == "int4-draft":
+        record["torch"] = torch.__version__
+    marker.setdefault("files", {})[weights_name(kind)] = record
     write_marker(folder, marker)
 
 
@@ -103,21 +124,40 @@ def write_int8_weights(tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]
         save_file(out, str(tmp), metadata={"format": "pt", "specplay": "int8 rows with float32 scales"})
 
 
-class Int8WeightsReader:
-    """``get(name)``: a :class:`QuantizedWeight` for a matrix, a float32 tensor otherwise, None if absent.
+def write_int4_weights(model, source: "CachedWeightsReader", folder: Path) -> None:
+    """Store an int4 draft's packed layers (``model.linears``), with the int8 file's other tensors, and record it."""
+    from safetensors.torch import save_file
+
+    out: dict[str, torch.Tensor] = {}
+    for key in source.names():  # vectors, and the embedding's int8 rows with their scales
+        if not key.endswith((_Q, _SCALE)) or key.startswith("model.embed_tokens.weight:"):
+            out[key] = source.read(key)
+    for name, layer in model.linears.items():
+        w = layer.weight
+        out[name + _INT4], out[name + _INT4_SCALES] = w.packed.contiguous(), w.scales.contiguous()
+        out[name + _ROWS] = torch.tensor([w.rows], dtype=torch.int64)
+    with replacing(folder / INT4_WEIGHTS) as tmp:
+        save_file(out, str(tmp), metadata={"format": "pt", "specplay": f"int4 draft layers packed by torch "
+                                                                       f"{torch.__version__}"})
+    record_weights(folder, "int4-draft")
+
+
+class CachedWeightsReader:
+    """``get(name)`` from a cache weights file: a :class:`QuantizedWeight` for an int8 matrix, an
+    :class:`Int4Packed` for a packed int4 one, a float32 tensor otherwise, None if absent.
 
     Reads each tensor with plain file reads at the offsets the safetensors header gives, not
     through a memory map: a mapped file's touched pages count as resident until it is closed,
     which during a load doubled the peak memory of the int8 weights.
     """
 
-    _DTYPES = {"I8": torch.int8, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    _DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                "I32": torch.int32, "I64": torch.int64}
 
     def __init__(self, path: Path):
         import struct
 
-        self._path = path
+        self.path = path
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
@@ -125,22 +165,27 @@ class Int8WeightsReader:
         self._start = 8 + size
         self._entries = header
 
+    def names(self) -> list[str]:
+        return list(self._entries)
+
     def get(self, name: str):
-        from core.models.linear import QuantizedWeight
+        from core.models.linear import Int4Packed, QuantizedWeight
 
         if name + _Q in self._entries:
-            return QuantizedWeight(self._read(name + _Q), self._read(name + _SCALE))
-        return self._read(name) if name in self._entries else None
+            return QuantizedWeight(self.read(name + _Q), self.read(name + _SCALE))
+        if name + _INT4 in self._entries:
+            return Int4Packed(self.read(name + _INT4), self.read(name + _INT4_SCALES), int(self.read(name + _ROWS)[0]))
+        return self.read(name) if name in self._entries else None
 
-    def _read(self, key: str) -> torch.Tensor:
+    def read(self, key: str) -> torch.Tensor:
         entry = self._entries[key]
         begin, end = entry["data_offsets"]
         out = torch.empty(entry["shape"], dtype=self._DTYPES[entry["dtype"]])
         view = out.view(torch.uint8).reshape(-1).numpy()
-        with open(self._path, "rb") as f:
+        with open(self.path, "rb") as f:
             f.seek(self._start + begin)
             if f.readinto(view) != end - begin:
-                raise OSError(f"{self._path} ends inside tensor '{key}'")
+                raise OSError(f"{self.path} ends inside tensor '{key}'")
         return out
 
 

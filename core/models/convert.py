@@ -153,6 +153,10 @@ def _needed_kinds(folder: Path, weights: str, progress: Progress) -> set[str] | 
     An older cache's float32 file gives the int8 one without a conversion; a damaged file is
     converted again (with the other kinds the folder recorded), never loaded.
     """
+    if weights == "int4-draft":  # made from the int8 file when missing, by the loader
+        if is_converted(folder) and check_weights(folder, weights) == "ok":
+            return None
+        weights = "int8"
     if not is_converted(folder):
         return {weights}
     status = check_weights(folder, weights)

@@ -202,6 +202,27 @@ class Int8DraftLinear:
             return qweight.dequantize()
 
 
+@dataclass
+class Int4Packed:
+    """A matrix in the int4 kernel's own layout, as :class:`Int4DraftLinear` runs it and the cache stores it.
+
+    ``packed`` is ``torch._convert_weight_to_int4pack_for_cpu``'s uint8 output (rows padded to
+    a multiple of 16, kept in blocks of 64), ``scales`` the bfloat16 (scale, offset) of each
+    group of 32 columns; ``rows`` is the matrix's real row count.
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.packed.shape[1] * 2))
+
+    def numel(self) -> int:
+        return self.rows * self.packed.shape[1] * 2
+
+
 class Int4DraftLinear:
     """Int4 weights in groups of 32 columns (a bfloat16 scale and offset each), bfloat16 activations.
 
@@ -212,44 +233,57 @@ class Int4DraftLinear:
     """
 
     GROUP = 32
+    _ROW_BLOCK = 64  # the kernel's packed layout keeps rows in blocks of 64
 
-    def __init__(self, weight: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None = None):
+    def __init__(self, weight: "torch.Tensor | QuantizedWeight | Int4Packed", bias: torch.Tensor | None = None):
+        self.weight = weight if isinstance(weight, Int4Packed) else self.pack(weight)
+        self.bias = None if bias is None else bias.detach().to(torch.float32)
+
+    @classmethod
+    def pack(cls, weight: "torch.Tensor | QuantizedWeight") -> Int4Packed:
+        """Quantize a matrix to int4 groups and pack it for the kernel."""
         n, k = weight.shape
-        if k % self.GROUP:
-            raise ConfigError(f"int4 storage needs input sizes divisible by {self.GROUP}, got {k}")
+        if k % cls.GROUP:
+            raise ConfigError(f"int4 storage needs input sizes divisible by {cls.GROUP}, got {k}")
         pad = -n % 16  # the kernel packs rows in sixteens: zero rows, cut from the output
         q = torch.zeros(n + pad, k, dtype=torch.int32)
-        scale = torch.zeros(n + pad, k // self.GROUP)
-        offset = torch.zeros(n + pad, k // self.GROUP)
+        scale = torch.zeros(n + pad, k // cls.GROUP)
+        offset = torch.zeros(n + pad, k // cls.GROUP)
         # In slices of rows, so that quantizing a large matrix (an LM head) needs little memory.
         for lo in range(0, n, 4096):
             hi = min(n, lo + 4096)
             rows = weight.q[lo:hi].float() * weight.scale[lo:hi, None] if isinstance(weight, QuantizedWeight) \
                 else weight[lo:hi].detach().float()
-            groups = rows.reshape(hi - lo, -1, self.GROUP)
+            groups = rows.reshape(hi - lo, -1, cls.GROUP)
             low = groups.amin(-1, keepdim=True)
             step = ((groups.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-12)
             q[lo:hi] = torch.round((groups - low) / step).clamp(0, 15).to(torch.int32).reshape(hi - lo, k)
             scale[lo:hi] = step.squeeze(-1)
             # The kernel computes (q - 8) * scale + offset, so the offset is the group's low end + 8 steps.
             offset[lo:hi] = (low + 8 * step).squeeze(-1)
-        self._packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
-        self._scales = torch.stack([scale.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.bias = None if bias is None else bias.detach().to(torch.float32)
-        self._out = n
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 2)
+        scales = torch.stack([scale.t(), offset.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return Int4Packed(packed, scales, n)
 
     @property
     def out_features(self) -> int:
-        return self._out
+        return self.weight.rows
+
+    def first_rows(self, rows: int) -> "Int4DraftLinear":
+        """The layer cut to its first ``rows`` outputs (a draft vocabulary), sharing this one's storage."""
+        w = self.weight
+        keep = min(w.packed.shape[0], -(-rows // self._ROW_BLOCK) * self._ROW_BLOCK)
+        cut = Int4Packed(w.packed[:keep], w.scales[:, :keep], min(rows, w.rows))
+        return Int4DraftLinear(cut, None if self.bias is None else self.bias[:rows])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        y = torch._weight_int4pack_mm_for_cpu(x2, self._packed, self.GROUP, self._scales)[:, : self._out].float()
+        w = self.weight
+        y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, self.GROUP, w.scales)[:, : w.rows].float()
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self._out)
-
+        return y.reshape(*shape[:-1], w.rows)
 
 
 def storage_of(info) -> str:
@@ -261,8 +295,11 @@ def storage_of(info) -> str:
 STORAGES = ("float", "int8", "int8-draft", "int4-draft")
 
 
-def make_linear(weight: "torch.Tensor | QuantizedWeight", bias: torch.Tensor | None, storage: str):
-    """Build the linear layer for a storage kind (see :data:`STORAGES`); int8 kinds take a quantized weight too."""
+def make_linear(weight: "torch.Tensor | QuantizedWeight | Int4Packed", bias: torch.Tensor | None, storage: str):
+    """Build the linear layer for a storage kind (see :data:`STORAGES`).
+
+    Quantized kinds take a :class:`QuantizedWeight` too, and ``int4-draft`` an :class:`Int4Packed`.
+    """
     if storage == "int8":
         return Int8RowExactLinear(weight, bias)
     if storage == "int8-draft":

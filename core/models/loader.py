@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 
 from core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
+from core.memory import release_freed_memory
 from core.models.base import CausalLM
-from core.models.cache import FLOAT_WEIGHTS, INT8_WEIGHTS, Int8WeightsReader
+from core.models.cache import (FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, CachedWeightsReader, check_weights,
+                               write_int4_weights)
 from core.models.catalog import CATALOG, get_entry
 from core.models.convert import prepare_catalog_model, prepare_gguf_file
 from core.progress import Progress, ShouldCancel, log_progress, never
@@ -87,7 +89,8 @@ def resolve(spec: str, progress: Progress = log_progress, should_cancel: ShouldC
     """Return a local Hugging Face-style directory for ``spec``, preparing it if needed.
 
     A catalog model or a ``.gguf`` file is converted into the cache with ``weights``
-    (``"int8"`` or ``"float32"``, see :mod:`core.models.cache`).
+    (``"int8"``, ``"float32"``, or ``"int4-draft"``: its packed layers if already made, else
+    int8; see :mod:`core.models.cache`).
     """
     if not spec or not spec.strip():
         raise ModelError("no model given")
@@ -125,7 +128,7 @@ class _SafetensorsReader:
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
-            files = [p.name for p in sorted(folder.glob("*.safetensors")) if p.name != INT8_WEIGHTS]
+            files = [p.name for p in sorted(folder.glob("*.safetensors")) if p.name not in (INT8_WEIGHTS, INT4_WEIGHTS)]
         if not files:
             raise FileNotFoundError("no .safetensors weights")
         self._handles = []
@@ -195,7 +198,10 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     compute_dtype, storage = pick_dtype(dtype, dev)
     if role == "draft" and storage == "int8":
         storage = draft_storage()
-    path = resolve(spec, progress, should_cancel, "int8" if storage.startswith("int8") else "float32")
+    # Every quantized storage is built from the cache's int8 rows; an int4 draft's packed layers
+    # are kept too, once made.
+    weights = "float32" if storage == "float" else "int4-draft" if storage == "int4-draft" else "int8"
+    path = resolve(spec, progress, should_cancel, weights)
     progress(f"Loading {spec}", None)
     try:
         config = AutoConfig.from_pretrained(str(path))
@@ -213,9 +219,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         raise ModelError(f"{spec}: {reason}")
     if use_native:
         try:
-            int8_file = path / INT8_WEIGHTS
-            reader = (Int8WeightsReader(int8_file) if storage.startswith("int8") and int8_file.is_file()
-                      else _SafetensorsReader(path))
+            reader = _weights_reader(path, storage, progress)
         except FileNotFoundError:
             if backend == "native":
                 raise ModelError(f"{spec}: the native path needs .safetensors weights") from None
@@ -228,6 +232,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
                                                 dtype=compute_dtype, storage=storage, eos_token_ids=eos)
             except KeyError as exc:
                 raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
+            if storage == "int4-draft" and getattr(reader, "path", None) == path / INT8_WEIGHTS:
+                _store_int4_layers(model, reader, path, progress)
         else:
             _check_fallback_storage(spec, dtype, storage, reason, notes)
             path = float_weights_dir(spec, path, progress, should_cancel)  # transformers reads float weights
@@ -244,8 +250,35 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
                      "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
                      "float32 is exact")
+    release_freed_memory()
     progress(f"{spec} loaded", 1.0)
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
+
+
+def _weights_reader(path: Path, storage: str, progress: Progress):
+    """The reader of the weights a model in ``storage`` is built from: an int4 draft's packed
+    layers when the cache has them (checked), the cache's int8 rows, or the folder's safetensors."""
+    if storage == "float" or not (path / INT8_WEIGHTS).is_file():
+        return _SafetensorsReader(path)
+    if storage == "int4-draft":
+        status = check_weights(path, "int4-draft")
+        if status == "ok":
+            return CachedWeightsReader(path / INT4_WEIGHTS)
+        if status != "missing":
+            log.warning("%s: the cached int4 draft layers are %s; packing them again", path.name, status)
+            progress(f"The cached int4 layers of {path.name} are {status}: packing them again", None)
+    return CachedWeightsReader(path / INT8_WEIGHTS)
+
+
+def _store_int4_layers(model, source: CachedWeightsReader, path: Path, progress: Progress) -> None:
+    """Keep an int4 draft's packed layers in the cache, so that the next load skips packing;
+    a failure (a full disk) leaves nothing half-written and only costs that time again."""
+    progress(f"Storing the int4 draft layers of {path.name} (once)", None)
+    try:
+        write_int4_weights(model, source, path)
+    except OSError as exc:
+        log.warning("%s: cannot store the int4 draft layers (%s); they are packed again at the next load",
+                    path.name, exc)
 
 
 def float_weights_dir(spec: str, path: Path, progress: Progress = log_progress,
@@ -268,7 +301,7 @@ def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | N
     can round differently and flip near-ties: int8 there would break exactness. Under
     ``auto`` it runs in float32 (and says so); an explicit int8 is refused.
     """
-    if not storage.startswith("int8"):
+    if storage == "float":
         return
     if dtype == "int8":
         raise ModelError(f"{spec}: int8 storage is exact only on the native decoder, which cannot run this model "

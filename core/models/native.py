@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
-from core.models.linear import QuantizedWeight, make_linear
+from core.models.linear import Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def fused_name(prefixes: Sequence[str]) -> str:
+    """The name of matrices computed as one (``…self_attn.q_proj+k_proj+v_proj``)."""
+    return "+".join([prefixes[0]] + [p.rsplit(".", 1)[-1] for p in prefixes[1:]])
+
+
 class LayerWeights:
     """One decoder layer's weights: fused q/k/v and gate/up projections, output and down, two norms."""
 
@@ -222,7 +227,7 @@ class NativeDecoder(CausalLM):
                 if required:
                     raise KeyError(f"weight '{key}' missing from the checkpoint")
                 return None
-            if isinstance(t, QuantizedWeight):
+            if isinstance(t, (QuantizedWeight, Int4Packed)):
                 return t
             # In int8, a kept float tensor (norms, biases) must not pin a memory-mapped file.
             return t.to(device=self.device, dtype=dtype, copy=quantized)
@@ -235,14 +240,31 @@ class NativeDecoder(CausalLM):
         # slow weight packing) runs on a pool meanwhile, at most two layers behind the reading.
         pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()))
 
+        # Layers by their (fused) weight names, as a cache of prepared layers stores them.
+        self.linears: dict[str, Future] = {}
+
         def linear(prefixes: Sequence[str], bias: bool) -> Future:
-            parts = [matrix(p + ".weight") for p in prefixes]
-            weight = QuantizedWeight.cat(parts) if quantized else torch.cat(parts, dim=0)
+            name = fused_name(prefixes) + ".weight"
+            # A cache of int4 layers holds fused matrices, already packed for the kernel.
+            weight = get_tensor(name) if storage == "int4-draft" and len(prefixes) > 1 else None
+            if not isinstance(weight, Int4Packed):
+                parts = [matrix(p + ".weight") for p in prefixes]
+                if len(parts) == 1:
+                    weight = parts[0]
+                else:
+                    weight = QuantizedWeight.cat(parts) if quantized else torch.cat(parts, dim=0)
             b = torch.cat([tensor(p + ".bias") for p in prefixes], dim=0) if bias else None
-            return pool.submit(make_linear, weight, b, storage)
+            self.linears[name] = pool.submit(make_linear, weight, b, storage)
+            return self.linears[name]
 
         with pool:
             self._embedding = matrix("model.embed_tokens.weight")
+            # The head first: the largest matrix, packed while the layers are read, not after them.
+            # A tied head is the embedding; an int4 cache stores it packed under the head's name.
+            head = (matrix("lm_head.weight", required=False)
+                    if not cfg.tie_word_embeddings or storage == "int4-draft" else None)
+            self.linears["lm_head.weight"] = pool.submit(make_linear, self._embedding if head is None else head,
+                                                         None, storage)
             pending: list[dict] = []
             for i in range(cfg.num_layers):
                 p = f"model.layers.{i}"
@@ -258,14 +280,10 @@ class NativeDecoder(CausalLM):
                 if i >= 2:
                     wait([f for f in pending[i - 2].values() if isinstance(f, Future)])
             self.norm_weight = tensor("model.norm.weight")
-            head = None if cfg.tie_word_embeddings else matrix("lm_head.weight", required=False)
-            head_weight = self._embedding if head is None else head
-            # int4 layers keep no copy to read back; lm_head_weight reads the int8 rows instead.
-            self._head_rows = head_weight if storage == "int4-draft" else None
-            head_layer = pool.submit(make_linear, head_weight, None, storage)
             self.layers = [LayerWeights(**{k: v.result() if isinstance(v, Future) else v for k, v in layer.items()})
                            for layer in pending]
-            self._head = head_layer.result()
+            self._head = self.linears["lm_head.weight"].result()
+        self.linears = {name: f.result() for name, f in self.linears.items()}
         self._inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=self.device)
 
         self._kv = torch.empty(0)
@@ -274,7 +292,7 @@ class NativeDecoder(CausalLM):
         self._pending = 0
         self.reset()
 
-        n_params = self._embedding.numel() + (0 if head is None else head.numel())
+        n_params = self._embedding.numel() + (0 if head is None or cfg.tie_word_embeddings else head.numel())
         n_params += sum(
             (l.qkv.out_features * cfg.hidden_size + l.o.out_features * cfg.num_heads * cfg.head_dim
              + l.gate_up.out_features * cfg.hidden_size + l.down.out_features * cfg.intermediate_size)
@@ -352,9 +370,15 @@ class NativeDecoder(CausalLM):
 
     def lm_head_weight(self) -> torch.Tensor:
         """The output embedding as a float32 ``[vocab, hidden]`` tensor (dequantized for int8)."""
-        if self._head_rows is not None:
-            return self._head_rows.dequantize()
+        if isinstance(self._head, Int4DraftLinear):
+            raise NotImplementedError("an int4 draft keeps no readable copy of its LM head; use head_rows")
         return self._head.dequantized_weight()
+
+    def head_rows(self, rows: int):
+        """A linear layer for the LM head's first ``rows`` outputs, in this model's storage."""
+        if isinstance(self._head, Int4DraftLinear):
+            return self._head.first_rows(rows)
+        return super().head_rows(rows)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.norm_weight, self.cfg.rms_norm_eps)
