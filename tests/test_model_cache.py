@@ -25,6 +25,18 @@ def old_cache_folder(root, name="m"):
     return folder
 
 
+def fill_the_disk(monkeypatch):
+    """Writing a safetensors file fails half-way, as on a full disk."""
+    import safetensors.torch
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+
+
 def logits(folder):
     model = load_model(str(folder), device="cpu", dtype="int8").model
     model.reset()
@@ -86,17 +98,9 @@ def test_a_damaged_weights_file_is_detected_and_rebuilt_never_loaded(tmp_path, m
 
 
 def test_a_full_disk_while_storing_int8_leaves_the_old_entry_usable(tmp_path, monkeypatch):
-    import safetensors.torch
-
     folder = old_cache_folder(tmp_path)
     before = sorted(p.name for p in folder.iterdir())
-
-    def full_disk(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    fill_the_disk(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         cache.add_int8_weights(folder, lambda *a: None)
     assert sorted(p.name for p in folder.iterdir()) == before  # no temporary file, the float32 file kept
@@ -177,17 +181,9 @@ def test_a_damaged_or_stale_int4_file_is_packed_again_never_loaded(tmp_path, mon
 
 
 def test_a_full_disk_while_storing_int4_layers_still_loads_and_leaves_nothing_half_written(tmp_path, monkeypatch):
-    import safetensors.torch
-
     folder = int8_cache_folder(tmp_path)
     before = sorted(p.name for p in folder.iterdir())
-
-    def full_disk(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    fill_the_disk(monkeypatch)
     assert draft_logits(folder, monkeypatch).shape[0] == len(TOKENS)
     assert sorted(p.name for p in folder.iterdir()) == before
     assert cache.check_weights(folder, "int4-draft") == "missing"
