@@ -866,3 +866,20 @@ def test_qt_calls_to_python_overrides_keep_every_reference_to_none(qtbot):
     for _ in range(1000):
         w.repaint()
     assert sys.getrefcount(None) - before > -500
+
+
+def test_while_a_run_streams_only_the_rate_curve_is_redrawn_the_rest_when_it_ends(qtbot):
+    """Redrawing every chart during a run takes CPU from the model; the run's end draws them all."""
+    from app.charts import ChartsPanel
+
+    charts = ChartsPanel(["speculative"])
+    qtbot.addWidget(charts)
+    charts.begin_run("speculative")
+    charts._refresh_if_dirty()  # the new run's empty charts
+    for i in range(4):
+        charts.add_step("speculative", _step(list(KNOWN), step=i))
+    charts._refresh_if_dirty()  # a live tick
+    assert len(charts.curves["speculative"].getData()[0]) == 4
+    assert len(charts.hist_bars["speculative"].opts["height"]) == 0
+    charts.finish_run("speculative", {"accept_lengths": [3, 3, 3, 3]})
+    assert sum(charts.hist_bars["speculative"].opts["height"]) == 4
