@@ -215,12 +215,8 @@ class Int4Packed:
     scales: torch.Tensor
     rows: int
 
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.rows, self.packed.shape[1] * 2))
-
     def numel(self) -> int:
-        return self.rows * self.packed.shape[1] * 2
+        return self.rows * self.packed.shape[1] * 2  # two int4 columns per byte
 
 
 class Int4DraftLinear:

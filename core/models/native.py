@@ -240,8 +240,9 @@ class NativeDecoder(CausalLM):
         # slow weight packing) runs on a pool meanwhile, at most two layers behind the reading.
         pool = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()))
 
-        # Layers by their (fused) weight names, as a cache of prepared layers stores them.
-        self.linears: dict[str, Future] = {}
+        # Layers by their (fused) weight names, as a cache of prepared layers stores them
+        # (futures while building, the layers once built).
+        self.linears: dict[str, object] = {}
 
         def linear(prefixes: Sequence[str], bias: bool) -> Future:
             name = fused_name(prefixes) + ".weight"
