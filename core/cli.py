@@ -98,6 +98,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU; int8 on x86 CPUs, else float32), float32, bfloat16, float16, float64, int8 (CPU)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "transformers"], help=argparse.SUPPRESS)
+    g.add_argument("--draft-backend", default="auto", choices=["auto", "native", "llamacpp"],
+                   help="engine of the draft model: auto (llama.cpp in 4 bits for a quantized CPU draft from a GGUF "
+                        "source where llama-cpp-python is installed, the peers extra; else native), native, llamacpp")
 
 
 def _add_generation_args(p: argparse.ArgumentParser, prompt_required: bool = True) -> None:
@@ -142,7 +145,8 @@ def _load_models(args, need_draft: bool):
         print(f"note: {target.spec}: {note}", file=sys.stderr)
     draft = None
     if need_draft:
-        draft = load_model(args.draft, args.device, args.dtype, backend=args.backend, role="draft", progress=progress)
+        backend = args.backend if args.draft_backend == "auto" else args.draft_backend
+        draft = load_model(args.draft, args.device, args.dtype, backend=backend, role="draft", progress=progress)
         for note in draft.notes:
             print(f"note: {draft.spec}: {note}", file=sys.stderr)
         for warning in check_draft_compatible(target, draft):

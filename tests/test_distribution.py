@@ -15,16 +15,27 @@ from core.methods import build_method
 from core.methods.lookahead import LookaheadConfig
 from core.methods.prompt_lookup import PromptLookupConfig
 from core.methods.speculative import SpeculativeConfig
+from core.models.llamacpp_draft import LlamaCppDraft
 from core.sampling import probabilities
 from core.types import Draft, GenerationConfig, SamplingConfig
 from stats import chi_square_pvalue
-from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model, tiny_tokenizer
+from tiny import loaded, native_from_hf, need_llama_cpp, perturbed_copy, tiny_hf_model, tiny_tokenizer, write_tiny_gguf
 
 VOCAB = 8
 PROMPT = [4, 5, 6, 4, 5]
 SAMPLING = dict(temperature=0.8, top_p=0.8)
 LENGTH = 4
 TRIALS = 3000
+
+
+@pytest.fixture(autouse=True)
+def _steady_proposal_lengths(monkeypatch):
+    """Prompt lookup sizes its proposals by a timing of the target: on a loaded machine a tiny
+    target's timing could keep them short, and no draft would be verified three tokens deep."""
+    import core.methods.prompt_lookup as prompt_lookup
+    from core.costmodel import CostCurve
+
+    monkeypatch.setattr(prompt_lookup, "cost_curve", lambda model: CostCurve.linear(0.05))
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +90,21 @@ def assert_samples_the_target(target, method, native, min_depth: int = 3) -> Non
     ("speculative", "near", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
     ("speculative", "near", SpeculativeConfig(gamma=3, lookup_ngram=2)),
     ("speculative", "near int4", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
+    ("speculative", "near llama.cpp", SpeculativeConfig(gamma=3)),
     ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3, adaptive=False)),
     ("lookahead", None, LookaheadConfig(window=3, ngram=4, guesses=3)),
 ])
-def test_method_samples_the_target_distribution(target_model, name, draft_kind, config):
+def test_method_samples_the_target_distribution(target_model, name, draft_kind, config, tmp_path):
     target = loaded(native_from_hf(target_model))
     draft = None
     if draft_kind == "near":
         draft = loaded(native_from_hf(perturbed_copy(target_model, 0.1)))
     elif draft_kind == "near int4":  # a draft model's storage of its own: int4 weights, bfloat16 activations
         draft = loaded(native_from_hf(perturbed_copy(target_model, 0.1), dtype=torch.float32, storage="int4-draft"))
+    elif draft_kind == "near llama.cpp":  # another engine's numerics (float16 cache, its own kernels)
+        need_llama_cpp()
+        write_tiny_gguf(perturbed_copy(target_model, 0.1), tmp_path / "near.gguf")
+        draft = loaded(LlamaCppDraft(tmp_path / "near.gguf", "near", target_model.config, (2,), threads=1))
     elif draft_kind == "bad":
         draft = loaded(native_from_hf(tiny_hf_model(seed=99, vocab=VOCAB, layers=1, dtype=torch.float64)))
     elif draft_kind == "smaller vocabulary":

@@ -93,6 +93,32 @@ def test_default_pair_speculation_is_lossless():
     assert cmp.results["eagle"].metrics.mean_accepted > 1.3
 
 
+def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exact():
+    """Where llama-cpp-python is installed, the default quantized CPU draft runs on llama.cpp in
+    Q4_0 (made once into the cache); greedy speculation still emits exactly greedy decoding's tokens."""
+    from core.compare import compare_methods
+    from core.models import check_draft_compatible, load_model
+    from core.models.linear import int8_supported
+    from core.text import encode_prompt
+    from core.types import GenerationConfig
+    from tiny import need_llama_cpp
+
+    need_llama_cpp()
+    _require(DEFAULT_TARGET)
+    _require(DEFAULT_DRAFT)
+    if not int8_supported():
+        pytest.skip("the CPU has no int8 path, so drafts stay in float32 on the native engine")
+    target = load_model(DEFAULT_TARGET, "cpu")
+    draft = load_model(DEFAULT_DRAFT, "cpu", role="draft")
+    assert (draft.model.info.backend, draft.model.info.dtype) == ("llama.cpp", "q4_0")
+    assert check_draft_compatible(target, draft) == []
+    ids = encode_prompt(target.tokenizer, "Write a Python function that checks whether a string is a palindrome.")
+    cmp = compare_methods(target, draft, ["autoregressive", "speculative"], {}, ids,
+                          GenerationConfig(max_new_tokens=48), warmup_tokens=0)
+    assert [r["identical_to_baseline"] for r in cmp.records] == [True, True]
+    assert cmp.results["speculative"].metrics.mean_accepted > 2.0
+
+
 def test_cancelling_the_first_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     """Cancel while the child process dequantizes: Cancelled, no model folder, no temporary files."""
     from core.errors import Cancelled

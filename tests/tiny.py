@@ -173,3 +173,69 @@ class ConstantLM:
 
     def crop(self, length: int) -> None:
         self._len = length
+
+
+def need_llama_cpp() -> None:
+    """Skip a test without llama-cpp-python (the ``peers`` extra), or fail it where CI requires the extra."""
+    import os
+
+    import pytest
+
+    from core.models.llamacpp_draft import available
+
+    why = available()
+    if why:
+        if os.environ.get("SPECPLAY_REQUIRE_PEERS"):
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_tiny_gguf(model, path) -> None:
+    """A tiny Qwen2 ``transformers`` model (untied) as a float32 GGUF file that llama.cpp loads.
+
+    Its vocabulary is placeholder SentencePiece pieces: llama.cpp only ever sees token ids here.
+    """
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    assert cfg.model_type == "qwen2" and not cfg.tie_word_embeddings
+    w = gguf.GGUFWriter(str(path), arch="qwen2")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n = cfg.vocab_size
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>", "<0x0A>"] + [f"t{i}" for i in range(4, n)])
+    w.add_token_scores([0.0] * n)
+    w.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.BYTE]
+                      + [gguf.TokenType.NORMAL] * (n - 4))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for i in range(cfg.num_hidden_layers):
+        names.update({f"model.layers.{i}.{k}": f"blk.{i}.{v}" for k, v in _GGUF_LAYER_NAMES.items()})
+    state = model.state_dict()
+    for ours, theirs in names.items():
+        w.add_tensor(theirs, np.ascontiguousarray(state[ours].detach().to(torch.float32).numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

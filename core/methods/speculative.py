@@ -91,7 +91,7 @@ class Speculative(Method):
         """Feed ``tokens`` to the draft; its logits for the next token over the target's ``vocab``."""
         dm = self.draft_model
         if self.head is None:
-            return align_vocab(dm.forward_chain(tokens).logits[-1], vocab)
+            return align_vocab(dm.forward_chain(tokens, logit_rows=[len(tokens) - 1]).logits[-1], vocab)
         hidden = dm.forward_chain(tokens, hidden=True, logit_rows=[]).hidden[-1:]
         return align_vocab(self.head(hidden.float())[0].float(), vocab)
 

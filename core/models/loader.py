@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64", "int8")
 DEVICES = ("auto", "cpu", "cuda", "mps")
-BACKENDS = ("auto", "native", "transformers")
+BACKENDS = ("auto", "native", "transformers", "llamacpp")
 
 
 @dataclass
@@ -194,6 +194,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
 
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    if backend == "llamacpp" and role != "draft":
+        raise ModelError("llama.cpp runs draft models only: its batched logits differ from its one-token logits, "
+                         "so it cannot verify exactly")
     dev = pick_device(device)
     compute_dtype, storage = pick_dtype(dtype, dev)
     if role == "draft" and storage == "int8":
@@ -210,6 +213,17 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         raise ModelError(f"cannot read the config or tokenizer of {spec} at {path}: {exc}") from exc
     eos = _eos_ids(path, config, tokenizer)
     notes: list[str] = []
+    if role == "draft" and backend in ("auto", "llamacpp"):
+        why_not = _llamacpp_draft_unavailable(spec, dev, storage)
+        if why_not is None:
+            from core.models.llamacpp_draft import load_llamacpp_draft
+
+            model = load_llamacpp_draft(spec, path, config, eos, progress)
+            progress(f"{spec} loaded", 1.0)
+            return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
+        if backend == "llamacpp":
+            raise ModelError(f"{spec}: the llama.cpp draft is unavailable: {why_not}")
+        backend = "auto"
 
     from core.models.native import DecoderConfig, NativeDecoder, unsupported_reason
 
@@ -253,6 +267,17 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     release_freed_memory()
     progress(f"{spec} loaded", 1.0)
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
+
+
+def _llamacpp_draft_unavailable(spec: str, dev, storage: str) -> str | None:
+    """Why a draft cannot run on llama.cpp (a quantized CPU draft from a GGUF source), or None."""
+    from core.models.llamacpp_draft import available
+
+    if torch.device(dev).type != "cpu" or storage == "float":
+        return "it runs quantized drafts on the CPU only"
+    if not (spec in CATALOG or spec.lower().endswith(".gguf")):
+        return "it needs a GGUF source (a catalog id or a .gguf file)"
+    return available()
 
 
 def _weights_reader(path: Path, storage: str, progress: Progress):

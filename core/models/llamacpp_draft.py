@@ -1,0 +1,212 @@
+"""A draft model run by llama.cpp (``llama-cpp-python``, the ``peers`` extra) on a CPU.
+
+A draft's numerics never affect losslessness: the verifier accepts against the q that was
+actually sampled, and at temperature 0 only the target's argmax decides. So the draft may run
+on the fastest CPU engine there is, even one that is not batch-invariant (llama.cpp's batched
+logits differ from its one-token logits, which is why it can never *verify*). On two cores
+llama.cpp decodes the 0.5B default draft in 4-bit ``Q4_0`` in about 11 ms a token, against
+about 20 ms for SpecPlay's own int4 layers: its kernels multiply 4-bit weights by 8-bit
+activations with integer dot products, where torch's CPU int4 kernel widens every weight to
+bfloat16 first.
+
+The model is a chain drafter: tokens are appended after the committed cache, a prefix of them
+is kept, the cache is cropped back after a rejection. Only the last new token's logits are
+computed (all a chain draft reads).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+import numpy as np
+import torch
+
+from core.atomic import replacing
+from core.errors import ModelError
+from core.models.base import CausalLM, ForwardOutput, ModelInfo
+from core.progress import Progress, log_progress
+
+log = logging.getLogger(__name__)
+
+#: The file a draft's 4-bit weights are kept in, in its cache folder.
+DRAFT_GGUF = "draft-q4_0.gguf"
+#: llama.cpp's file type for ``Q4_0`` (``LLAMA_FTYPE_MOSTLY_Q4_0``) and its tensor type (``GGML_TYPE_Q4_0``).
+_FTYPE_Q4_0 = 2
+_TYPE_Q4_0 = 2
+_FIRST_CONTEXT = 4096
+
+
+def available() -> str | None:
+    """Why llama.cpp cannot run drafts here, or None if it can."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama-cpp-python is not installed (pip install -e \".[peers]\")"
+    return None
+
+
+def prepare_draft_gguf(source: Path, folder: Path, progress: Progress = log_progress) -> Path:
+    """The draft's ``Q4_0`` GGUF in ``folder``, made once from ``source`` (any GGUF of the model).
+
+    Every tensor, the embedding and output included, is 4-bit: for a small draft the output
+    matrix is a quarter of its weights. Written under a temporary name and renamed, so an
+    interrupted or failed quantization (a full disk) leaves no file behind.
+    """
+    import llama_cpp
+
+    dest = folder / DRAFT_GGUF
+    if dest.is_file():
+        return dest
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # not a line per tensor on stderr
+    progress(f"Quantizing the llama.cpp draft of {folder.name} to 4 bits (once)", None)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = _FTYPE_Q4_0
+    params.output_tensor_type = _TYPE_Q4_0
+    params.token_embedding_type = _TYPE_Q4_0
+    params.allow_requantize = True
+    params.nthread = torch.get_num_threads()
+    with replacing(dest) as tmp:
+        failed = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
+        if failed:
+            raise ModelError(f"llama.cpp could not quantize {source.name} (code {failed}); is the disk full?")
+    return dest
+
+
+class LlamaCppDraft(CausalLM):
+    """A chain draft model on llama.cpp, with SpecPlay's cache interface (forward, commit, crop)."""
+
+    def __init__(self, gguf: Path, name: str, config, eos: tuple[int, ...], threads: int):
+        import llama_cpp
+
+        self._gguf = gguf
+        self._threads = threads
+        self._tokens: list[int] = []  # committed, kept to refill a larger context
+        self._pending: list[int] = []
+        self._max_positions = getattr(config, "max_position_embeddings", 32768)
+        self._llm = self._open(min(_FIRST_CONTEXT, self._max_positions))
+        desc = ctypes.create_string_buffer(128)
+        llama_cpp.llama_model_desc(self._llm.model, desc, len(desc))
+        self.info = ModelInfo(
+            name=name, architecture=config.model_type, vocab_size=self._llm.n_vocab(),
+            hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+            num_parameters=int(llama_cpp.llama_model_n_params(self._llm.model)), device="cpu",
+            dtype=desc.value.decode(errors="replace").split()[-1].lower(), backend="llama.cpp", eos_token_ids=eos,
+            max_positions=self._max_positions)
+
+    def _open(self, n_ctx: int):
+        import llama_cpp
+
+        self._capacity = n_ctx
+        try:
+            return llama_cpp.Llama(model_path=str(self._gguf), n_ctx=n_ctx, n_batch=512, n_threads=self._threads,
+                                   n_threads_batch=self._threads, logits_all=False, verbose=False)
+        except ValueError as exc:
+            raise ModelError(f"llama.cpp cannot load {self._gguf}: {exc}") from None
+
+    @property
+    def cache_len(self) -> int:
+        return len(self._tokens)
+
+    def reset(self) -> None:
+        self._tokens, self._pending = [], []
+
+    def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(), logit_rows=None,
+                prefill=False) -> ForwardOutput:
+        ids = [int(t) for t in torch.as_tensor(tokens).reshape(-1).tolist()]
+        n = len(ids)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if positions is not None or attn_mask is not None or hidden or layers:
+            raise NotImplementedError("the llama.cpp draft runs chains only: no positions, masks or hidden states")
+        rows = list(range(n)) if logit_rows is None else [int(r) for r in logit_rows]
+        if rows not in ([], [n - 1]):
+            raise NotImplementedError("the llama.cpp draft computes the last new token's logits only")
+        if len(self._tokens) + n > self._capacity:
+            self._grow(len(self._tokens) + n)
+        # Llama.eval drops the cache past n_tokens, then appends: a crop or a partial commit
+        # is just a shorter n_tokens.
+        self._llm.n_tokens = len(self._tokens)
+        self._llm.eval(ids)
+        self._pending = ids
+        if not rows:
+            return ForwardOutput(logits=torch.empty(0, self.info.vocab_size))
+        import llama_cpp
+
+        out = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._llm.ctx, -1), shape=(self._llm.n_vocab(),))
+        return ForwardOutput(logits=torch.from_numpy(out.copy())[None])
+
+    def _grow(self, needed: int) -> None:
+        """Reopen with a context that holds ``needed`` tokens, refilled with the committed ones."""
+        n_ctx = self._capacity
+        while n_ctx < needed:
+            n_ctx *= 2
+        n_ctx = min(n_ctx, self._max_positions)
+        if n_ctx < needed:
+            raise ValueError(f"the draft holds at most {self._max_positions} tokens")
+        self._llm.close()
+        self._llm = self._open(n_ctx)
+        if self._tokens:
+            self._llm.eval(self._tokens)
+
+    def commit(self, keep) -> None:
+        if not isinstance(keep, int):
+            raise NotImplementedError("the llama.cpp draft keeps chain prefixes only")
+        if not 0 <= keep <= len(self._pending):
+            raise ValueError(f"cannot keep {keep} of {len(self._pending)} pending tokens")
+        self._tokens += self._pending[:keep]
+        self._pending = []
+
+    def crop(self, length: int) -> None:
+        if not 0 <= length <= len(self._tokens):
+            raise ValueError(f"cannot crop a cache of {len(self._tokens)} tokens to {length}")
+        del self._tokens[length:]
+        self._pending = []
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the llama.cpp draft exposes no embeddings")
+
+    def lm_head_weight(self) -> torch.Tensor:
+        raise NotImplementedError("the llama.cpp draft exposes no LM head")
+
+    def head_rows(self, rows: int):
+        raise ModelError("a draft vocabulary needs the native draft (--draft-backend native): llama.cpp computes "
+                         "its whole vocabulary")
+
+
+
+def load_llamacpp_draft(spec: str, folder: Path, config, eos: tuple[int, ...],
+                        progress: Progress = log_progress) -> LlamaCppDraft:
+    """The draft ``spec`` (a catalog id or a ``.gguf`` file, converted into ``folder``) on llama.cpp.
+
+    Its 4-bit file is made once into ``folder``; one that llama.cpp cannot read (damaged) is
+    made again, never used. A catalog model's original GGUF is assembled only to be quantized
+    and is not kept unless it was there before.
+    """
+    _make_draft_gguf(spec, folder, progress)
+    try:
+        return LlamaCppDraft(folder / DRAFT_GGUF, spec, config, eos, torch.get_num_threads())
+    except ModelError:
+        log.warning("%s: llama.cpp cannot read %s; quantizing it again", spec, DRAFT_GGUF)
+        progress(f"The llama.cpp draft file of {spec} is damaged: quantizing it again", None)
+        (folder / DRAFT_GGUF).unlink()
+    _make_draft_gguf(spec, folder, progress)
+    return LlamaCppDraft(folder / DRAFT_GGUF, spec, config, eos, torch.get_num_threads())
+
+
+def _make_draft_gguf(spec: str, folder: Path, progress: Progress) -> None:
+    from core.models.catalog import CATALOG
+    from core.models.convert import catalog_gguf, models_root
+
+    if (folder / DRAFT_GGUF).is_file():
+        return
+    if spec not in CATALOG:
+        prepare_draft_gguf(Path(spec).expanduser(), folder, progress)
+        return
+    kept = (models_root() / "gguf" / f"{spec}.gguf").is_file()
+    original = catalog_gguf(CATALOG[spec], progress)
+    try:
+        prepare_draft_gguf(original, folder, progress)
+    finally:
+        if not kept:
+            original.unlink(missing_ok=True)
