@@ -17,6 +17,7 @@ computed (all a chain draft reads).
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 from pathlib import Path
 import numpy as np
@@ -40,7 +41,7 @@ _FIRST_CONTEXT = 4096
 def available() -> str | None:
     """Why llama.cpp cannot run drafts here, or None if it can."""
     try:
-        import llama_cpp  # noqa: F401
+        importlib.import_module("llama_cpp")
     except ImportError:
         return "llama-cpp-python is not installed (pip install -e \".[peers]\")"
     return None
