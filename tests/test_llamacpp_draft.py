@@ -83,6 +83,24 @@ def test_speculation_with_the_llama_cpp_draft_emits_greedy_decodings_tokens(mode
     assert spec.metrics.mean_accepted > 1.5  # a near copy drafts tokens the target accepts
 
 
+def test_a_draft_window_lets_the_draft_read_only_the_prompts_tail(model, gguf):
+    target = loaded(native_from_hf(model))
+    draft = LlamaCppDraft(gguf, "tiny", model.config, (2,), threads=1)
+    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    prompt = [5, 9, 13, 4, 22, 7, 30, 11, 40, 41]
+    plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
+    method = build_method("speculative", SpeculativeConfig(gamma=4, draft_window=3), target, loaded(draft))
+    fed = []
+    forward = draft.forward
+    draft.forward = lambda tokens, **kw: fed.append(torch.as_tensor(tokens).tolist()) or forward(tokens, **kw)
+    spec = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+    assert spec.token_ids == plain.token_ids
+    assert fed[0] == prompt[-4:-1]  # the prefill: the window before the root token
+    # Whatever was kept lines up with the text from the window's start (prompt[6:]).
+    text = prompt + spec.token_ids
+    assert draft._tokens == text[6: 6 + len(draft._tokens)] and len(draft._tokens) > 20
+
+
 def test_the_4_bit_file_is_made_once_and_a_damaged_one_is_made_again(model, gguf, tmp_path, monkeypatch):
     import llama_cpp
 

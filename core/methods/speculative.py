@@ -50,6 +50,9 @@ class SpeculativeConfig(MethodConfig):
                               "the prompt or output (free), and run the draft model only when there is no such "
                               "match (0 = always the draft)", label="copy matches of n ≥", minimum=0, maximum=16,
                               cli="--lookup-ngram")
+    draft_window: int = param(0, "Let the draft model read only the last N tokens of the prompt (0 = all of it): a "
+                              "long prompt's draft prefill then costs little, the draft sees less context",
+                              label="draft reads last", minimum=0, maximum=1_000_000, cli="--draft-window")
     draft_vocab: int = param(0, "Draft only the first N token ids, the most frequent in byte-level BPE's merge "
                              "order (0 = all); the target still emits any token", label="draft vocabulary",
                              minimum=0, maximum=1_000_000, cli="--draft-vocab")
@@ -67,6 +70,7 @@ class Speculative(Method):
         super().__init__(config)
         self.draft_model = draft_model
         self.gamma = config.gamma
+        self._offset = 0
         self.max_draft_nodes = config.max_gamma if config.adaptive else config.gamma
         self.head = self._reduced_head(draft_model, config.draft_vocab)
         # Copies of earlier text, proposed with prompt lookup's learnt, cost-sized lengths.
@@ -100,8 +104,12 @@ class Speculative(Method):
         if self.lookup is not None:
             self.lookup.start(ctx)
         self.draft_model.reset()
-        if len(ctx.tokens) > 1:
-            self.draft_model.forward_chain(self._readable(ctx.tokens[:-1]), logit_rows=[], prefill=True)
+        prefix = ctx.tokens[:-1]
+        # The draft's cache holds ctx.tokens from this offset on.
+        window = self.config.draft_window
+        self._offset = max(0, len(prefix) - window) if window else 0
+        if len(prefix) > self._offset:
+            self.draft_model.forward_chain(self._readable(prefix[self._offset:]), logit_rows=[], prefill=True)
 
     def _readable(self, tokens: list[int]) -> list[int]:
         """Tokens as the draft can embed them (ids past its rows become 0; see the module doc)."""
@@ -121,7 +129,7 @@ class Speculative(Method):
         sampling = ctx.config.sampling
         vocab = ctx.target.info.vocab_size
         # Feed what the draft cache lacks: the root, and any token the target added last step.
-        logits = self._next_logits(self._readable(ctx.tokens[dm.cache_len:]), vocab)
+        logits = self._next_logits(self._readable(ctx.tokens[self._offset + dm.cache_len:]), vocab)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         q_token: list[float] = []
@@ -158,7 +166,7 @@ class Speculative(Method):
         drafted = len(outcome.draft)
         # The draft cache holds the old context plus every drafted token but the last; keep
         # the old context plus the accepted ones. The next propose feeds what is missing.
-        old_len = len(ctx.tokens) - len(outcome.new_tokens)
+        old_len = len(ctx.tokens) - len(outcome.new_tokens) - self._offset
         self.draft_model.crop(min(self.draft_model.cache_len, old_len + accepted))
         if self.config.adaptive and drafted:
             if accepted == drafted:
