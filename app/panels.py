@@ -26,6 +26,13 @@ DTYPE_TIPS = {
     "auto": "bfloat16 on a GPU; int8 weights on an x86 CPU (about 7x faster than float32), else float32",
     "int8": "int8 weights with float32 compute (x86 CPUs only)",
 }
+DRAFT_ENGINE_TIPS = {
+    "auto": "llama.cpp in 4 bits for a quantized CPU draft from a catalog model or .gguf file, where llama-cpp-python "
+            "(the peers extra) is installed; else SpecPlay's own layers",
+    "native": "SpecPlay's own layers (int4 or int8 on a CPU): slower drafts, same output",
+    "llamacpp": "llama.cpp in 4 bits (needs the peers extra and a GGUF source): the draft's numerics never change "
+                "what speculation emits",
+}
 
 
 def model_summary(loaded) -> str:
@@ -124,6 +131,11 @@ class ModelsPanel(QWidget):
             self.dtype.addItem(d)
             self.dtype.setItemData(self.dtype.count() - 1, DTYPE_TIPS.get(d, d), Qt.ItemDataRole.ToolTipRole)
         self.dtype.setToolTip(DTYPE_TIPS["auto"])
+        self.draft_engine = QComboBox()
+        for engine, tip in DRAFT_ENGINE_TIPS.items():
+            self.draft_engine.addItem(engine)
+            self.draft_engine.setItemData(self.draft_engine.count() - 1, tip, Qt.ItemDataRole.ToolTipRole)
+        self.draft_engine.setToolTip("The engine the draft model runs on")
         self.load_button = QPushButton("Load models")
         self.load_button.setObjectName("load_button")
         self.load_button.clicked.connect(self.sig_load_requested)
@@ -153,6 +165,7 @@ class ModelsPanel(QWidget):
         form = QFormLayout()
         form.addRow("Target", self.target)
         form.addRow("Draft", self.draft)
+        form.addRow("Draft engine", self.draft_engine)
         dev = QHBoxLayout()
         dev.addWidget(QLabel("Device"))
         dev.addWidget(self.device, 1)

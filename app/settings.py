@@ -38,6 +38,7 @@ class AppSettings:
     draft: str = DEFAULT_DRAFT  # "" = no draft model
     device: str = "auto"
     dtype: str = "auto"
+    draft_engine: str = "auto"
     recent_models: list[str] = field(default_factory=list)
     prompt: str = DEFAULT_PROMPT
     chat_template: bool = True

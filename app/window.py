@@ -343,8 +343,9 @@ class MainWindow(QMainWindow):
         self.methods_panel.set_draft_available(False)
         self.set_status(f"Loading {target}" + (f" and {draft}" if draft else "") + "…")
         try:
-            loaded: ModelsLoaded = await self.engine.load(LoadRequest(target=target, draft=draft or None,
-                                                                      device=device, dtype=dtype))
+            loaded: ModelsLoaded = await self.engine.load(LoadRequest(
+                target=target, draft=draft or None, device=device, dtype=dtype,
+                draft_backend=mp.draft_engine.currentText()))
         except EngineFailed as exc:
             mp.set_failed(str(exc))
             self.show_error(f"Loading failed: {exc}")

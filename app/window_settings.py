@@ -18,6 +18,8 @@ def apply_to_window(window, s: AppSettings) -> None:
         mp.device.setCurrentText(s.device)
     if mp.dtype.findText(s.dtype) >= 0:
         mp.dtype.setCurrentText(s.dtype)
+    if mp.draft_engine.findText(s.draft_engine) >= 0:
+        mp.draft_engine.setCurrentText(s.draft_engine)
     pp = window.prompt_panel
     pp.editor.setPlainText(s.prompt)
     pp.chat_template.setChecked(s.chat_template)
@@ -43,6 +45,7 @@ def collect_from_window(window) -> AppSettings:
     s.draft = mp.draft.spec()
     s.device = mp.device.currentText()
     s.dtype = mp.dtype.currentText()
+    s.draft_engine = mp.draft_engine.currentText()
     s.prompt = pp.prompt()
     s.chat_template = pp.chat_template.isChecked()
     s.max_new_tokens = pp.max_new_tokens.value()

@@ -58,6 +58,7 @@ class LoadRequest:
     draft: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    draft_backend: str = "auto"  # see core.models.loader.load_model's backend
     job: int = 0
 
 
@@ -97,7 +98,7 @@ class EngineWorker(QObject):
         self._cancel_all = False
         self.target = None
         self.draft = None
-        self._cache: dict[tuple, object] = {}  # (role, spec, device, dtype) -> LoadedModel
+        self._cache: dict[tuple, object] = {}  # (role, spec, device, dtype, backend) -> LoadedModel
         # (method, its config) -> the built method, kept while the models stay: building Medusa or
         # EAGLE reads and prepares its heads, seconds a run would otherwise pay again.
         self._methods: dict[tuple, object] = {}
@@ -133,9 +134,9 @@ class EngineWorker(QObject):
             def progress(stage, fraction):
                 self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
 
-            wanted = {("target", request.target, request.device, request.dtype)}
-            if request.draft:
-                wanted.add(("draft", request.draft, request.device, request.dtype))
+            keys = {"target": ("target", request.target, request.device, request.dtype, "auto"),
+                    "draft": ("draft", request.draft, request.device, request.dtype, request.draft_backend)}
+            wanted = {keys["target"], keys["draft"]} if request.draft else {keys["target"]}
             # Free models no longer wanted before loading new ones (memory is the limit).
             for key in [k for k in self._cache if k not in wanted]:
                 del self._cache[key]
@@ -144,23 +145,23 @@ class EngineWorker(QObject):
             gc.collect()
             _empty_cuda_cache()
 
-            def get(role: str, spec: str):
-                key = (role, spec, request.device, request.dtype)
+            def get(role: str):
+                key = keys[role]
                 if key not in self._cache:
-                    self._cache[key] = load_model(spec, request.device, request.dtype, role=role, progress=progress,
-                                                  should_cancel=should_cancel)
+                    self._cache[key] = load_model(key[1], request.device, request.dtype, backend=key[4], role=role,
+                                                  progress=progress, should_cancel=should_cancel)
                 return self._cache[key]
 
-            target = get("target", request.target)
+            target = get("target")
             self.target = target
             draft, warnings, draft_error = None, [], None
             if request.draft:
                 try:
-                    draft = get("draft", request.draft)
+                    draft = get("draft")
                     warnings = check_draft_compatible(target, draft)
                 except TokenizerMismatchError as exc:
                     draft, draft_error = None, str(exc)
-                    self._cache.pop(("draft", request.draft, request.device, request.dtype), None)
+                    self._cache.pop(keys["draft"], None)
                 except SpecPlayError as exc:  # the target is fine; report the draft's problem (or its cancel)
                     draft, draft_error = None, str(exc)
             self.draft = draft

@@ -119,6 +119,21 @@ def test_a_missing_model_fails_visibly_and_the_window_recovers(qtbot, aloop, tmp
     w.close()
 
 
+def test_the_draft_engine_choice_reaches_the_loader_and_a_refusal_says_why(qtbot, aloop, model_dirs):
+    w = make_window(qtbot)
+    target, draft = str(model_dirs["target"]), str(model_dirs["same"])
+    w.models_panel.draft_engine.setCurrentText("llamacpp")
+    loaded = run(qtbot, w.load_models(target, draft, "cpu", "float32"))
+    # float32 weights in a folder cannot run on llama.cpp: the target loads, the draft is refused with the reason.
+    assert loaded is not None and loaded.draft is None
+    assert "llama.cpp draft is unavailable" in w.models_panel.messages.text()
+    w.models_panel.draft_engine.setCurrentText("native")
+    loaded = run(qtbot, w.load_models(target, draft, "cpu", "float32"))
+    assert loaded.draft is not None and loaded.draft.model.info.backend == "native"
+    w.close()
+    assert w.settings.draft_engine == "native"
+
+
 def test_loading_shows_progress_and_cancel_stops_it(qtbot, aloop, monkeypatch):
     """A slow load (as a first-time conversion is) reports progress, keeps the window live and cancels."""
     import time
