@@ -186,7 +186,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
 
     A ``draft`` model's numerics never affect losslessness (the verifier sees the q that was
     sampled), so in int8 it takes the faster, not batch-invariant, draft layers
-    (:func:`draft_storage`).
+    (:func:`draft_storage`), or runs on llama.cpp in 4 bits where it can
+    (:mod:`core.models.llamacpp_draft`; ``backend="native"`` keeps it in SpecPlay's layers).
     """
     if role not in ROLES:
         raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
@@ -223,7 +224,6 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
             return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
         if backend == "llamacpp":
             raise ModelError(f"{spec}: the llama.cpp draft is unavailable: {why_not}")
-        backend = "auto"
 
     from core.models.native import DecoderConfig, NativeDecoder, unsupported_reason
 
