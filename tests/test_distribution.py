@@ -90,6 +90,7 @@ def assert_samples_the_target(target, method, native, min_depth: int = 3) -> Non
     ("speculative", "near", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
     ("speculative", "near", SpeculativeConfig(gamma=3, lookup_ngram=2)),
     ("speculative", "near", SpeculativeConfig(gamma=3, draft_window=2)),
+    ("speculative", "near", SpeculativeConfig(gamma=3, cost_sized=True, max_gamma=6)),
     ("speculative", "near int4", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
     ("speculative", "near llama.cpp", SpeculativeConfig(gamma=3)),
     ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3, adaptive=False)),

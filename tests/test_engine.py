@@ -77,8 +77,9 @@ def test_copies_and_draft_model_proposals_mix_and_stay_exact(models):
 
 
 @pytest.mark.parametrize("cfg", [SpeculativeConfig(gamma=2, adaptive=True, max_gamma=8),
-                                 SpeculativeConfig(gamma=6, confidence=0.5)])
-def test_adaptive_and_confidence_drafts_stay_exact(models, cfg):
+                                 SpeculativeConfig(gamma=6, confidence=0.5),
+                                 SpeculativeConfig(gamma=2, cost_sized=True, max_gamma=8)])
+def test_adaptive_confidence_and_cost_sized_drafts_stay_exact(models, cfg):
     target, near, *_ = models
     base = run(target, "autoregressive")
     res = run(target, "speculative", cfg, near)
@@ -86,8 +87,23 @@ def test_adaptive_and_confidence_drafts_stay_exact(models, cfg):
     gammas = {e.internals["gamma"] for e in res.events if e.internals}
     if cfg.adaptive:
         assert len(gammas) > 1  # it did adapt
+    elif cfg.cost_sized:
+        assert gammas <= set(range(1, 9)) and len(gammas) > 1  # chosen each step, within the bound
     else:
         assert any(e.internals.get("stopped_early") for e in res.events)
+
+
+def test_the_cost_sized_gamma_follows_acceptance_draft_cost_and_the_verification_curve():
+    from core.methods.speculative import best_gamma
+
+    flat = CostCurve.linear(0.0)
+    assert best_gamma(0.9, 0.0, flat, 16) == 16  # free, well-accepted drafts: as long as allowed
+    assert best_gamma(0.3, 0.5, flat, 16) == 1  # costly, poorly accepted drafts: one at a time
+    assert best_gamma(0.8, 0.2, flat, 16) < best_gamma(0.9, 0.2, flat, 16)
+    steep = CostCurve((1, 4, 8), (1.0, 1.05, 2.0))  # verification turns compute-bound past 4 rows
+    assert best_gamma(0.85, 0.19, steep, 16) <= 3 < best_gamma(0.85, 0.19, flat, 16)
+    with pytest.raises(ConfigError, match="not both"):
+        SpeculativeConfig(adaptive=True, cost_sized=True)
 
 
 def test_full_acceptance_and_zero_acceptance_keep_both_caches_consistent(models):

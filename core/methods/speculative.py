@@ -25,10 +25,12 @@ by the draft as token 0: that changes only q, which the verifier sees as it is.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from core.costmodel import best_size, cost_curve
 from core.errors import ConfigError
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
@@ -42,6 +44,10 @@ class SpeculativeConfig(MethodConfig):
     gamma: int = param(5, "Draft tokens per step (the starting value when adaptive)", label="γ", minimum=1, maximum=32)
     adaptive: bool = param(False, "Grow γ by 2 after a fully accepted draft, shrink it by 1 after a rejection",
                            label="adaptive γ", cli="--adaptive-gamma")
+    cost_sized: bool = param(False, "Choose γ each step by the cost model: the most expected tokens per unit of time "
+                             "from the acceptance, the draft's cost per token and the verification cost measured in "
+                             "this run (γ is the starting value, max γ the bound)", label="cost-sized γ",
+                             cli="--cost-sized-gamma")
     max_gamma: int = param(16, "Upper bound for adaptive γ", label="max γ", minimum=1, maximum=64,
                           cli="--max-gamma")
     confidence: float = param(0.0, "Stop a draft when the draft model's highest next-token probability is below "
@@ -59,8 +65,10 @@ class SpeculativeConfig(MethodConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.adaptive and self.max_gamma < self.gamma:
+        if (self.adaptive or self.cost_sized) and self.max_gamma < self.gamma:
             raise ConfigError(f"max γ ({self.max_gamma}) must be >= γ ({self.gamma})")
+        if self.adaptive and self.cost_sized:
+            raise ConfigError("choose adaptive γ or cost-sized γ, not both")
 
 
 class Speculative(Method):
@@ -71,7 +79,9 @@ class Speculative(Method):
         self.draft_model = draft_model
         self.gamma = config.gamma
         self._offset = 0
-        self.max_draft_nodes = config.max_gamma if config.adaptive else config.gamma
+        self.max_draft_nodes = config.max_gamma if (config.adaptive or config.cost_sized) else config.gamma
+        self.cost = cost_curve(target) if (config.cost_sized and target is not None) else None
+        self._sizing = _SizingStats()
         self.head = self._reduced_head(draft_model, config.draft_vocab)
         # Copies of earlier text, proposed with prompt lookup's learnt, cost-sized lengths.
         self.lookup = None
@@ -101,6 +111,7 @@ class Speculative(Method):
 
     def start(self, ctx: RunContext) -> None:
         self.gamma = self.config.gamma
+        self._sizing = _SizingStats()
         if self.lookup is not None:
             self.lookup.start(ctx)
         self.draft_model.reset()
@@ -128,12 +139,14 @@ class Speculative(Method):
         dm = self.draft_model
         sampling = ctx.config.sampling
         vocab = ctx.target.info.vocab_size
+        started = time.perf_counter()
         # Feed what the draft cache lacks: the root, and any token the target added last step.
         logits = self._next_logits(self._readable(ctx.tokens[self._offset + dm.cache_len:]), vocab)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         q_token: list[float] = []
         stopped_early = False
+        forwards = 1
         for j in range(k):
             if sampling.greedy:
                 # q of the argmax, without a full softmax: exp(max - logsumexp).
@@ -153,6 +166,8 @@ class Speculative(Method):
             q_token.append(top if sampling.greedy else float(probs[token]))
             if j < k - 1:
                 logits = self._next_logits([token], vocab)
+                forwards += 1
+        self._sizing.drafted(time.perf_counter() - started, forwards)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
                            q_token=q_token, info={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
                                                   "stopped_early": stopped_early})
@@ -173,3 +188,52 @@ class Speculative(Method):
                 self.gamma = min(self.gamma + 2, self.config.max_gamma)
             else:
                 self.gamma = max(self.gamma - 1, 1)
+        if self.cost is not None and drafted:
+            self._sizing.verified(self.cost(1 + drafted), accepted, rejected=accepted < drafted)
+            self.gamma = self._sizing.best_gamma(self.cost, self.config.max_gamma) or self.gamma
+
+
+class _SizingStats:
+    """What a cost-sized γ is chosen from, measured during the run.
+
+    A chain of γ drafts, each accepted with probability α given the ones before, yields
+    (1 − α^(γ+1)) / (1 − α) tokens a step and costs γ·c + T(1 + γ)/T(1) plain steps, with c the
+    draft's cost per token. α is counted per verified draft (accepted ones, plus the first
+    rejected one: those after it were never judged), from a prior of 0.7 worth four drafts; c is
+    the measured drafting time per draft forward over T(1), and T(1) the measured time from
+    proposal to observation over the cost curve's T(1 + γ)/T(1) at each step's size.
+    """
+
+    PRIOR_ALPHA, PRIOR_WEIGHT = 0.7, 4.0
+
+    def __init__(self):
+        self.draft_s = self.verify_s = self.verify_units = 0.0
+        self.forwards = 0
+        self.accepted = self.judged = 0
+        self.proposed_at: float | None = None
+
+    def drafted(self, seconds: float, forwards: int) -> None:
+        self.draft_s += seconds
+        self.forwards += forwards
+        self.proposed_at = time.perf_counter()
+
+    def verified(self, relative_cost: float, accepted: int, rejected: bool) -> None:
+        if self.proposed_at is not None:
+            self.verify_s += time.perf_counter() - self.proposed_at
+            self.verify_units += relative_cost
+            self.proposed_at = None
+        self.accepted += accepted
+        self.judged += accepted + int(rejected)
+
+    def best_gamma(self, curve, max_gamma: int) -> int | None:
+        """The γ with the most expected tokens per unit of time, or None before anything was timed."""
+        if not (self.forwards and self.verify_units and self.verify_s > 0):
+            return None
+        alpha = (self.accepted + self.PRIOR_ALPHA * self.PRIOR_WEIGHT) / (self.judged + self.PRIOR_WEIGHT)
+        c = (self.draft_s / self.forwards) / (self.verify_s / self.verify_units)
+        return best_gamma(alpha, c, curve, max_gamma)
+
+
+def best_gamma(alpha: float, c: float, curve, max_gamma: int) -> int:
+    """The chain length γ ≥ 1 that maximises expected tokens per unit of time (see :class:`_SizingStats`)."""
+    return max(1, best_size([alpha ** i for i in range(1, max_gamma + 1)], lambda n: curve(n) + (n - 1) * c))
