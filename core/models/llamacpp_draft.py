@@ -20,6 +20,7 @@ import ctypes
 import importlib
 import logging
 from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -173,7 +174,6 @@ class LlamaCppDraft(CausalLM):
     def head_rows(self, rows: int):
         raise ModelError("a draft vocabulary needs the native draft (--draft-backend native): llama.cpp computes "
                          "its whole vocabulary")
-
 
 
 def load_llamacpp_draft(spec: str, folder: Path, config, eos: tuple[int, ...],
