@@ -49,7 +49,7 @@ def available() -> str | None:
 
 
 def prepare_draft_gguf(source: Path, folder: Path, progress: Progress = log_progress) -> Path:
-    """The draft's ``Q4_0`` GGUF in ``folder``, made once from ``source`` (any GGUF of the model).
+    """Quantize ``source`` (any GGUF of the model) into the draft's ``Q4_0`` GGUF in ``folder``.
 
     Every tensor, the embedding and output included, is 4-bit: for a small draft the output
     matrix is a quarter of its weights. Written under a temporary name and renamed, so an
@@ -58,8 +58,6 @@ def prepare_draft_gguf(source: Path, folder: Path, progress: Progress = log_prog
     import llama_cpp
 
     dest = folder / DRAFT_GGUF
-    if dest.is_file():
-        return dest
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # not a line per tensor on stderr
     progress(f"Quantizing the llama.cpp draft of {folder.name} to 4 bits (once)", None)
     params = llama_cpp.llama_model_quantize_default_params()
@@ -196,6 +194,7 @@ def load_llamacpp_draft(spec: str, folder: Path, config, eos: tuple[int, ...],
 
 
 def _make_draft_gguf(spec: str, folder: Path, progress: Progress) -> None:
+    """Make the draft's 4-bit file in ``folder`` unless it is there (it is made once)."""
     from core.models.catalog import CATALOG
     from core.models.convert import catalog_gguf, models_root
 
