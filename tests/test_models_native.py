@@ -91,6 +91,26 @@ def test_expand_mask_full_and_block_forms():
     assert torch.equal(expand_mask(full, 2, 3, "cpu"), full)
 
 
+def test_a_prefill_into_an_empty_cache_attends_causally_without_a_mask(monkeypatch):
+    """SDPA's causal mode skips the blocks above the diagonal; the cache it fills is the masked one's."""
+    import torch.nn.functional as F
+
+    native, _ = tiny_pair(seed=5)
+    seq = torch.tensor([4, 5, 6, 7, 8, 9, 10])
+    native.reset()
+    native.forward_chain(seq[:-1], logit_rows=[], prefill=True, attn_mask=torch.ones(6, 6, dtype=torch.bool).tril())
+    want = native.forward(seq[-1:]).logits
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append((kw["attn_mask"], kw["is_causal"])) or real(*a, **kw))
+    native.reset()
+    native.forward_chain(seq[:-1], logit_rows=[], prefill=True)
+    assert calls and all(mask is None and causal for mask, causal in calls)
+    got = native.forward(seq[-1:]).logits
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+
+
 def test_a_block_without_logit_rows_fills_the_cache_like_a_full_one():
     """A prefill asks for no logits: no LM head work, the same cache for the next token."""
     native, _ = tiny_pair(seed=5)

@@ -160,11 +160,11 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
 
 def layer_forward(c: DecoderConfig, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv: torch.Tensor, base: int, mask4: torch.Tensor | None,
-                  attn_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  attn_dtype: torch.dtype | None = None, causal: bool = False) -> torch.Tensor:
     """One pre-norm decoder layer over ``n`` new rows ``x``, writing their keys and values into
     ``kv`` (``[2, kv_heads, capacity, head_dim]``) at slots ``base .. base + n`` and attending
-    to slots ``0 .. base + n`` under ``mask4`` (None: everything), in ``attn_dtype`` (default:
-    the cache's)."""
+    to slots ``0 .. base + n`` under ``mask4`` (None: everything; ``causal``: each row to itself
+    and the rows before it, with ``base`` 0), in ``attn_dtype`` (default: the cache's)."""
     n = x.shape[0]
     dt = x.dtype
     q_size = c.num_heads * c.head_dim
@@ -182,7 +182,7 @@ def layer_forward(c: DecoderConfig, layer: LayerWeights, x: torch.Tensor, cos: t
     adt = attn_dtype or kv.dtype
     attn = F.scaled_dot_product_attention(
         q[None].to(adt), kv[0, :, :end][None].to(adt), kv[1, :, :end][None].to(adt), attn_mask=mask4,
-        enable_gqa=c.num_kv_heads != c.num_heads,
+        is_causal=causal, enable_gqa=c.num_kv_heads != c.num_heads,
     )
     x = x + layer.o(attn[0].transpose(0, 1).reshape(n, q_size).to(dt)).to(dt)
     h = rms_norm(x, layer.ln_post, c.rms_norm_eps)
@@ -399,8 +399,11 @@ class NativeDecoder(CausalLM):
             positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
         if base + n > self._capacity:
             self._grow(base + n)
-        # One token attending to everything needs no mask; SDPA is faster without one.
-        mask = None if (n == 1 and attn_mask is None) else expand_mask(attn_mask, n, base, self.device)
+        # One token attending to everything needs no mask; SDPA is faster without one. A prompt
+        # read into an empty cache is plainly causal: SDPA then skips the blocks above the
+        # diagonal instead of computing and masking them (0.3 s of a 1000-token prompt's 7.5 s).
+        causal = prefill and base == 0 and attn_mask is None and n > 1
+        mask = None if ((n == 1 and attn_mask is None) or causal) else expand_mask(attn_mask, n, base, self.device)
         if mask is not None and bool(mask.all()):
             mask = None
         mask4 = None if mask is None else mask[None, None]
@@ -414,7 +417,7 @@ class NativeDecoder(CausalLM):
         wanted = set(layers)
         layer_out: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4, attn_dtype)
+            x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4, attn_dtype, causal)
             if i in wanted:
                 layer_out[i] = x
         self._pending = n
