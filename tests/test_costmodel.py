@@ -31,6 +31,33 @@ def test_best_size_weighs_acceptance_against_cost():
     assert best_size(fading, CostCurve.linear(0.0)) == 16
 
 
+def test_block_sizes_take_turns_and_each_keeps_its_fastest_pass(monkeypatch):
+    """A slow spell of the machine touches every size once instead of inflating the one it fell on."""
+    from core import costmodel
+
+    clock = [0.0]
+    order = []
+
+    class Fake:
+        info = type("Info", (), {"vocab_size": 50})()
+
+        def reset(self):
+            pass
+
+        def forward_chain(self, tokens):
+            pass
+
+        def forward(self, block):
+            n = len(block)
+            order.append(n)
+            slow = 100.0 if len(order) in (2, 3) else 0.0  # a spell over two consecutive passes
+            clock[0] += n + slow
+
+    monkeypatch.setattr(costmodel.time, "perf_counter", lambda: clock[0])
+    assert costmodel.time_passes(Fake(), (1, 8, 16), repeats=3) == [1.0, 8.0, 16.0]
+    assert order == [1, 8, 16] * 3
+
+
 def test_measured_curve_is_nondecreasing_cached_and_leaves_the_cache_empty():
     model = native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32))
     curve = measure(model, sizes=(1, 2, 4, 8), context=8, repeats=2)
