@@ -297,12 +297,14 @@ def _hf_model(loaded, cache: dict):
     key = str(float_weights_dir(loaded.spec, loaded.path))
     if key not in cache:
         info = loaded.model.info
-        dtype = torch.float32 if info.dtype in ("int8", "float32") else getattr(torch, info.dtype)
+        # A draft on llama.cpp (4-bit) runs in transformers in int8, the nearest storage it has here.
+        int8 = info.dtype == "int8" or info.backend == "llama.cpp"
+        dtype = torch.float32 if int8 or info.dtype == "float32" else getattr(torch, info.dtype)
         hf = AutoModelForCausalLM.from_pretrained(key, dtype=dtype).eval().to(info.device)
         # Unset fields of a call's generation config are filled from this one, which comes from the
         # model folder's generation_config.json (suppressed tokens, min-p, ...); a blank one keeps them out.
         hf.generation_config = GenerationConfig()
-        if info.dtype == "int8":
+        if int8:
             quantize_hf_linears(hf)
         cache[key] = hf
     return cache[key]

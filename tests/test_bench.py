@@ -184,3 +184,28 @@ def test_the_transformers_peers_ignore_the_model_folders_generation_settings(tmp
     assert config.do_sample is True and config.temperature == 0.7 and config.top_p == 0.9
     assert config.top_k in (0, None) and config.repetition_penalty == 1.0
     assert config.max_new_tokens == 6 and config.eos_token_id == [2]
+
+
+def test_assisted_generation_takes_a_llama_cpp_draft_as_an_int8_transformers_assistant(tmp_path):
+    """The default CPU draft runs on llama.cpp in 4 bits; transformers gets the same model in int8."""
+    from dataclasses import replace
+
+    from core.bench import HFPeer
+    from core.models.linear import int8_supported
+    from core.models.loader import LoadedModel, load_model
+    from core.types import GenerationConfig
+    from tiny import save_tiny_model
+
+    if not int8_supported():
+        pytest.skip("no int8 kernel on this machine")
+    folder = save_tiny_model(tmp_path / "m")
+    target = load_model(str(folder), "cpu", "float32")
+    on_llama_cpp = type("Draft", (), {"info": replace(target.model.info, backend="llama.cpp", dtype="q4_0")})()
+    copy = save_tiny_model(tmp_path / "draft")  # the same weights in the draft's own folder
+    draft = LoadedModel(model=on_llama_cpp, tokenizer=target.tokenizer, spec=str(copy), path=copy)
+    hf_models: dict = {}
+    assisted = HFPeer("hf_assisted", target, draft, hf_models)
+    assert type(assisted.assistant.model.layers[0].mlp.down_proj).__name__ == "_Int8"
+    gen = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    plain = HFPeer("hf_generate", target, None, {})
+    assert assisted.run([4, 5, 3, 6], gen).token_ids == plain.run([4, 5, 3, 6], gen).token_ids
