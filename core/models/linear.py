@@ -133,6 +133,10 @@ def _quantized(weight) -> QuantizedWeight:
     return weight if isinstance(weight, QuantizedWeight) else QuantizedWeight.quantize(weight)
 
 
+#: The two pinning input columns of :class:`Int8RowExactLinear`.
+_PINS = torch.tensor([1.0, -1.0])
+
+
 class Int8RowExactLinear:
     """Per-output-channel int8 weights, per-row int8 activations, bit-exact across batch sizes."""
 
@@ -153,13 +157,17 @@ class Int8RowExactLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.float32)
-        s = x2.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-        ones = torch.ones_like(s)
-        pinned = torch.cat([x2 / s, ones, -ones], dim=1)
-        y = torch.ops.quantized.linear_dynamic(pinned, self._packed, self._reduce_range) * s
+        k = shape[-1]
+        x2 = x.reshape(-1, k).to(torch.float32)
+        s = torch.linalg.vector_norm(x2, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
+        # Written in place into one buffer (no abs copy, no concatenation): on a prompt's
+        # thousand rows the copies cost a sixth of the layer.
+        pinned = torch.empty(x2.shape[0], k + 2)
+        torch.div(x2, s, out=pinned[:, :k])
+        pinned[:, k:] = _PINS
+        y = torch.ops.quantized.linear_dynamic(pinned, self._packed, self._reduce_range).mul_(s)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return y.reshape(*shape[:-1], self._out)
 
 
