@@ -44,6 +44,9 @@ def test_the_draft_follows_the_native_model_through_commits_crops_and_a_growing_
     draft = LlamaCppDraft(gguf, "tiny", model.config, (2,), threads=1)
     native = native_from_hf(model)
     assert draft.info.backend == "llama.cpp" and draft.info.dtype == "f32" and draft.info.vocab_size == 64
+    import llama_cpp
+
+    assert draft._llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
 
     def expect(sequence: list[int]) -> torch.Tensor:
         native.reset()

@@ -99,8 +99,10 @@ class LlamaCppDraft(CausalLM):
 
         self._capacity = n_ctx
         try:
+            # Flash attention: a long prompt's prefill about a tenth faster on two cores, a draft token
+            # a few percent (measured on the default draft; a draft's numerics never matter).
             return llama_cpp.Llama(model_path=str(self._gguf), n_ctx=n_ctx, n_batch=512, n_threads=self._threads,
-                                   n_threads_batch=self._threads, logits_all=False, verbose=False)
+                                   n_threads_batch=self._threads, logits_all=False, flash_attn=True, verbose=False)
         except ValueError as exc:
             raise ModelError(f"llama.cpp cannot load {self._gguf}: {exc}") from None
 
