@@ -112,15 +112,22 @@ def test_the_4_bit_file_is_made_once_and_a_damaged_one_is_made_again(model, gguf
     monkeypatch.setattr(llama_cpp, "llama_model_quantize", lambda *a: calls.append(a) or quantize(*a))
     folder = tmp_path / "cache"
     folder.mkdir()
+    (folder / "draft-q4_0.gguf").write_bytes(b"an earlier version's draft file")
     draft = load_llamacpp_draft(str(gguf), folder, model.config, (2,))
-    assert draft.info.dtype == "q4_0" and (folder / DRAFT_GGUF).is_file()
+    assert draft.info.dtype == "iq4_nl" and [p.name for p in folder.iterdir()] == [DRAFT_GGUF]
     load_llamacpp_draft(str(gguf), folder, model.config, (2,))
     assert len(calls) == 1  # the second load reads the kept file
     data = (folder / DRAFT_GGUF).read_bytes()
     (folder / DRAFT_GGUF).write_bytes(data[: len(data) // 2])  # truncated
     again = load_llamacpp_draft(str(gguf), folder, model.config, (2,))
-    assert len(calls) == 2 and again.info.dtype == "q4_0"
+    assert len(calls) == 2 and again.info.dtype == "iq4_nl"
     assert (folder / DRAFT_GGUF).read_bytes() == data
+
+
+def test_the_weights_type_is_read_from_llama_cpps_model_description():
+    assert llamacpp_draft._file_type("qwen2 1B IQ4_NL - 4.5 bpw") == "iq4_nl"
+    assert llamacpp_draft._file_type("qwen2 1B Q4_0") == "q4_0"
+    assert llamacpp_draft._file_type("qwen2 ?B all F32") == "f32"
 
 
 def test_a_failed_quantization_leaves_no_file(gguf, tmp_path, monkeypatch):

@@ -95,7 +95,8 @@ def test_default_pair_speculation_is_lossless():
 
 def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exact():
     """Where llama-cpp-python is installed, the default quantized CPU draft runs on llama.cpp in
-    Q4_0 (made once into the cache); greedy speculation still emits exactly greedy decoding's tokens."""
+    4 bits (IQ4_NL layers, made once into the cache); greedy speculation still emits exactly
+    greedy decoding's tokens."""
     from core.compare import compare_methods
     from core.models import check_draft_compatible, load_model
     from core.models.linear import int8_supported
@@ -110,7 +111,7 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
         pytest.skip("the CPU has no int8 path, so drafts stay in float32 on the native engine")
     target = load_model(DEFAULT_TARGET, "cpu")
     draft = load_model(DEFAULT_DRAFT, "cpu", role="draft")
-    assert (draft.model.info.backend, draft.model.info.dtype) == ("llama.cpp", "q4_0")
+    assert (draft.model.info.backend, draft.model.info.dtype) == ("llama.cpp", "iq4_nl")
     assert check_draft_compatible(target, draft) == []
     ids = encode_prompt(target.tokenizer, "Write a Python function that checks whether a string is a palindrome.")
     cmp = compare_methods(target, draft, ["autoregressive", "speculative"], {}, ids,
