@@ -55,8 +55,8 @@ def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3
     The sizes take turns (``repeats`` rounds of all of them) and each keeps its fastest pass:
     on a shared machine noise only ever adds time, and a slow spell then touches every size
     instead of inflating the one it fell on (a median of back-to-back passes once put T(8) at
-    1.9 T(1) in a run whose steps said 1.2). The one timing harness: the cost curve and the
-    benchmark's verify-cost line both use it. The cache is reset afterwards.
+    1.9 T(1) where the session's other measurements said 1.2-1.6). The one timing harness: the
+    cost curve and the benchmark's verify-cost line both use it. The cache is reset afterwards.
     """
     vocab = model.info.vocab_size
     g = torch.Generator().manual_seed(0)
