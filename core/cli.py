@@ -377,6 +377,8 @@ def cmd_train(args) -> int:
     from core.training.common import TrainSettings
     from core.training.pipeline import DataSettings, train_heads
 
+    if args.save_corpus and not args.data_only:
+        raise SpecPlayError("--save-corpus goes with --data-only (make the data, keep its token ids, then train)")
     defaults = {"medusa": (128, 1e-3), "eagle": (16, 3e-4)}[args.kind]
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size or defaults[0], lr=args.lr or defaults[1],
                              seed=args.seed, bf16=args.bf16 == "on" or (args.bf16 == "auto" and has_bf16_units()))
@@ -385,10 +387,15 @@ def cmd_train(args) -> int:
     progress = _Progress()
     target = load_model(args.target, args.device, args.dtype, progress=progress)
     if args.data_only:
-        from core.training.pipeline import default_workdir, prepare_data
+        from core.training.data import save_corpus
+        from core.training.pipeline import answers_dir, default_workdir, prepare_data
 
-        _, stats = prepare_data(target, data, args.workdir or default_workdir(target.spec), progress, lambda: False)
+        workdir = args.workdir or default_workdir(target.spec)
+        _, stats = prepare_data(target, data, workdir, progress, lambda: False, args.corpus)
         print(json.dumps(stats))
+        if args.save_corpus:
+            n = save_corpus(answers_dir(workdir, data), args.save_corpus, target.spec)
+            print(f"{args.save_corpus} holds {n} answers", file=sys.stderr)
         return 0
 
     def on_step(p):
@@ -404,7 +411,7 @@ def cmd_train(args) -> int:
 
     path, manifest = train_heads(args.kind, target, data, settings, num_heads=args.num_heads,
                                  draft_vocab=args.draft_vocab, intermediate=args.intermediate, window=args.window,
-                                 unroll=args.unroll, init=args.init,
+                                 unroll=args.unroll, init=args.init, corpus=args.corpus,
                                  workdir=args.workdir, out=args.out, resume=args.resume,
                                  command="specplay " + " ".join(sys.argv[1:]), progress=progress, on_step=on_step)
     print(f"saved {path}")
@@ -482,6 +489,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "about twice one row)")
     g.add_argument("--data-only", action="store_true", help="generate the data (resumably) and stop, without training")
     g.add_argument("--workdir", type=Path, help="cache for answers, features and checkpoints")
+    g.add_argument("--corpus", type=Path, help="answers made before (token ids, --save-corpus): read by the target "
+                   "instead of generated, about twice as fast (default: the project's assets/training file for "
+                   "the target, where there is one)")
+    g.add_argument("--save-corpus", type=Path, metavar="FILE", help="with --data-only: add the token ids of every "
+                   "answer made so far to FILE")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=1000)
     g.add_argument("--batch-size", type=int, default=None, help="positions (medusa, default 128) or windows (eagle, default 16)")

@@ -179,3 +179,28 @@ def test_a_draft_loads_with_the_fast_layers_and_a_target_with_the_row_exact_ones
 def test_models_list(capsys):
     code, out, _ = cli(capsys, "models", "list")
     assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "(default target)" in out
+
+
+def test_train_data_keeps_its_answers_in_a_corpus_that_a_fresh_work_folder_reads(tmp_path, capsys):
+    """`specplay train --data-only --save-corpus FILE` keeps the answers' token ids; a later run with a
+    new work folder and `--corpus FILE` reads them instead of generating, to the same data."""
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_model(tmp_path / "chat", seed=0, layers=2)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(folder)
+    corpus = tmp_path / "corpus.safetensors"
+    common = ["train", "medusa", "--target", folder, "--data-only", "--answers", "3", "--answer-tokens", "4",
+              "--code-tokens", "0"]
+    code, out, err = cli(capsys, *common, "--workdir", tmp_path / "w1", "--save-corpus", corpus)
+    assert code == 0, err
+    assert f"{corpus} holds 3 answers" in err and "Generating answers" in err
+    made = json.loads(out)
+    code, out, err = cli(capsys, *common, "--workdir", tmp_path / "w2", "--corpus", corpus)
+    assert code == 0, err
+    assert "Reading answers from the corpus" in err and "Generating answers" not in err
+    assert json.loads(out) == made
+
+    code, _, err = cli(capsys, "train", "medusa", "--target", folder, "--save-corpus", corpus)
+    assert code == 1 and "--save-corpus goes with --data-only" in err

@@ -111,3 +111,91 @@ def test_fewer_prompts_take_their_answers_from_a_larger_earlier_run(tmp_path):
     alone = generate_answers(model, tok, prompts[:3], 6, tmp_path / "alone", slots=3, shard_size=3)
     assert sequences_of(first) == sequences_of(alone)
     assert set(sequences_of(first)) <= set(sequences_of(whole))
+
+
+PROMPTS = ["ab cd", "xyz", "hello world", "q", "abc abc", "zz top", "m n o", "kk"]
+
+
+def test_a_saved_corpus_stands_in_for_generating(tmp_path):
+    """The token ids of finished answers, kept in a corpus file, give a fresh work folder the same
+    data without generating: the target reads each answer once (teacher forcing), and its
+    features and labels are those the generation kept."""
+    from core.training.data import generate_answers, load_corpus, save_corpus
+
+    model, _ = tiny_pair(dtype=torch.float64)
+    tok = chat_tokenizer()
+    whole = generate_answers(model, tok, PROMPTS, 6, tmp_path / "made", slots=3, shard_size=3)
+    assert save_corpus(tmp_path / "made", tmp_path / "corpus.safetensors", "tiny") == len(PROMPTS)
+    corpus = load_corpus(tmp_path / "corpus.safetensors", "tiny")
+    said = []
+    again = generate_answers(model, tok, PROMPTS, 6, tmp_path / "fresh", slots=3, shard_size=3, corpus=corpus,
+                             progress=lambda msg, frac: said.append(msg))
+    assert said and all(m.startswith("Reading answers from the corpus") for m in said)
+    by_seq = {}
+    for data in (whole, again):
+        for a, b in zip(data.starts[:-1].tolist(), data.starts[1:].tolist()):
+            by_seq.setdefault(tuple(data.tokens[a:b].tolist()), []).append((data.features[a:b], data.labels[a:b]))
+    assert len(by_seq) == len(PROMPTS) and all(len(v) == 2 for v in by_seq.values())
+    for (f1, l1), (f2, l2) in by_seq.values():
+        assert l1.tolist() == l2.tolist()
+        torch.testing.assert_close(f1.double(), f2.double(), rtol=2 ** -10, atol=1e-6)
+
+
+def test_a_corpus_answer_is_used_only_where_it_answers_that_prompt_in_full(tmp_path):
+    """Answers cut short by a smaller length limit are generated again for a larger one (a cut
+    answer is not the answer), used and cut for a smaller one; a corpus entry for another prompt
+    is ignored; the corpus file grows, it is never replaced by a smaller one."""
+    from core.training.data import generate_answers, load_corpus, save_corpus, usable_answer
+
+    stop = {2}
+    assert usable_answer([7, 8, 9, 10], [7, 8], 2, stop) == [7, 8, 9, 10]
+    assert usable_answer([7, 8, 9, 10], [7, 8], 1, stop) == [7, 8, 9]
+    assert usable_answer([7, 8, 9, 10], [7, 8], 3, stop) is None  # cut at 2: the third token is unknown
+    assert usable_answer([7, 8, 9, 2], [7, 8], 5, stop) == [7, 8, 9, 2]  # it had ended
+    assert usable_answer([7, 8, 9, 2], [7, 5], 5, stop) is None  # another prompt
+
+    model, _ = tiny_pair(dtype=torch.float64)
+    tok = chat_tokenizer()
+    path = tmp_path / "corpus.safetensors"
+    generate_answers(model, tok, PROMPTS[:3], 6, tmp_path / "first", slots=3, shard_size=3)
+    assert save_corpus(tmp_path / "first", path, "tiny") == 3
+    generate_answers(model, tok, PROMPTS, 6, tmp_path / "second", slots=3, shard_size=3)
+    whole = generate_answers(model, tok, PROMPTS, 6, tmp_path / "second", slots=3, shard_size=3)
+    save_corpus(tmp_path / "first", path, "tiny")
+    assert len(load_corpus(path, "tiny")) == 3
+    assert save_corpus(tmp_path / "second", path, "tiny") == len(PROMPTS)
+    assert save_corpus(tmp_path / "first", path, "tiny") == len(PROMPTS)  # merged, not replaced
+
+    short = generate_answers(model, tok, PROMPTS, 3, tmp_path / "short", slots=3, shard_size=3)
+    save_corpus(tmp_path / "short", tmp_path / "short.safetensors", "tiny")
+    said = []
+    longer = generate_answers(model, tok, PROMPTS, 6, tmp_path / "longer", slots=3, shard_size=3,
+                              corpus=load_corpus(tmp_path / "short.safetensors", "tiny"),
+                              progress=lambda msg, frac: said.append(msg))
+    assert sequences_of(longer) == sequences_of(whole)
+    assert any(m.startswith("Generating answers") for m in said)  # the cut answers were made again
+    cut = generate_answers(model, tok, PROMPTS, 3, tmp_path / "cut", slots=3, shard_size=3,
+                           corpus=load_corpus(path, "tiny"))
+    assert sequences_of(cut) == sequences_of(short)
+
+
+def test_an_unreadable_or_foreign_corpus_is_not_used(tmp_path, caplog):
+    """A corpus of another target's answers, or a corrupt file, costs only the time it would have
+    saved: it reads as empty, with a line in the log saying why."""
+    import logging
+
+    from core.training.data import generate_answers, load_corpus, save_corpus
+
+    model, _ = tiny_pair(dtype=torch.float64)
+    tok = chat_tokenizer()
+    generate_answers(model, tok, PROMPTS[:2], 4, tmp_path / "made", slots=2, shard_size=2)
+    path = tmp_path / "corpus.safetensors"
+    save_corpus(tmp_path / "made", path, "tiny")
+    assert len(load_corpus(path, "tiny")) == 2
+    with caplog.at_level(logging.INFO):
+        assert load_corpus(path, "another-model") == {}
+        assert "another-model" in caplog.text
+        path.write_bytes(path.read_bytes()[:40])
+        assert load_corpus(path, "tiny") == {}
+        assert "cannot read the answer corpus" in caplog.text
+    assert load_corpus(tmp_path / "missing.safetensors", "tiny") == {}

@@ -164,7 +164,8 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, shard_dir: Path, *,
-                     slots: int = 16, shard_size: int = 32, progress: Progress | None = None,
+                     slots: int = 16, shard_size: int = 32, corpus: dict[int, list[int]] | None = None,
+                     progress: Progress | None = None,
                      should_cancel: Callable[[], bool] = lambda: False) -> "FeatureSet":
     """The target's greedy answers to ``prompts`` with its features, generated in batches.
 
@@ -172,6 +173,11 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     it is produced (no second pass over the text). Finished answers are saved in shards of
     ``shard_size``; a shard records the prompts it answers, so an interrupted run resumes with
     the prompts not yet answered (answers in flight at the interruption are redone).
+
+    ``corpus`` (prompt index -> prompt and answer token ids, :func:`load_corpus`) holds answers
+    made earlier, perhaps on another machine: those are not generated again but read once by
+    the target (teacher forcing, about twice as fast as generating), which gives their
+    features and labels.
     """
     from core.models.native import Generated, greedy_batch
 
@@ -185,6 +191,12 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         parts.append(part)
         done.update(keys[i] for i in wanted)
     todo = [(k, chat_prompt_ids(tokenizer, p)) for k, p in enumerate(prompts) if k not in done]
+    stop = set(model.info.eos_token_ids)
+    known = {k: (usable_answer(corpus[k], ids, max_new_tokens, stop), len(ids))
+             for k, ids in todo if corpus and k in corpus}
+    known = {k: v for k, v in known.items() if v[0] is not None}
+    todo = [(k, ids) for k, ids in todo if k not in known]
+    stage = {"name": "Reading answers from the corpus" if known else "Generating answers"}
     pending: list[tuple[int, Generated]] = []
     counted = {"tokens": sum(p.num_tokens for p in parts)}
 
@@ -202,10 +214,19 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         if len(pending) >= shard_size:
             save()
         if progress:
-            progress(f"Generating answers ({len(done)}/{len(prompts)}, {counted['tokens']:,} tokens)",
+            progress(f"{stage['name']} ({len(done)}/{len(prompts)}, {counted['tokens']:,} tokens)",
                      len(done) / len(prompts))
 
     try:
+        for key, (seq, prompt_len) in known.items():
+            if should_cancel():
+                raise Cancelled("reading the corpus cancelled")
+            model.reset()
+            out = model.forward(seq[:-1], hidden=True, prefill=True)
+            model.reset()
+            on_done(key, Generated(tokens=torch.tensor(seq[:-1], dtype=torch.int32), features=out.hidden.half(),
+                                   labels=out.logits.argmax(-1).to(torch.int32), prompt_len=prompt_len))
+        stage["name"] = "Generating answers"
         if todo:
             greedy_batch(model, todo, max_new_tokens, model.info.eos_token_ids, on_done, slots=slots,
                          should_cancel=should_cancel)
@@ -213,6 +234,61 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         if pending:
             save()
     return FeatureSet.concat(parts) if parts else FeatureSet.empty(model.info.hidden_size)
+
+
+def usable_answer(seq: list[int], prompt_ids: list[int], max_new_tokens: int, stop: set[int]) -> list[int] | None:
+    """``seq`` (a corpus entry) cut to ``max_new_tokens`` of answer, or None where it cannot stand in
+    for generating: it answers another prompt, or it stopped short of the length asked for."""
+    n = len(prompt_ids)
+    if seq[:n] != list(prompt_ids) or len(seq) <= n:
+        return None
+    if len(seq) - n >= max_new_tokens:
+        return seq[:n + max_new_tokens]
+    return seq if seq[-1] in stop else None
+
+
+def save_corpus(shard_dir: Path, path: Path, target: str) -> int:
+    """Add the token ids of every answer finished in ``shard_dir`` (prompt and answer, no
+    features) to the corpus at ``path``; return how many it holds. A few MB per million tokens:
+    small enough to keep with the project, so the hours of generating them are spent once."""
+    from safetensors.torch import save_file
+
+    entries = load_corpus(path, target)
+    for shard in sorted(shard_dir.glob("answers-*.safetensors")):
+        part, keys = FeatureSet.load_keyed(shard)
+        bounds = part.starts.tolist()
+        for i, key in enumerate(keys):
+            s, e = bounds[i], bounds[i + 1]
+            entries[key] = part.tokens[s:e].tolist() + [int(part.labels[e - 1])]
+    keys = sorted(entries)
+    lengths = [len(entries[k]) for k in keys]
+    tensors = {"keys": torch.tensor(keys, dtype=torch.long),
+               "tokens": torch.tensor([t for k in keys for t in entries[k]], dtype=torch.int32),
+               "starts": torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"target": target})
+    return len(keys)
+
+
+def load_corpus(path: Path, target: str) -> dict[int, list[int]]:
+    """Prompt index -> token ids, from :func:`save_corpus`; empty (with a log line) when ``path``
+    is missing, unreadable or made from another target."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        return {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            made_for = (f.metadata() or {}).get("target")
+            if made_for != target:
+                log.info("%s holds answers of %s, not %s: not used", path, made_for, target)
+                return {}
+            keys, tokens, starts = (f.get_tensor(n).tolist() for n in ("keys", "tokens", "starts"))
+    except (OSError, SafetensorError, KeyError) as e:  # a corrupt file costs only the time it saves
+        log.warning("cannot read the answer corpus %s (%s): answers are generated instead", path, e)
+        return {}
+    return {k: tokens[starts[i]:starts[i + 1]] for i, k in enumerate(keys)}
 
 
 @dataclass
@@ -316,7 +392,7 @@ def extract_features(target, sequences: list[list[int]], shard_dir: Path, shard_
             if should_cancel():
                 raise Cancelled("feature extraction cancelled")
             target.reset()
-            out = target.forward(torch.tensor(seq), hidden=True)
+            out = target.forward(torch.tensor(seq), hidden=True, prefill=True)
             feats.append(out.hidden.to(torch.float16))
             labels.append(out.logits.argmax(-1).to(torch.int32))
             toks.append(torch.tensor(seq, dtype=torch.int32))

@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 
 from core.heads import save_heads
-from core.paths import cache_dir, data_dir
+from core.paths import assets_dir, cache_dir, data_dir
 from core.progress import Progress
 from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
 from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_answers,
-                                instruction_prompts)
+                                instruction_prompts, load_corpus)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,15 @@ class DataSettings:
         return f"c{self.code_tokens}-s{self.seed}"
 
 
+def shipped_corpus(target_spec: str) -> Path:
+    """Where the project keeps the token ids of the target's answers made so far (:func:`save_corpus`)."""
+    return assets_dir() / "training" / f"answers-{Path(target_spec).name}.safetensors"
+
+
+def answers_dir(workdir: Path, settings: DataSettings) -> Path:
+    return workdir / f"answers-{settings.answer_tokens}-s{settings.seed}"
+
+
 def default_workdir(target_spec: str) -> Path:
     return cache_dir() / "training" / Path(target_spec).name
 
@@ -46,8 +55,11 @@ def default_output(kind: str, target_spec: str) -> Path:
 
 
 def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progress,
-                 should_cancel: Callable[[], bool]) -> tuple[FeatureSet, dict]:
-    """Standard-library source and the target's answers, with the target's features."""
+                 should_cancel: Callable[[], bool], corpus: Path | None = None) -> tuple[FeatureSet, dict]:
+    """Standard-library source and the target's answers, with the target's features.
+
+    Answers found in ``corpus`` (default: the project's, :func:`shipped_corpus`) are read
+    instead of generated."""
     workdir.mkdir(parents=True, exist_ok=True)
     sequences = code_sequences(target.tokenizer, settings.code_tokens, settings.seq_len, settings.seed)
     code = extract_features(target.model, sequences, workdir / f"features-{settings.key()}", progress=progress,
@@ -57,9 +69,10 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
     if settings.answers > 0:
         prompts = instruction_prompts(settings.answers, settings.seed)
         started = time.perf_counter()
+        known = load_corpus(corpus or shipped_corpus(target.spec), target.spec)
         answers = generate_answers(target.model, target.tokenizer, prompts, settings.answer_tokens,
-                                   workdir / f"answers-{settings.answer_tokens}-s{settings.seed}",
-                                   slots=settings.slots, progress=progress, should_cancel=should_cancel)
+                                   answers_dir(workdir, settings), slots=settings.slots, corpus=known,
+                                   progress=progress, should_cancel=should_cancel)
         parts.append(answers)
         log.info("answers ready in %.0f s", time.perf_counter() - started)
     features = FeatureSet.concat(parts)
@@ -88,7 +101,7 @@ def held_out_vocabulary(features: FeatureSet, size: int, always: tuple[int, ...]
 
 def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, *, num_heads: int = 4,
                 draft_vocab: int = 32768, intermediate: int | None = None, window: int = 128, unroll: int = 1,
-                init: str = "target",
+                init: str = "target", corpus: Path | None = None,
                 workdir: Path | None = None, out: Path | None = None, resume: bool = False, command: str = "",
                 progress: Progress = lambda s, f: None, on_step: ProgressFn | None = None,
                 should_cancel: Callable[[], bool] = lambda: False) -> tuple[Path, dict]:
@@ -102,7 +115,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
 
     workdir = workdir or default_workdir(target.spec)
     out = out or default_output(kind, target.spec)
-    features, stats = prepare_data(target, data, workdir, progress, should_cancel)
+    features, stats = prepare_data(target, data, workdir, progress, should_cancel, corpus)
     model = target.model
     vocab_ids, coverage = held_out_vocabulary(features, draft_vocab, tuple(model.info.eos_token_ids),
                                               settings.eval_fraction)
