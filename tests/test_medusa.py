@@ -73,7 +73,7 @@ def test_choose_tree_takes_the_most_probable_paths():
 
 
 # ------------------------------------------------------------------------------ method
-@pytest.mark.parametrize("tree", ["auto", "chain", "small", "large"])
+@pytest.mark.parametrize("tree", ["auto", "dynamic", "chain", "small", "large"])
 def test_medusa_greedy_equals_autoregressive(target, tmp_path, tree):
     heads = make_heads_file(tmp_path / "heads.safetensors")
     gen = GenerationConfig(max_new_tokens=50, stop_at_eos=False)
@@ -238,3 +238,29 @@ def test_draft_vocabulary_coverage_is_measured_on_held_out_sequences(target, tmp
     _, manifest = train_heads("medusa", target, DataSettings(), settings, num_heads=2, workdir=tmp_path,
                               out=tmp_path / "heads.safetensors")
     assert manifest["draft_vocab_coverage"] == pytest.approx(0.5)
+
+
+def test_the_dynamic_tree_follows_the_heads_confidence_and_the_verify_cost(target, tmp_path):
+    """Each step's tree goes deep where the heads are sure and wide where they are not, and holds
+    only as many nodes as pay for their verification: one node when verifying is dear."""
+    from core.costmodel import CostCurve
+
+    heads = make_heads_file(tmp_path / "heads.safetensors")
+    method = build_method("medusa", MedusaConfig(heads=str(heads), tree="dynamic"), target)
+    vocab = method.vocab_ids.numel()
+
+    def probs(*tops):  # one row per head: the top token gets p, the runner-up what is left
+        rows = torch.zeros(len(tops), vocab)
+        for d, p in enumerate(tops):
+            rows[d, d + 1], rows[d, d + 10] = p, 1 - p
+        return rows
+
+    method.cost = CostCurve.linear(0.02)
+    sure = method._dynamic(probs(0.99, 0.98, 0.97))
+    assert sure.parents == [-1, 0, 1]  # the chain of top-1 candidates; runner-ups at 1-2% do not pay
+    assert sure.tokens == [int(method.vocab_ids[i]) for i in (1, 2, 3)]
+    unsure = method._dynamic(probs(0.5, 0.5, 0.5))
+    assert unsure.parents[:2] == [-1, -1]  # both candidates at depth 1, then both under each
+    assert unsure.tokens[:2] == [int(method.vocab_ids[i]) for i in (1, 10)]
+    method.cost = CostCurve.linear(10.0)
+    assert len(method._dynamic(probs(0.99, 0.98, 0.97)).tokens) == 1

@@ -36,6 +36,7 @@ from core.tree import TreeSpec, choose_tree
 from core.types import Draft
 
 NAMED_TREES = {"auto": "the most valuable paths by measured accuracy, as many as pay for their verification here",
+               "dynamic": "chosen afresh each step by the heads' confidence, as many as pay for their verification",
                "chain": "top-1 of every head", "small": "the 8 most valuable paths", "large": "the 32 most valuable paths"}
 _BUDGETS = {"small": 8, "large": 32}
 _AUTO_MAX = 64
@@ -45,8 +46,9 @@ _AUTO_MAX = 64
 class MedusaConfig(MethodConfig):
     heads: str = param("", "Medusa heads file (.safetensors); empty = the heads shipped for the target",
                        label="heads file", kind="file", cli="--heads")
-    tree: str = param("auto", "Candidate tree: auto (sized to this machine's verification cost), small, large, "
-                      "chain, or a JSON file with a list of rank paths", label="tree", cli="--tree")
+    tree: str = param("auto", "Candidate tree: auto (sized to this machine's verification cost), dynamic (chosen "
+                      "each step from the heads' confidence, sized likewise), small, large, chain, or a JSON file "
+                      "with a list of rank paths", label="tree", cli="--tree")
     top_k: int = param(10, "Candidates considered per head when choosing a tree (auto, small, large): paths "
                        "through a lower-ranked candidate are left out", label="top-k", minimum=1, maximum=64,
                        cli="--medusa-top-k")
@@ -67,6 +69,8 @@ def path_value(path: tuple[int, ...], accuracy: list[list[float]]) -> float:
 
 
 def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top_k: int, target=None) -> TreeSpec:
+    if tree == "dynamic":  # a placeholder as deep as the heads: each step chooses its own tree
+        return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
     if tree == "chain":
         return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
     accuracy = [row[:top_k] for row in accuracy]  # the chosen tree's nodes are each head's top-k candidates
@@ -112,6 +116,10 @@ class Medusa(Method):
         self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
         self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads, config.top_k, target)
         self.max_draft_nodes = len(self.tree)
+        self.cost: CostCurve | None = None
+        if config.tree == "dynamic":
+            self.cost = cost_curve(target)
+            self.max_draft_nodes = _AUTO_MAX
         if config.typical:
             self.typical = (config.posterior_threshold, config.posterior_alpha)
         self._by_depth = [sum(1 for d in self.tree.depth_of if d <= k) for k in range(self.tree.max_depth + 1)]
@@ -125,10 +133,12 @@ class Medusa(Method):
         if self.last_hidden is None or budget <= 0:
             return Draft()
         depth = min(budget, self.tree.max_depth)
-        n = self._by_depth[depth]
         states = self.heads(self.last_hidden.float()[None])[:, 0]  # [K, hidden]
         logits = self.lm_rows(states[:depth]).float()  # [depth, V']
         probs = torch.softmax(logits, dim=-1)
+        if self.cost is not None:
+            return self._dynamic(probs)
+        n = self._by_depth[depth]
         max_rank = max(self.tree.ranks[:n]) + 1
         top_p, top_i = probs.topk(max_rank, dim=-1)
         ids = self.vocab_ids[top_i]
@@ -136,6 +146,21 @@ class Medusa(Method):
         q_token = [float(top_p[d - 1, r]) for d, r in zip(self.tree.depth_of[:n], self.tree.ranks[:n])]
         return Draft(tokens=tokens, parents=list(self.tree.parents[:n]), q_token=q_token,
                      info={"tree_nodes": n, "heads": self.heads.blocks.__len__()})
+
+    def _dynamic(self, probs: torch.Tensor) -> Draft:
+        """This step's tree: the paths whose heads are most confident (the product of each rank's
+        probability stands for its chance of acceptance, as measured accuracy does for a static
+        tree), as many as pay for their verification."""
+        top_p, top_i = probs.topk(min(self.config.top_k, probs.shape[-1]), dim=-1)
+        confidence = top_p.tolist()
+        paths = choose_tree(confidence, _AUTO_MAX)
+        size = max(1, best_size([path_value(p, confidence) for p in paths], self.cost))
+        spec = TreeSpec.from_paths(paths[:size])
+        ids = self.vocab_ids[top_i].tolist()
+        nodes = list(zip(spec.depth_of, spec.ranks))
+        return Draft(tokens=[ids[d - 1][r] for d, r in nodes], parents=list(spec.parents),
+                     q_token=[confidence[d - 1][r] for d, r in nodes],
+                     info={"tree_nodes": len(spec), "heads": len(self.heads.blocks)})
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
         self.last_hidden = outcome.target_out.hidden[outcome.kept_rows[-1]]
