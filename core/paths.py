@@ -21,7 +21,7 @@ def data_dir() -> Path:
 
 
 def assets_dir() -> Path:
-    """The shipped assets (trained heads, prompt sets, icons)."""
+    """The shipped assets (trained heads, the answers they were trained on, prompt sets, icons)."""
     import assets
 
     return Path(assets.__file__).resolve().parent

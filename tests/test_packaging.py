@@ -80,7 +80,8 @@ def test_wheel_carries_every_asset(setuptools_dist):
 
 def test_package_data_globs_cover_heads_before_they_exist():
     globs = bundle_data.asset_globs()
-    for needed in ("heads/*.safetensors", "heads/*.json", "prompts/*.jsonl", "icons/*.png", "icons/*.svg"):
+    for needed in ("heads/*.safetensors", "heads/*.json", "training/*.safetensors", "prompts/*.jsonl", "icons/*.png",
+                   "icons/*.svg"):
         assert needed in globs
 
 
