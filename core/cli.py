@@ -490,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-only", action="store_true", help="generate the data (resumably) and stop, without training")
     g.add_argument("--workdir", type=Path, help="cache for answers, features and checkpoints")
     g.add_argument("--corpus", type=Path, help="answers made before (token ids, --save-corpus): read by the target "
-                   "instead of generated, about twice as fast (default: the project's assets/training file for "
+                   "instead of generated, about 1.6x as fast (default: the project's assets/training file for "
                    "the target, where there is one)")
     g.add_argument("--save-corpus", type=Path, metavar="FILE", help="with --data-only: add the token ids of every "
                    "answer made so far to FILE")
