@@ -176,8 +176,8 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
 
     ``corpus`` (prompt index -> prompt and answer token ids, :func:`load_corpus`) holds answers
     made earlier, perhaps on another machine: those are not generated again but read once by
-    the target (teacher forcing: 160 tokens a second on two cores against ~100 generating), which gives their
-    features and labels.
+    the target (teacher forcing: 160 tokens a second on two cores against ~100 generating),
+    which gives their features and labels.
     """
     from core.models.native import Generated, greedy_batch
 
