@@ -49,7 +49,7 @@ class MedusaConfig(MethodConfig):
     tree: str = param("auto", "Candidate tree: auto (sized to this machine's verification cost), dynamic (chosen "
                       "each step from the heads' confidence, sized likewise), small, large, chain, or a JSON file "
                       "with a list of rank paths", label="tree", cli="--tree")
-    top_k: int = param(10, "Candidates considered per head when choosing a tree (auto, small, large): paths "
+    top_k: int = param(10, "Candidates considered per head when choosing a tree (auto, dynamic, small, large): paths "
                        "through a lower-ranked candidate are left out", label="top-k", minimum=1, maximum=64,
                        cli="--medusa-top-k")
     typical: bool = param(False, "Medusa's typical acceptance at temperature > 0 (LOSSY: output no longer follows "
@@ -69,9 +69,7 @@ def path_value(path: tuple[int, ...], accuracy: list[list[float]]) -> float:
 
 
 def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top_k: int, target=None) -> TreeSpec:
-    if tree == "dynamic":  # a placeholder as deep as the heads: each step chooses its own tree
-        return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
-    if tree == "chain":
+    if tree in ("chain", "dynamic"):  # for "dynamic", a placeholder as deep as the heads: each step chooses its own
         return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
     accuracy = [row[:top_k] for row in accuracy]  # the chosen tree's nodes are each head's top-k candidates
     if tree in _BUDGETS:
