@@ -159,7 +159,6 @@ def test_a_corpus_answer_is_used_only_where_it_answers_that_prompt_in_full(tmp_p
     path = tmp_path / "corpus.safetensors"
     generate_answers(model, tok, PROMPTS[:3], 6, tmp_path / "first", slots=3, shard_size=3)
     assert save_corpus(tmp_path / "first", path, "tiny") == 3
-    generate_answers(model, tok, PROMPTS, 6, tmp_path / "second", slots=3, shard_size=3)
     whole = generate_answers(model, tok, PROMPTS, 6, tmp_path / "second", slots=3, shard_size=3)
     save_corpus(tmp_path / "first", path, "tiny")
     assert len(load_corpus(path, "tiny")) == 3

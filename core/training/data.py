@@ -192,11 +192,13 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         done.update(keys[i] for i in wanted)
     todo = [(k, chat_prompt_ids(tokenizer, p)) for k, p in enumerate(prompts) if k not in done]
     stop = set(model.info.eos_token_ids)
-    known = {k: (usable_answer(corpus[k], ids, max_new_tokens, stop), len(ids))
-             for k, ids in todo if corpus and k in corpus}
-    known = {k: v for k, v in known.items() if v[0] is not None}
+    known: dict[int, tuple[list[int], int]] = {}  # key -> (corpus answer, prompt length)
+    for k, ids in todo:
+        seq = usable_answer(corpus[k], ids, max_new_tokens, stop) if corpus and k in corpus else None
+        if seq is not None:
+            known[k] = (seq, len(ids))
     todo = [(k, ids) for k, ids in todo if k not in known]
-    stage = {"name": "Reading answers from the corpus" if known else "Generating answers"}
+    stage = "Reading answers from the corpus" if known else "Generating answers"
     pending: list[tuple[int, Generated]] = []
     counted = {"tokens": sum(p.num_tokens for p in parts)}
 
@@ -214,19 +216,17 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         if len(pending) >= shard_size:
             save()
         if progress:
-            progress(f"{stage['name']} ({len(done)}/{len(prompts)}, {counted['tokens']:,} tokens)",
+            progress(f"{stage} ({len(done)}/{len(prompts)}, {counted['tokens']:,} tokens)",
                      len(done) / len(prompts))
 
     try:
         for key, (seq, prompt_len) in known.items():
             if should_cancel():
                 raise Cancelled("reading the corpus cancelled")
-            model.reset()
-            out = model.forward(seq[:-1], hidden=True, prefill=True)
-            model.reset()
-            on_done(key, Generated(tokens=torch.tensor(seq[:-1], dtype=torch.int32), features=out.hidden.half(),
-                                   labels=out.logits.argmax(-1).to(torch.int32), prompt_len=prompt_len))
-        stage["name"] = "Generating answers"
+            features, labels = read_once(model, seq[:-1])
+            on_done(key, Generated(tokens=torch.tensor(seq[:-1], dtype=torch.int32), features=features,
+                                   labels=labels, prompt_len=prompt_len))
+        stage = "Generating answers"
         if todo:
             greedy_batch(model, todo, max_new_tokens, model.info.eos_token_ids, on_done, slots=slots,
                          should_cancel=should_cancel)
@@ -234,6 +234,15 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         if pending:
             save()
     return FeatureSet.concat(parts) if parts else FeatureSet.empty(model.info.hidden_size)
+
+
+def read_once(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's final-norm feature (float16) and argmax at every position of ``seq``, in one
+    pass from an empty cache (the prompt path: exactness is not needed for training data)."""
+    model.reset()
+    out = model.forward(torch.tensor(seq), hidden=True, prefill=True)
+    model.reset()
+    return out.hidden.half(), out.logits.argmax(-1).to(torch.int32)
 
 
 def usable_answer(seq: list[int], prompt_ids: list[int], max_new_tokens: int, stop: set[int]) -> list[int] | None:
@@ -251,15 +260,16 @@ def save_corpus(shard_dir: Path, path: Path, target: str) -> int:
     """Add the token ids of every answer finished in ``shard_dir`` (prompt and answer, no
     features) to the corpus at ``path``; return how many it holds. A few MB per million tokens:
     small enough to keep with the project, so the hours of generating them are spent once."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     entries = load_corpus(path, target)
     for shard in sorted(shard_dir.glob("answers-*.safetensors")):
-        part, keys = FeatureSet.load_keyed(shard)
-        bounds = part.starts.tolist()
+        with safe_open(str(shard), framework="pt") as f:  # the ids only: the features are most of the file
+            keys, tokens, labels, bounds = (f.get_tensor(n).tolist() for n in ("keys", "tokens", "labels", "starts"))
         for i, key in enumerate(keys):
             s, e = bounds[i], bounds[i + 1]
-            entries[key] = part.tokens[s:e].tolist() + [int(part.labels[e - 1])]
+            entries[key] = tokens[s:e] + [labels[e - 1]]
     keys = sorted(entries)
     lengths = [len(entries[k]) for k in keys]
     tensors = {"keys": torch.tensor(keys, dtype=torch.long),
@@ -391,10 +401,9 @@ def extract_features(target, sequences: list[list[int]], shard_dir: Path, shard_
         for seq in chunk:
             if should_cancel():
                 raise Cancelled("feature extraction cancelled")
-            target.reset()
-            out = target.forward(torch.tensor(seq), hidden=True, prefill=True)
-            feats.append(out.hidden.to(torch.float16))
-            labels.append(out.logits.argmax(-1).to(torch.int32))
+            seq_features, seq_labels = read_once(target, seq)
+            feats.append(seq_features)
+            labels.append(seq_labels)
             toks.append(torch.tensor(seq, dtype=torch.int32))
             starts.append(starts[-1] + len(seq))
         part = FeatureSet(torch.cat(feats), torch.cat(toks), torch.cat(labels), torch.tensor(starts))
@@ -402,7 +411,6 @@ def extract_features(target, sequences: list[list[int]], shard_dir: Path, shard_
         parts.append(part)
         if progress:
             progress(f"Extracting target features (shard {s + 1}/{n_shards})", (s + 1) / n_shards)
-    target.reset()
     return FeatureSet.concat(parts)
 
 
