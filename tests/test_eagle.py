@@ -113,6 +113,37 @@ def test_a_training_step_lowers_the_loss(target, unroll):
     assert len(acc["top1_by_level"]) == 3 and acc["top1_by_level"][0] == acc["top1"]
 
 
+def test_auto_size_grows_only_levels_that_can_pay(target, tmp_path, monkeypatch):
+    """With the tree sized by the verify cost, a level whose nodes are too unlikely to pay is not
+    grown: nothing past the first when verifying is dear, every level when it is free, and on a costly (convex)
+    curve the same draft as growing every level, from fewer drafter passes."""
+    from core.costmodel import CostCurve
+
+    head = make_head_file(tmp_path / "eagle.safetensors", target.model)
+    cfg = EagleConfig(head=str(head), tree="dynamic", depth=5, top_k=3, total_tokens=40)
+
+    def steps(curve, prune=True):
+        method = build_method("eagle", cfg, target)
+        method.cost = curve
+        if not prune:
+            monkeypatch.setattr(method, "_worth_adding", lambda values: 0.0)
+        gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+        events = list(generate(target.model, target.tokenizer, method, PROMPT, gen))
+        drafted = [(e.tree, e.internals) for e in events if "levels_grown" in e.internals]
+        assert len(drafted) > len(events) // 2
+        return drafted
+
+    free = steps(CostCurve.linear(0.0))
+    assert all(i["levels_grown"] == i["depth"] for _, i in free)  # the depth the step allowed
+    assert {i["nodes_grown"] for _, i in free if i["depth"] == 5} == {3 + 4 * 3 * 3}
+    dear = steps(CostCurve.linear(10.0))
+    assert {(i["levels_grown"], i["nodes_grown"], i["kept"]) for _, i in dear} == {(1, 3, 1)}
+    costly, everything = steps(CostCurve.linear(0.2)), steps(CostCurve.linear(0.2), prune=False)
+    assert [t for t, _ in costly] == [t for t, _ in everything] and any(t["tokens"] for t, _ in costly)
+    assert all(i["levels_grown"] == i["depth"] for _, i in everything)
+    assert any(i["levels_grown"] < i["depth"] for _, i in costly)
+
+
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
 def test_eagle_sampling_is_lossless(tmp_path, shape):
     from test_distribution import assert_samples_the_target

@@ -15,7 +15,8 @@ Drafting: ``chain`` follows the top token for ``depth`` steps (EAGLE-1). ``dynam
 (EAGLE-2) takes the ``top_k`` children of the root, then at each further level expands the
 ``top_k`` frontier nodes with the highest cumulative log-probability, and finally keeps the
 best nodes of all levels for verification: at most ``total_tokens``, and with ``auto_size``
-only as many as pay for their verification on this machine (:mod:`core.costmodel`). The head keeps its own KV
+only as many as pay for their verification on this machine (:mod:`core.costmodel`); a level
+whose nodes are all too unlikely to pay is then not grown (on a CPU most steps stop early). The head keeps its own KV
 cache of (true feature, token) pairs across steps; draft-time entries are cropped after
 each step and the accepted tokens re-enter with the target's true features.
 """
@@ -214,8 +215,17 @@ class Eagle(Method):
 
         frontier = add_children(-1, self._log_probs(feat[None])[0], 0.0)
         parent_feat = {n: feat for n in frontier}
+        levels = 1
         for level in range(1, depth):
             expand = sorted(frontier, key=lambda n: -score[n])[:k]
+            if self.cost is not None:
+                # A child is never likelier than its parent: where a parent's chance is below what one
+                # more node must add to pay for its verification, its subtree would be grown for nothing.
+                floor = self._worth_adding(sorted((math.exp(x) for x in score), reverse=True)[:total])
+                expand = [n for n in expand if math.exp(score[n]) > floor]
+                if not expand:
+                    break
+            levels += 1
             base_len = d.len
             mask = torch.zeros(len(expand), base_len + len(expand), dtype=torch.bool)
             mask[:, :root] = True  # the true pairs
@@ -247,4 +257,13 @@ class Eagle(Method):
         new_index = {old: i for i, old in enumerate(keep)}
         parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
         return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],
-                     info={"shape": "dynamic", "depth": depth, "nodes_grown": len(tok), "kept": len(keep)})
+                     info={"shape": "dynamic", "depth": depth, "levels_grown": levels, "nodes_grown": len(tok),
+                           "kept": len(keep)})
+
+    def _worth_adding(self, values: list[float]) -> float:
+        """The least chance of acceptance v with which one more node pays for itself, given the nodes'
+        chances so far (descending): (E + v) / C(n + 2) > E / C(n + 1), where the cost model keeps n
+        nodes expecting E tokens and C(m) is the cost of verifying m tokens (the root's included)."""
+        n = best_size(values, self.cost)
+        expected = 1.0 + sum(values[:n])
+        return expected * (self.cost(n + 2) - self.cost(n + 1)) / self.cost(n + 1)
