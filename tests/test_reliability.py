@@ -128,6 +128,22 @@ def test_a_write_that_fails_half_way_keeps_the_old_file_and_leaves_no_temporary(
     assert [p.name for p in tmp_path.iterdir()] == ["out.bin"]
 
 
+def test_a_replaced_file_keeps_its_permissions_and_a_new_one_gets_the_usual_ones(tmp_path, monkeypatch):
+    """Some serializers (safetensors) create files for the owner alone; what SpecPlay writes does not."""
+    from core import atomic
+
+    monkeypatch.setattr(atomic, "_UMASK", 0o022)
+    for name, before, after in [("new.bin", None, 0o644), ("shared.bin", 0o664, 0o664)]:
+        path = tmp_path / name
+        if before is not None:
+            path.write_bytes(b"old")
+            path.chmod(before)
+        with atomic.replacing(path) as tmp:
+            tmp.write_bytes(b"new")
+            tmp.chmod(0o600)
+        assert (path.stat().st_mode & 0o777, path.read_bytes()) == (after, b"new")
+
+
 def _full_disk(monkeypatch):
     def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
