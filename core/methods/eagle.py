@@ -16,9 +16,10 @@ Drafting: ``chain`` follows the top token for ``depth`` steps (EAGLE-1). ``dynam
 ``top_k`` frontier nodes with the highest cumulative log-probability, and finally keeps the
 best nodes of all levels for verification: at most ``total_tokens``, and with ``auto_size``
 only as many as pay for their verification on this machine (:mod:`core.costmodel`); a level
-whose nodes are all too unlikely to pay is then not grown (on a CPU most steps stop early). The head keeps its own KV
-cache of (true feature, token) pairs across steps; draft-time entries are cropped after
-each step and the accepted tokens re-enter with the target's true features.
+whose nodes are all too unlikely to pay is then not grown (with the shipped head on two cores
+this rarely cuts a level: docs/benchmarks.md). The head keeps its own KV cache of (true
+feature, token) pairs across steps; draft-time entries are cropped after each step and the
+accepted tokens re-enter with the target's true features.
 """
 
 from __future__ import annotations
