@@ -409,9 +409,10 @@ class NativeDecoder(CausalLM):
         mask4 = None if mask is None else mask[None, None]
 
         dt = self._compute_dtype
-        # A prompt is read alike by every method, so the float64 attention that keeps decoding
-        # and verification row-exact is not needed there: on a long prompt it cost a third of the time.
-        attn_dtype = torch.float32 if prefill and self._cache_dtype == torch.float64 else None
+        # Row-exact int8 only: a prompt is read alike by every method, so the float64 attention that
+        # keeps its decoding and verification row-exact is not needed there (on a long prompt it cost
+        # a third of the time). A float64 model keeps float64 everywhere: it is the exact reference.
+        attn_dtype = torch.float32 if prefill and self.storage == "int8" else None
         cos, sin = rope_tables(positions, self._inv_freq, c.rope_scaling, dt)
         x = self._embed_rows(tokens).to(dt)
         wanted = set(layers)
