@@ -102,6 +102,20 @@ def draft_lm_rows(target, vocab_ids: torch.Tensor, path: Path):
     """The target's frozen LM head restricted to a heads file's draft vocabulary, in the target's storage."""
     from core.models.linear import make_linear, storage_of
 
-    if int(vocab_ids.max()) >= target.info.vocab_size:
-        raise ModelError(f"{path}: draft vocabulary has ids beyond the target's {target.info.vocab_size} tokens")
+    _check_vocab_ids(vocab_ids, target.info.vocab_size, path)
     return make_linear(target.lm_head_weight()[vocab_ids], None, storage_of(target.info))
+
+
+def _check_vocab_ids(vocab_ids: torch.Tensor, vocab_size: int, path: Path) -> None:
+    """A draft vocabulary must be distinct target ids: a negative id would index the LM head from
+    its end and come out as a negative token, a repeated one would be drafted twice over with its
+    probability counted twice."""
+    if vocab_ids.dim() != 1 or vocab_ids.numel() == 0 or vocab_ids.is_floating_point():
+        raise ModelError(f"{path}: the draft vocabulary must be a non-empty list of token ids "
+                         f"(found {vocab_ids.dtype} of shape {tuple(vocab_ids.shape)})")
+    low, high = int(vocab_ids.min()), int(vocab_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ModelError(f"{path}: the draft vocabulary has ids outside the target's {vocab_size} tokens "
+                         f"(from {low} to {high})")
+    if vocab_ids.unique().numel() != vocab_ids.numel():
+        raise ModelError(f"{path}: the draft vocabulary lists some token ids more than once")

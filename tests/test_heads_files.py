@@ -1,0 +1,41 @@
+"""Heads files: a draft vocabulary that does not name distinct target tokens is refused, naming the file."""
+
+import pytest
+import torch
+
+from core.errors import ModelError
+from core.heads import MedusaHeads, save_heads
+from core.methods import build_method
+from core.methods.medusa import MedusaConfig
+from tiny import loaded, native_from_hf, tiny_hf_model
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)))
+
+
+def heads_file(path, vocab_ids):
+    tensors = dict(MedusaHeads(32, 2).state_dict(), vocab_ids=vocab_ids)
+    save_heads(path, tensors, {"kind": "medusa", "target": "tiny", "hidden_size": 32, "vocab_size": VOCAB,
+                               "num_heads": 2, "accuracy": [[0.5, 0.1], [0.3, 0.1]]})
+    return path
+
+
+@pytest.mark.parametrize("vocab_ids", [
+    torch.tensor([], dtype=torch.long),  # crashed on max() of an empty tensor
+    torch.tensor([-1, 4, 5]),  # indexed the LM head from its end, drafted token -1
+    torch.tensor([4, 5, 5, 6]),  # drafted token 5 twice over
+    torch.tensor([4, VOCAB]),  # beyond the vocabulary
+])
+def test_a_draft_vocabulary_of_anything_but_distinct_target_ids_is_refused(tmp_path, target, vocab_ids):
+    path = heads_file(tmp_path / "bad-heads.safetensors", vocab_ids)
+    with pytest.raises(ModelError, match=r"bad-heads\.safetensors: .*draft vocabulary"):
+        build_method("medusa", MedusaConfig(heads=str(path)), target)
+
+
+def test_a_draft_vocabulary_of_distinct_target_ids_in_any_order_loads(tmp_path, target):
+    path = heads_file(tmp_path / "heads.safetensors", torch.tensor([9, 2, 63, 0]))
+    assert build_method("medusa", MedusaConfig(heads=str(path)), target).vocab_ids.tolist() == [9, 2, 63, 0]
