@@ -36,10 +36,19 @@ from core.errors import ConfigError, SpecPlayError
 from core.types import Fate, StepEvent, StepTiming, TokenEvent
 
 KEY_ENV = "OPENAI_API_KEY"
+DEFAULT_TIMEOUT_S = 120.0
+MAX_WAIT_S = 86400.0  # the longest timeout accepted: a day
 
 
 class RemoteError(SpecPlayError):
     """An endpoint could not be reached or answered with an error (the message says which)."""
+
+
+def _seconds(option: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"endpoint {option} must be a number of seconds, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,12 @@ class Endpoint:
     model: str = ""  # sent as "model"; empty: the first model the server lists
     name: str = ""  # label in tables and records (default: host:port and model)
     key_env: str = KEY_ENV
-    timeout_s: float = 120.0  # per read: a server silent this long ends the run
+    timeout_s: float = DEFAULT_TIMEOUT_S  # per read: a server silent this long ends the run
+
+    def __post_init__(self) -> None:
+        # Checked on every construction, not only when parsed, so that no caller can build one
+        # that fails later with a traceback.
+        self.check()
 
     @staticmethod
     def parse(spec: str) -> "Endpoint":
@@ -64,20 +78,31 @@ class Endpoint:
             if not sep or key not in ("model", "name", "key-env", "timeout"):
                 raise ConfigError(f"endpoint option '{p}' is not model=, name=, key-env= or timeout=")
             fields_[key.replace("-", "_")] = value
-        timeout = fields_.pop("timeout", None)
-        try:
-            ep = Endpoint(url=url, **fields_, timeout_s=float(timeout) if timeout else 120.0)
-        except ValueError:
-            raise ConfigError(f"endpoint timeout must be a number of seconds, got {timeout!r}") from None
-        ep.check()
-        return ep
+        timeout = fields_.pop("timeout", "")
+        if timeout:
+            fields_["timeout_s"] = _seconds("timeout", timeout)
+        return Endpoint(url=url, **fields_)
 
     def check(self) -> None:
+        """Refuse, in one line, what the connection would otherwise fail on with a traceback."""
+        # http.client sends the URL as ASCII and rejects spaces and control characters mid-request.
+        if not self.url.isascii() or any(c.isspace() or not c.isprintable() for c in self.url):
+            raise ConfigError(f"endpoint URL must be ASCII without spaces (an international host name in its "
+                              f"xn-- form), got {self.url!r}")
         u = urllib.parse.urlsplit(self.url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ConfigError(f"endpoint URL must be http(s)://host[:port]/..., got {self.url!r}")
-        if not self.timeout_s > 0:
-            raise ConfigError("endpoint timeout must be positive")
+        try:
+            port = u.port
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise ConfigError(f"endpoint port must be a number from 1 to 65535, got {self.url!r}")
+        timeout = self.timeout_s
+        # NaN fails the comparison; beyond a day, socket timeouts overflow on some platforms.
+        if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_WAIT_S:
+            raise ConfigError(f"endpoint timeout must be more than 0 and at most {MAX_WAIT_S:g} seconds, "
+                              f"got {timeout!r}")
 
     @property
     def label(self) -> str:

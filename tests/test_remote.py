@@ -54,6 +54,23 @@ def test_endpoint_specs_parse_and_bad_ones_are_refused():
             Endpoint.parse(bad)
 
 
+@pytest.mark.parametrize("spec", ["http://127.0.0.1:99999/v1", "http://127.0.0.1:abc/v1", "http://127.0.0.1:0/v1",
+                                  "http://127.0.0.1:8000/v1,timeout=inf", "http://127.0.0.1:8000/v1,timeout=nan",
+                                  "http://127.0.0.1:8000/v1,timeout=1e999", "http://127.0.0.1:8000/my models/v1",
+                                  "http://exämple.org:8000/v1"])
+def test_bad_ports_timeouts_and_urls_are_refused_in_one_line(spec):
+    with pytest.raises(ConfigError) as caught:
+        Endpoint.parse(spec)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_bad_port_on_the_command_line_is_a_message_not_a_traceback(capsys):
+    from core.cli import main
+
+    assert main(["run", "--engine", "http://127.0.0.1:99999/v1", "--prompt", "x"]) == 1
+    assert "port" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------- a fake OpenAI server
 class FakeEngine:
     """An OpenAI-compatible server on 127.0.0.1 that streams a fixed answer word by word.
