@@ -445,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", help=f"comma-separated, from: {', '.join(METHODS)}")
     p.add_argument("--engine", action="append", default=[], metavar="URL[,model=M][,name=N]",
                    help="an OpenAI-compatible endpoint to compare instead of local methods (repeatable; the first "
-                        "is the baseline); the API key comes from $OPENAI_API_KEY (key-env=VAR) or the OS keyring")
+                        "is the baseline); an API key is sent only from the variable key-env=VAR names or the OS "
+                        "keyring entry for the URL, and never over plain http:// to another machine")
     p.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS,
                    help="untimed warm-up generation per method (0 = none)")
     p.add_argument("--why", action="store_true",

@@ -13,15 +13,16 @@ engine's own documented surface, where it has one:
   ``/metrics`` after the run (the server's recent average).
 - **llama.cpp's server**: ``timings.draft_n`` and ``timings.draft_n_accepted`` in the response.
 
-Where an engine exposes none of these, the run says so (``spec_source`` is None). The API key
-is read from an environment variable (``OPENAI_API_KEY`` unless the endpoint names another) or
-the OS keyring (service ``specplay``, user = the base URL) and is never written to a record,
-a log or the history.
+Where an engine exposes none of these, the run says so (``spec_source`` is None). An API key
+is sent only where the endpoint has one of its own: the environment variable its ``key-env=``
+names, or the OS keyring entry for its URL (service ``specplay``, user = the base URL); never
+over plain http:// to another machine, and never written to a record, a log or the history.
 """
 
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import os
 import re
@@ -35,7 +36,6 @@ from typing import Callable, Iterator
 from core.errors import ConfigError, SpecPlayError
 from core.types import Fate, StepEvent, StepTiming, TokenEvent
 
-KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_TIMEOUT_S = 120.0
 MAX_WAIT_S = 86400.0  # the longest timeout accepted: a day
 
@@ -58,7 +58,7 @@ class Endpoint:
     url: str
     model: str = ""  # sent as "model"; empty: the first model the server lists
     name: str = ""  # label in tables and records (default: host:port and model)
-    key_env: str = KEY_ENV
+    key_env: str = ""  # the environment variable holding this server's API key; empty: none
     timeout_s: float = DEFAULT_TIMEOUT_S  # per read: a server silent this long ends the run
 
     def __post_init__(self) -> None:
@@ -90,6 +90,10 @@ class Endpoint:
             raise ConfigError(f"endpoint URL must be ASCII without spaces (an international host name in its "
                               f"xn-- form), got {self.url!r}")
         u = urllib.parse.urlsplit(self.url)
+        # The URL goes into records, logs and the history: a secret in it would too.
+        if "@" in u.netloc or u.query or u.fragment:
+            raise ConfigError(f"endpoint URL must not carry credentials or a query string ({_redacted(u)}): "
+                              "name the key's variable with key-env= or store it in the keyring")
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ConfigError(f"endpoint URL must be http(s)://host[:port]/..., got {self.url!r}")
         try:
@@ -103,6 +107,10 @@ class Endpoint:
         if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_WAIT_S:
             raise ConfigError(f"endpoint timeout must be more than 0 and at most {MAX_WAIT_S:g} seconds, "
                               f"got {timeout!r}")
+        if self.key_env and not _ENV_NAME.fullmatch(self.key_env):
+            raise ConfigError(f"key-env= must name an environment variable, got {self.key_env!r}")
+        if self.key_env and not _may_carry_key(u):
+            raise ConfigError(_clear_text_key(u))
 
     @property
     def label(self) -> str:
@@ -117,18 +125,49 @@ class Endpoint:
 
 
 def api_key(endpoint: Endpoint) -> str | None:
-    """The key from the endpoint's environment variable, else the OS keyring, else None."""
-    key = os.environ.get(endpoint.key_env)
-    if key:
-        return key
+    """The endpoint's own key: from the variable its ``key-env=`` names, else from the OS keyring
+    entry for its URL, else None. A key set for one server (``$OPENAI_API_KEY``) never goes to
+    another, and none crosses a network in clear text (plain http:// off this machine)."""
+    key = (os.environ.get(endpoint.key_env) if endpoint.key_env else None) or _keyring_key(endpoint.url)
+    u = urllib.parse.urlsplit(endpoint.url)
+    if key and not _may_carry_key(u):
+        raise RemoteError(_clear_text_key(u))
+    return key
+
+
+def _keyring_key(url: str) -> str | None:
     try:
         import keyring  # optional
     except ImportError:
         return None
     try:
-        return keyring.get_password("specplay", endpoint.url)
+        return keyring.get_password("specplay", url)
     except Exception:  # no usable keyring backend
         return None
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _may_carry_key(u: urllib.parse.SplitResult) -> bool:
+    """Whether a key may go to this URL: encrypted, or to this machine (localhost or a loopback
+    address; other names are not resolved, as a resolver could point them anywhere)."""
+    if u.scheme == "https" or u.hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(u.hostname).is_loopback
+    except ValueError:
+        return False
+
+
+def _clear_text_key(u: urllib.parse.SplitResult) -> str:
+    return (f"refusing to send an API key over plain http:// to {u.hostname}, which is not this machine: "
+            "use https:// or drop key-env= and the keyring entry")
+
+
+def _redacted(u: urllib.parse.SplitResult) -> str:
+    """The URL without user info, query or fragment, for messages about them."""
+    return f"{u.scheme}://{u.netloc.rpartition('@')[2]}{u.path}"
 
 
 # ------------------------------------------------------------------------------------ HTTP

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from core.errors import ConfigError
-from core.remote import (Endpoint, compare_endpoints, format_remote_table, llamacpp_spec_stats, parse_prometheus,
-                         remote_record, sglang_spec_stats, stream_completion, vllm_spec_stats)
+from core.remote import (Endpoint, RemoteError, api_key, compare_endpoints, format_remote_table, llamacpp_spec_stats,
+                         parse_prometheus, remote_record, sglang_spec_stats, stream_completion, vllm_spec_stats)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "remote"
 
@@ -175,6 +176,56 @@ def test_a_streamed_run_is_timed_and_its_speculation_read_from_the_counters(monk
     assert "sk-secret" not in json.dumps(record)  # the key never reaches a record
     assert record["method"].startswith("remote:") and record["choices"][0]["turns"] == [run.text]
     assert record["acceptance_by_position"] == [1.0, 0.75, 0.25] and record["spec_source"] == "vllm-metrics"
+
+
+class FakeKeyring:
+    """The ``keyring`` package's one call SpecPlay makes, over a dict of (service, user) -> key."""
+
+    def __init__(self, entries: dict):
+        self.entries = entries
+
+    def get_password(self, service, user):
+        return self.entries.get((service, user))
+
+
+def test_the_global_openai_key_goes_only_to_an_endpoint_that_names_it(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-global")
+    monkeypatch.setitem(sys.modules, "keyring", None)  # no keyring: only the variable could give a key
+    with FakeEngine(spec="none") as engine:
+        stream_completion(Endpoint(engine.url), "say words", max_tokens=2)
+        stream_completion(Endpoint(engine.url, key_env="OPENAI_API_KEY"), "say words", max_tokens=2)
+    assert engine.auth == [None, "Bearer sk-global"]
+
+
+def test_a_keyring_entry_goes_to_its_own_url_only(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with FakeEngine(spec="none") as mine, FakeEngine(spec="none") as other:
+        monkeypatch.setitem(sys.modules, "keyring", FakeKeyring({("specplay", mine.url): "sk-mine"}))
+        stream_completion(Endpoint(mine.url), "say words", max_tokens=2)
+        stream_completion(Endpoint(other.url), "say words", max_tokens=2)
+    assert (mine.auth, other.auth) == (["Bearer sk-mine"], [None])
+
+
+def test_a_key_never_crosses_the_network_in_clear_text(monkeypatch):
+    monkeypatch.setenv("SPECPLAY_TEST_KEY", "sk-secret")
+    for ok in ("https://192.0.2.7/v1", "http://localhost:8000/v1", "http://127.0.0.2:8000/v1", "http://[::1]:8000/v1"):
+        assert Endpoint.parse(f"{ok},key-env=SPECPLAY_TEST_KEY").key_env == "SPECPLAY_TEST_KEY"
+    with pytest.raises(ConfigError, match="https"):
+        Endpoint.parse("http://192.0.2.7:8000/v1,key-env=SPECPLAY_TEST_KEY")
+    lan = "http://192.0.2.7:8000/v1"  # TEST-NET: nothing answers there, and nothing is sent
+    monkeypatch.setitem(sys.modules, "keyring", FakeKeyring({("specplay", lan): "sk-stored"}))
+    with pytest.raises(RemoteError, match="plain http"):
+        api_key(Endpoint(lan))
+    run = stream_completion(Endpoint(lan, timeout_s=1), "hi", max_tokens=2)
+    assert "refusing to send an API key" in run.error and "sk-stored" not in run.error
+
+
+@pytest.mark.parametrize("url", ["http://user:sk-pw@127.0.0.1:8000/v1", "http://sk-pw@127.0.0.1:8000/v1",
+                                 "http://127.0.0.1:8000/v1?api_key=sk-pw", "http://127.0.0.1:8000/v1#sk-pw"])
+def test_credentials_in_the_url_are_refused_without_repeating_them(url):
+    with pytest.raises(ConfigError, match="credentials") as caught:
+        Endpoint.parse(url)
+    assert "sk-pw" not in str(caught.value)
 
 
 def test_two_endpoints_compare_side_by_side():
