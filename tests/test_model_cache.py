@@ -132,6 +132,51 @@ def test_models_list_shows_sizes_and_prune_frees_what_is_made_again_on_demand(tm
     assert "not in the model cache" in capsys.readouterr().err
 
 
+def test_prune_deletes_only_cache_entries_named_as_listed_and_nothing_if_one_name_is_not(tmp_path, monkeypatch):
+    """Names that are paths (the user's own model folder) or walk out of the cache are refused, and
+    a refused name stops the whole prune before anything is deleted."""
+    from core.errors import ModelError
+
+    root = tmp_path / "cache" / "models"
+    monkeypatch.setattr(convert, "models_root", lambda: root)
+    with pytest.raises(ModelError, match="not in the model cache"):
+        convert.prune(["m"])  # no cache yet: still a clear error
+    entry = old_cache_folder(root, "m")
+    (root / "gguf").mkdir()
+    mine = old_cache_folder(tmp_path / "home", "my-finetune")
+    for names in ([str(mine)], ["gguf/.."], ["m", "../../home/my-finetune"], ["m", str(mine)], [".lock"]):
+        with pytest.raises(ModelError, match="not in the model cache"):
+            convert.prune(names)
+        assert mine.is_dir() and entry.is_dir() and (root / "gguf").is_dir(), names
+    assert convert.prune(["m", "m"]) > 0 and not entry.exists()
+
+
+def test_prune_keeps_the_work_folder_of_a_running_conversion_and_removes_abandoned_ones(tmp_path, monkeypatch):
+    """A conversion holds a lock on its work folder until it ends (the system drops it if the
+    process dies): `models prune` run meanwhile, here or in another process, leaves it alone."""
+    root = tmp_path / "models"
+    monkeypatch.setattr(convert, "models_root", lambda: root)
+    abandoned = root / ".tiny-abandoned"
+    abandoned.mkdir(parents=True)
+    (abandoned / ".lock").touch()  # its process died: nothing holds the lock
+    part = tmp_path / "part.bin"
+    part.write_bytes(b"gguf bytes")
+    entry = CatalogEntry("tiny", "Tiny", "qwen2", (Part("x", "x"),), hashlib.sha256(b"gguf bytes").hexdigest(),
+                         len(b"gguf bytes"), "pip install x")
+    monkeypatch.setattr(CatalogEntry, "part_files", lambda self: [part])
+    seen = []
+
+    def convert_while_pruned(gguf, target, work, name, sha, progress, should_cancel, kinds):
+        convert.prune([])
+        seen.append((work.is_dir(), gguf.is_file(), abandoned.exists()))
+        shutil.copytree(old_cache_folder(tmp_path / "made"), target)
+
+    monkeypatch.setattr(convert, "_convert_gguf", convert_while_pruned)
+    convert.prepare_catalog_model(entry, lambda *a: None, weights="float32")
+    assert seen == [(True, True, False)]
+    assert [p.name for p in root.iterdir() if p.name != ".lock"] == ["tiny"]  # its own work folder removed at the end
+
+
 def draft_logits(folder, monkeypatch):
     from core.models import loader
 

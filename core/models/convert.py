@@ -11,6 +11,7 @@ entry it replaces stays usable until then.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -20,8 +21,9 @@ import queue
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from core.errors import Cancelled, ModelError
 from core.atomic import replacing
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 
 _CHUNK = 16 << 20
+_LOCK = ".lock"  # in the models root, and in each work folder while a conversion works in it
 
 
 def models_root() -> Path:
@@ -70,24 +73,14 @@ def prune(ids: list[str]) -> int:
 
     Without ``ids``: what is never needed to run a model, made again on demand: float32
     copies kept beside an int8 file, assembled GGUF files (for the llama.cpp peers), and
-    work folders an interrupted conversion left. With ``ids``: those cached entries, whole.
+    work folders an interrupted conversion left (never one a running conversion holds).
+    With ``ids``: those cached entries, whole; only names :func:`cached_entries` lists, so
+    no path can reach outside the cache, and nothing is deleted unless every name is known.
     """
     root = models_root()
-    if not root.is_dir():
+    if not ids and not root.is_dir():
         return 0
-    doomed: list[Path] = []
-    if ids:
-        for name in ids:
-            path = root / name
-            if not path.is_dir() or name.startswith("."):
-                raise ModelError(f"'{name}' is not in the model cache ({', '.join(cached_entries()) or 'empty'})")
-            doomed.append(path)
-    else:
-        doomed += [p for p in root.iterdir() if p.name.startswith(".")]
-        doomed += [root / "gguf"] if (root / "gguf").is_dir() else []
-        for folder in root.iterdir():
-            if (folder / INT8_WEIGHTS).is_file() and (folder / FLOAT_WEIGHTS).is_file():
-                doomed.append(folder / FLOAT_WEIGHTS)
+    doomed = _named_entries(root, ids) if ids else _rebuildable(root)
     freed = 0
     for path in doomed:
         freed += folder_size(path) if path.is_dir() else path.stat().st_size
@@ -99,6 +92,65 @@ def prune(ids: list[str]) -> int:
             write_marker(path.parent, marker)
             path.unlink()
     return freed
+
+
+def _named_entries(root: Path, names: list[str]) -> list[Path]:
+    entries = cached_entries()
+    unknown = [name for name in names if name not in entries]
+    if unknown:
+        raise ModelError(f"not in the model cache: {', '.join(map(repr, unknown))} (it holds "
+                         f"{', '.join(entries) or 'nothing'}); nothing was deleted")
+    return [root / name for name in dict.fromkeys(names)]
+
+
+def _rebuildable(root: Path) -> list[Path]:
+    """What prune frees without names: unused work folders, assembled GGUF files, float32 copies."""
+    with _root_lock():  # no work folder is between its creation and its lock while we look
+        doomed = [p for p in root.iterdir() if p.name.startswith(".") and p.is_dir() and not _in_use(p)]
+    doomed += [root / "gguf"] if (root / "gguf").is_dir() else []
+    for folder in root.iterdir():
+        if (folder / INT8_WEIGHTS).is_file() and (folder / FLOAT_WEIGHTS).is_file():
+            doomed.append(folder / FLOAT_WEIGHTS)
+    return doomed
+
+
+@contextmanager
+def _root_lock() -> Iterator[None]:
+    """Held while a work folder is made and locked, and while prune looks for unused ones."""
+    with open(models_root() / _LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
+@contextmanager
+def _work_folder(prefix: str) -> Iterator[Path]:
+    """A fresh work folder in the models root, locked while this process works in it, then removed.
+
+    The lock (``flock``, released by the system when the process dies, however it dies) is what
+    tells ``prune`` in another process that the folder is in use, not left over.
+    """
+    models_root().mkdir(parents=True, exist_ok=True)
+    with _root_lock():
+        work = Path(tempfile.mkdtemp(prefix=prefix, dir=models_root()))
+        held = open(work / _LOCK, "w")
+        fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        held.close()
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether some process (this one included) holds ``folder``'s work lock."""
+    try:
+        with open(folder / _LOCK) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except FileNotFoundError:  # a folder from before work folders were locked
+        return False
+    except BlockingIOError:
+        return True
+    return False
 
 
 def _copy_hashing(sources: Iterable[Path], dest: Path | None, total: int, progress: Progress,
@@ -180,9 +232,7 @@ def prepare_catalog_model(entry: CatalogEntry, progress: Progress = log_progress
     if kinds is None:
         return target
     files = entry.part_files()
-    models_root().mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{entry.id}-", dir=models_root()))
-    try:
+    with _work_folder(f".{entry.id}-") as work:
         gguf = work / f"{entry.id}.gguf"
         total = sum(f.stat().st_size for f in files)
         sha = _copy_hashing(files, gguf, total, progress, should_cancel, f"Assembling {entry.id} from {len(files)} parts")
@@ -192,8 +242,6 @@ def prepare_catalog_model(entry: CatalogEntry, progress: Progress = log_progress
                 f"reinstall with: {entry.install_hint} --force-reinstall"
             )
         _convert_gguf(gguf, target, work, entry.id, sha, progress, should_cancel, kinds)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return target
 
 
@@ -207,12 +255,8 @@ def prepare_gguf_file(path: Path, progress: Progress = log_progress, should_canc
     kinds = _needed_kinds(target, weights, progress)
     if kinds is None:
         return target
-    models_root().mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".gguf-", dir=models_root()))
-    try:
+    with _work_folder(".gguf-") as work:
         _convert_gguf(path, target, work, path.stem, sha, progress, should_cancel, kinds)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return target
 
 
