@@ -3,7 +3,11 @@
 import errno
 import hashlib
 import json
+import multiprocessing
+import os
+import queue
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,6 +179,87 @@ def test_prune_keeps_the_work_folder_of_a_running_conversion_and_removes_abandon
     convert.prepare_catalog_model(entry, lambda *a: None, weights="float32")
     assert seen == [(True, True, False)]
     assert [p.name for p in root.iterdir() if p.name != ".lock"] == ["tiny"]  # its own work folder removed at the end
+
+
+class InlineChild:
+    """The conversion child, run in this process: a spawned child would not see a test's patches."""
+
+    exitcode = 0
+
+    def __init__(self, target, args, daemon):
+        self._run = lambda: target(*args)
+
+    def start(self):
+        self._run()
+
+    def is_alive(self):
+        return False
+
+    def join(self, timeout=None):
+        pass
+
+
+class InlineContext:
+    Queue = queue.Queue
+    Process = InlineChild
+
+
+def converted_folder(path, sha, name="old"):
+    """A cache entry converted from a source of sha256 ``sha``, with its int8 weights."""
+    folder = save_tiny_model(path, seed=4)
+    cache.write_marker(folder, {"source": "m.gguf", "sha256": sha, "name": name})
+    cache.add_int8_weights(folder, lambda *a: None)
+    return folder
+
+
+def convert_to(made, monkeypatch, tmp_path, target, sha):
+    """Run the real conversion steps around a child that writes the folder ``made``."""
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: InlineContext)
+    monkeypatch.setattr(convert, "_convert_here", lambda gguf, out, *a: shutil.copytree(made, out))
+    work = tmp_path / "work"
+    work.mkdir()
+    convert._convert_gguf(tmp_path / "m.gguf", target, work, "m", sha, lambda *a: None, lambda: False, {"int8"})
+
+
+@pytest.mark.parametrize("same_source", [True, False])
+def test_a_new_conversion_keeps_the_draft_files_the_old_entry_made_from_the_same_source(tmp_path, monkeypatch,
+                                                                                        same_source):
+    """The llama.cpp draft and the packed int4 layers take minutes to make and are not written by a
+    conversion: a new conversion of the same source keeps them (with the int4 file's record), one
+    of another source does not (they would not match its weights)."""
+    from core.models.llamacpp_draft import DRAFT_GGUF
+
+    entry = converted_folder(tmp_path / "models" / "m", "a" * 64)
+    (entry / cache.INT4_WEIGHTS).write_bytes(b"packed int4 layers")
+    cache.record_weights(entry, "int4-draft")
+    (entry / DRAFT_GGUF).write_bytes(b"4-bit draft")
+    sha = "a" * 64 if same_source else "b" * 64
+    convert_to(converted_folder(tmp_path / "made", sha, name="new"), monkeypatch, tmp_path, entry, sha)
+    assert cache.read_marker(entry)["name"] == "new" and cache.check_weights(entry, "int8") == "ok"
+    if same_source:
+        assert (entry / DRAFT_GGUF).read_bytes() == b"4-bit draft"
+        assert cache.check_weights(entry, "int4-draft") == "ok"
+    else:
+        assert not (entry / DRAFT_GGUF).exists() and cache.check_weights(entry, "int4-draft") == "missing"
+
+
+def test_an_entry_the_new_conversion_cannot_replace_stays_whole(tmp_path, monkeypatch):
+    """The old entry is set aside, not deleted, until the new one is in place: if moving the new
+    one in fails, the old one is put back as it was."""
+    entry = converted_folder(tmp_path / "models" / "m", "a" * 64)
+    before = {p.name: p.read_bytes() for p in entry.iterdir()}
+    made = converted_folder(tmp_path / "made", "a" * 64, name="new")
+    real_replace = os.replace
+
+    def refused(src, dst):
+        if Path(src) == tmp_path / "work" / "model":
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(OSError, match="Input/output error"):
+        convert_to(made, monkeypatch, tmp_path, entry, "a" * 64)
+    assert {p.name: p.read_bytes() for p in entry.iterdir()} == before
 
 
 def draft_logits(folder, monkeypatch):

@@ -6,7 +6,8 @@ runs on (int8 on a CPU, float32 only when a float dtype is asked for; see
 :mod:`core.models.cache`), which loads in seconds. The conversion runs in a child process
 and writes into a temporary directory that is renamed into place, so a cancelled, failed or
 killed conversion (a full disk included) never leaves a half-written model behind, and the
-entry it replaces stays usable until then.
+entry it replaces stays usable until then; that entry's files made by loads from the same
+source (the llama.cpp draft, the int4 layers) are kept.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from typing import Iterable, Iterator
 
 from core.errors import Cancelled, ModelError
 from core.atomic import replacing
-from core.models.cache import (FLOAT_WEIGHTS, INT8_WEIGHTS, MARKER, WEIGHT_KINDS, add_int8_weights, check_weights,
-                               folder_size, read_marker, record_weights, weights_name, write_int8_weights,
-                               write_marker)
+from core.models.cache import (FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, MARKER, WEIGHT_KINDS, add_int8_weights,
+                               check_weights, folder_size, read_marker, record_weights, weights_name,
+                               write_int8_weights, write_marker)
 from core.models.catalog import CatalogEntry
+from core.models.llamacpp_draft import DRAFT_GGUF
 from core.paths import cache_dir
 from core.progress import Progress, ShouldCancel, log_progress, never
 
@@ -38,6 +40,8 @@ log = logging.getLogger(__name__)
 
 
 _CHUNK = 16 << 20
+#: Files a conversion does not write, made from the entry's weights when a load first needs them.
+_MADE_ON_LOAD = (DRAFT_GGUF, INT4_WEIGHTS)
 _LOCK = ".lock"  # in the models root, and in each work folder while a conversion works in it
 
 
@@ -292,10 +296,51 @@ def _convert_gguf(gguf: Path, target: Path, work: Path, name: str, sha: str, pro
         if child.is_alive():
             child.terminate()
         child.join(timeout=10)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(work / "model", target)
+    _install(work / "model", target, work / "replaced", sha)
     progress(f"{name} is ready", 1.0)
+
+
+def _install(new: Path, target: Path, aside: Path, sha: str) -> None:
+    """Put the converted model ``new`` (of source ``sha``) in ``target``'s place.
+
+    A folder cannot be renamed over a full one, so the old entry is renamed ``aside`` first
+    (into the locked work folder, removed after) and put back if the new one cannot be moved
+    in. It is deleted only once the new one is in place: only a crash in the instant between
+    the two renames leaves no entry (a new conversion then makes it again).
+    """
+    if not target.exists():
+        os.replace(new, target)
+        return
+    _keep_made_files(target, new, sha)
+    os.replace(target, aside)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(aside, target)
+        raise
+
+
+def _keep_made_files(old: Path, new: Path, sha: str) -> None:
+    """Give ``new`` the files that loads made in ``old`` after its conversion (the llama.cpp
+    draft, the packed int4 layers: minutes each), with their records, if both folders were
+    converted from the same source: another source's weights would not match them."""
+    if read_marker(old).get("sha256") != sha:
+        return
+    recorded = read_marker(old).get("files", {})
+    marker = read_marker(new)
+    for name in _MADE_ON_LOAD:
+        if (old / name).is_file() and not (new / name).exists():
+            _link_or_copy(old / name, new / name)
+            if name in recorded:
+                marker.setdefault("files", {})[name] = recorded[name]
+    write_marker(new, marker)
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)  # no copy, and the old entry is deleted soon after
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dest)
 
 
 def _conversion_child(gguf: str, out: str, name: str, sha: str, kinds: list[str], messages) -> None:
