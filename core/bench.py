@@ -297,8 +297,9 @@ def _hf_model(loaded, cache: dict):
     key = str(float_weights_dir(loaded.spec, loaded.path))
     if key not in cache:
         info = loaded.model.info
-        # A draft on llama.cpp (4-bit) runs in transformers in int8, the nearest storage it has here.
-        int8 = info.dtype == "int8" or info.backend == "llama.cpp"
+        # A 4-bit draft (on llama.cpp, or SpecPlay's int4 layers) runs in transformers in int8, the nearest
+        # storage it has here; transformers has no int4 dtype to load into.
+        int8 = info.dtype in ("int8", "int4") or info.backend == "llama.cpp"
         dtype = torch.float32 if int8 or info.dtype == "float32" else getattr(torch, info.dtype)
         hf = AutoModelForCausalLM.from_pretrained(key, dtype=dtype).eval().to(info.device)
         # Unset fields of a call's generation config are filled from this one, which comes from the

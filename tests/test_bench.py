@@ -186,8 +186,9 @@ def test_the_transformers_peers_ignore_the_model_folders_generation_settings(tmp
     assert config.max_new_tokens == 6 and config.eos_token_id == [2]
 
 
-def test_assisted_generation_takes_a_llama_cpp_draft_as_an_int8_transformers_assistant(tmp_path):
-    """The default CPU draft runs on llama.cpp in 4 bits; transformers gets the same model in int8."""
+def _check_int8_assistant(tmp_path, **draft_info):
+    """hf_assisted with a draft of the target's weights whose model reports ``draft_info`` runs it in int8,
+    with the output of plain greedy generation."""
     from dataclasses import replace
 
     from core.bench import HFPeer
@@ -200,12 +201,22 @@ def test_assisted_generation_takes_a_llama_cpp_draft_as_an_int8_transformers_ass
         pytest.skip("no int8 kernel on this machine")
     folder = save_tiny_model(tmp_path / "m")
     target = load_model(str(folder), "cpu", "float32")
-    on_llama_cpp = type("Draft", (), {"info": replace(target.model.info, backend="llama.cpp", dtype="q4_0")})()
+    stored = type("Draft", (), {"info": replace(target.model.info, **draft_info)})()
     copy = save_tiny_model(tmp_path / "draft")  # the same weights in the draft's own folder
-    draft = LoadedModel(model=on_llama_cpp, tokenizer=target.tokenizer, spec=str(copy), path=copy)
+    draft = LoadedModel(model=stored, tokenizer=target.tokenizer, spec=str(copy), path=copy)
     hf_models: dict = {}
     assisted = HFPeer("hf_assisted", target, draft, hf_models)
     assert type(assisted.assistant.model.layers[0].mlp.down_proj).__name__ == "_Int8"
     gen = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
     plain = HFPeer("hf_generate", target, None, {})
     assert assisted.run([4, 5, 3, 6], gen).token_ids == plain.run([4, 5, 3, 6], gen).token_ids
+
+
+def test_assisted_generation_takes_a_llama_cpp_draft_as_an_int8_transformers_assistant(tmp_path):
+    """The default CPU draft runs on llama.cpp in 4 bits; transformers gets the same model in int8."""
+    _check_int8_assistant(tmp_path, backend="llama.cpp", dtype="q4_0")
+
+
+def test_assisted_generation_takes_a_native_int4_draft_as_an_int8_transformers_assistant(tmp_path):
+    """A draft in SpecPlay's int4 layers: transformers has no int4 dtype to load it in (it raised), so int8 too."""
+    _check_int8_assistant(tmp_path, backend="native", dtype="int4")
