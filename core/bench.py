@@ -8,7 +8,9 @@ the ``autoregressive`` baseline's mean (a ratio of means, as Spec-Bench computes
 baseline's. Multi-turn questions feed each method's own earlier answer back.
 
 A run that fails (out of memory) is recorded as a failure with its message and left out of
-every speed and acceptance figure; speedups compare only questions both sides answered.
+every speed and acceptance figure; speedups compare only questions both sides answered. An
+endpoint's answer is compared by text (its token ids are only the target tokenizer's reading of
+that text).
 
 Peers run the same weights and storage through ``transformers``: ``hf_generate`` (greedy
 ``generate``), ``hf_assisted`` (assisted generation with the draft model) and
@@ -312,13 +314,15 @@ def _hf_model(loaded, cache: dict):
 
 
 # ----------------------------------------------------------------------------- metrics
-def summarize(answers: dict[str, list[dict]], questions: list[Question], baseline: str = "autoregressive") -> dict:
+def summarize(answers: dict[str, list[dict]], questions: list[Question], baseline: str = "autoregressive",
+              by_text: frozenset[str] | set[str] = frozenset()) -> dict:
     """Per category and overall: tokens/s, speedup, τ, acceptance rate, identical outputs, failures.
 
     ``answers[method]`` holds one record per (repeat, question) with ``category``,
     ``question_id``, ``repeat`` and per-turn ``new_tokens``, ``wall_time``, ``accept_lengths``,
-    ``token_ids``, ``drafted``, ``accepted``, and ``error`` (a message) if the question failed.
-    Failed records count only in ``failures`` and ``errors``.
+    ``token_ids``, ``turns`` (texts), ``drafted``, ``accepted``, and ``error`` (a message) if the
+    question failed. Failed records count only in ``failures`` and ``errors``. Methods in
+    ``by_text`` are identical when their texts equal the baseline's, not their token ids.
     """
     cats = sorted({q.category for q in questions})
     groups = {c: {c} for c in cats}
@@ -339,7 +343,8 @@ def summarize(answers: dict[str, list[dict]], questions: list[Question], baselin
             entry = {"questions": len({r["question_id"] for r in sel}), "failures": len(failed),
                      "errors": sorted({r["error"] for r in failed}), **_speed_figures(ok)}
             if base is not None:
-                entry.update(_against_baseline(ok, [r for r in base if r["category"] in members]))
+                entry.update(_against_baseline(ok, [r for r in base if r["category"] in members],
+                                               "turns" if method in by_text else "token_ids"))
             summary[method][group] = entry
     return summary
 
@@ -365,8 +370,9 @@ def _speed_figures(ok: list[dict]) -> dict:
             "acceptance_rate": sum(r.get("accepted", 0) for r in ok) / drafted if drafted else None}
 
 
-def _against_baseline(ok: list[dict], base_ok: list[dict]) -> dict:
-    """Speedup (per repeat, a ratio of mean speeds) and token-for-token equality, on the questions both answered."""
+def _against_baseline(ok: list[dict], base_ok: list[dict], same_by: str) -> dict:
+    """Speedup (per repeat, a ratio of mean speeds) and equality of ``same_by`` (token ids, or texts), on the
+    questions both answered."""
     by_key = {(r["repeat"], r["question_id"]): r for r in base_ok}
     pairs = [(r, by_key[(r["repeat"], r["question_id"])]) for r in ok if (r["repeat"], r["question_id"]) in by_key]
     ratios = []
@@ -377,7 +383,7 @@ def _against_baseline(ok: list[dict], base_ok: list[dict]) -> dict:
             ratios.append(statistics.fmean(mine) / statistics.fmean(theirs))
     return {"speedup": statistics.fmean(ratios) if ratios else None,
             "speedup_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
-            "identical": all(r["token_ids"] == b["token_ids"] for r, b in pairs) if pairs else None}
+            "identical": all(r[same_by] == b[same_by] for r, b in pairs) if pairs else None}
 
 
 def format_summary(summary: dict, verify_cost: dict | None = None) -> str:
@@ -483,7 +489,7 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
             done = rep * len(questions) + qi + 1
             log(f"[{done}/{spec.repeats * len(questions)}] question {q.question_id} "
                 f"({time.perf_counter() - started:.0f}s)")
-    summary = summarize(answers, questions)
+    summary = summarize(answers, questions, by_text=set(spec.endpoints))
     _write_outputs(out_dir, answers, summary, verify_cost, target, draft, spec, runners)
     return {"summary": summary, "verify_cost": verify_cost}
 

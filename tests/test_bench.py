@@ -220,3 +220,49 @@ def test_assisted_generation_takes_a_llama_cpp_draft_as_an_int8_transformers_ass
 def test_assisted_generation_takes_a_native_int4_draft_as_an_int8_transformers_assistant(tmp_path):
     """A draft in SpecPlay's int4 layers: transformers has no int4 dtype to load it in (it raised), so int8 too."""
     _check_int8_assistant(tmp_path, backend="native", dtype="int4")
+
+
+# ----------------------------------------------------------------------------- nothing lost, nothing leaked
+def tiny_target():
+    import torch
+
+    return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
+
+
+def answer_lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def fake_endpoints(monkeypatch, target, suffix=None):
+    """Endpoints answer with the target's own greedy text (``suffix``: name -> text appended), with no server."""
+    import core.remote as remote
+    from core.engine import drain, generate
+    from core.methods import build_method
+    from core.types import GenerationConfig, SamplingConfig
+
+    def stream_completion(endpoint, prompt, max_tokens, **_):
+        ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        method = build_method("autoregressive", None, target, None)
+        gen = GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingConfig(temperature=0.0))
+        text = drain(generate(target.model, target.tokenizer, method, ids, gen)).text
+        text += (suffix or {}).get(endpoint.label, "")
+        return remote.RemoteRun(endpoint, prompt, text=text, chunks=[(0.01, text)], wall_time=0.02)
+
+    monkeypatch.setattr(remote, "stream_completion", stream_completion)
+
+
+def test_an_endpoint_is_identical_when_its_text_is_the_baselines(tmp_path, monkeypatch):
+    """The target's tokenizer reads an endpoint's text back without the special tokens the baseline
+    emitted (here a <s> mid-answer), so the token ids differ where the texts are the same."""
+    from core.remote import Endpoint
+
+    target = tiny_target()
+    fake_endpoints(monkeypatch, target, suffix={"off": "z"})
+    endpoints = {"remote:same": Endpoint("http://h:8000/v1", name="same"),
+                 "remote:off": Endpoint("http://h:8000/v1", name="off")}
+    spec = BenchSpec(methods=list(endpoints), endpoints=endpoints, max_new_tokens=24, chat_template=False, warmup=0)
+    s = run_bench(target, None, [Question(1, "code", ("xy",))], spec, tmp_path, log=lambda m: None)["summary"]
+    base, same = (answer_lines(tmp_path / f"{n}.jsonl")[0]["choices"][0] for n in ("autoregressive", "remote-same"))
+    assert same["turns"] == base["turns"] and same["token_ids"] != base["token_ids"]
+    assert s["remote:same"]["overall"]["identical"] is True
+    assert s["remote:off"]["overall"]["identical"] is False
