@@ -7,10 +7,10 @@ the ``autoregressive`` baseline's mean (a ratio of means, as Spec-Bench computes
 (#MAT) pools all decoding steps. Every output is compared token for token with the
 baseline's. Multi-turn questions feed each method's own earlier answer back.
 
-A run that fails (out of memory) is recorded as a failure with its message and left out of
-every speed and acceptance figure; speedups compare only questions both sides answered. An
-endpoint's answer is compared by text (its token ids are only the target tokenizer's reading of
-that text).
+A run that fails (out of memory, an error of the method, a peer that cannot load) is recorded
+as a failure with its message and left out of every speed and acceptance figure; speedups
+compare only questions both sides answered. An endpoint's answer is compared by text (its
+token ids are only the target tokenizer's reading of that text).
 
 Peers run the same weights and storage through ``transformers``: ``hf_generate`` (greedy
 ``generate``), ``hf_assisted`` (assisted generation with the draft model) and
@@ -445,17 +445,7 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     gen = GenerationConfig(max_new_tokens=spec.max_new_tokens,
                            sampling=SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed))
-    hf_models: dict = {}
-    runners = {}
-    for name in spec.methods:
-        if name in HF_PEERS:
-            runners[name] = HFPeer(name, target, draft, hf_models)
-        elif name in LLAMACPP_PEERS:
-            runners[name] = LlamaCppPeer(name, target)
-        elif name in spec.endpoints:
-            runners[name] = RemotePeer(spec.endpoints[name], target)
-        else:
-            runners[name] = OurMethod(name, spec.configs.get(name), target, draft)
+    runners, load_errors = _load_runners(spec, target, draft, log)
     verify_cost = measure_verify_cost(target.model)
     log(f"target verify cost T(8)/T(1) = {verify_cost['ratio']:.2f}")
     tok = target.tokenizer
@@ -473,25 +463,53 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
             for name, runner in runners.items():
                 if rep == 0 and qi == 0:
                     for _ in range(spec.warmup):
-                        runner.run(prompt_ids([{"role": "user", "content": q.turns[0]}]), gen)
-                turns = _answer(runner, q, prompt_ids, gen)
-                error = turns[-1].error
-                if error:
-                    log(f"{name} failed on question {q.question_id}: {error}")
-                answers[name].append({
-                    "question_id": q.question_id, "category": q.category, "repeat": rep,
-                    "turns": [t.text for t in turns], "token_ids": [t.token_ids for t in turns],
-                    "new_tokens": [len(t.token_ids) for t in turns], "wall_time": [t.wall_time for t in turns],
-                    "accept_lengths": None if turns[0].accept_lengths is None else [t.accept_lengths for t in turns],
-                    "drafted": sum(t.drafted for t in turns), "accepted": sum(t.accepted for t in turns),
-                    "time_to_first_token": [t.time_to_first_token for t in turns], "error": error,
-                })
+                        _run_turn(runner, prompt_ids([{"role": "user", "content": q.turns[0]}]), gen)
+                rec = _record(q, rep, _answer(runner, q, prompt_ids, gen))
+                if rec["error"]:
+                    log(f"{name} failed on question {q.question_id}: {rec['error']}")
+                answers[name].append(rec)
             done = rep * len(questions) + qi + 1
             log(f"[{done}/{spec.repeats * len(questions)}] question {q.question_id} "
                 f"({time.perf_counter() - started:.0f}s)")
+    for name, error in load_errors.items():
+        answers[name] = [_record(q, rep, [TurnResult([], "", 0.0, None, error=error)])
+                         for rep in range(spec.repeats) for q in questions]
     summary = summarize(answers, questions, by_text=set(spec.endpoints))
     _write_outputs(out_dir, answers, summary, verify_cost, target, draft, spec, runners)
     return {"summary": summary, "verify_cost": verify_cost}
+
+
+def _load_runners(spec: BenchSpec, target, draft, log: Callable[[str], None]) -> tuple[dict, dict[str, str]]:
+    """Each method's runner, and the reason of each that could not load (the others still run)."""
+    hf_models: dict = {}
+    runners, errors = {}, {}
+    for name in spec.methods:
+        try:
+            if name in HF_PEERS:
+                runners[name] = HFPeer(name, target, draft, hf_models)
+            elif name in LLAMACPP_PEERS:
+                runners[name] = LlamaCppPeer(name, target)
+            elif name in spec.endpoints:
+                runners[name] = RemotePeer(spec.endpoints[name], target)
+            else:
+                runners[name] = OurMethod(name, spec.configs.get(name), target, draft)
+        except Exception as exc:
+            errors[name] = f"could not load: {_reason(exc)}"
+            log(f"{name} {errors[name]}")
+    return runners, errors
+
+
+def _reason(exc: Exception) -> str:
+    """A failure's message for the table: SpecPlay's own errors are written for users, others keep their type."""
+    return str(exc) if isinstance(exc, SpecPlayError) else f"{type(exc).__name__}: {exc}"
+
+
+def _run_turn(runner, prompt_ids: list[int], gen) -> TurnResult:
+    """One turn; an exception of the method or peer is this turn's failure, not the end of the bench."""
+    try:
+        return runner.run(prompt_ids, gen)
+    except Exception as exc:
+        return TurnResult([], "", 0.0, None, error=_reason(exc))
 
 
 def _answer(runner, q: Question, prompt_ids: Callable[[list[dict]], list[int]], gen) -> list[TurnResult]:
@@ -500,7 +518,7 @@ def _answer(runner, q: Question, prompt_ids: Callable[[list[dict]], list[int]], 
     turns = []
     for turn in q.turns:
         history.append({"role": "user", "content": turn})
-        res = runner.run(prompt_ids(history), gen)
+        res = _run_turn(runner, prompt_ids(history), gen)
         turns.append(res)
         if res.error:  # later turns would build on an unfinished answer
             break
@@ -508,20 +526,30 @@ def _answer(runner, q: Question, prompt_ids: Callable[[list[dict]], list[int]], 
     return turns
 
 
+def _record(q: Question, rep: int, turns: list[TurnResult]) -> dict:
+    """The record :func:`summarize` reads, for one question's turns (the last one's error is the question's)."""
+    return {"question_id": q.question_id, "category": q.category, "repeat": rep,
+            "turns": [t.text for t in turns], "token_ids": [t.token_ids for t in turns],
+            "new_tokens": [len(t.token_ids) for t in turns], "wall_time": [t.wall_time for t in turns],
+            "accept_lengths": None if turns[0].accept_lengths is None else [t.accept_lengths for t in turns],
+            "drafted": sum(t.drafted for t in turns), "accepted": sum(t.accepted for t in turns),
+            "time_to_first_token": [t.time_to_first_token for t in turns], "error": turns[-1].error}
+
+
 def _write_outputs(out_dir, answers, summary, verify_cost, target, draft, spec, runners) -> None:
     from core.runlog import environment, write_jsonl_atomic
 
-    for name, recs in answers.items():
+    for name, runner in runners.items():  # a method that could not load has no answers to write
         write_jsonl_atomic(out_dir / f"{name.replace(':', '-')}.jsonl", [{
             "question_id": r["question_id"], "category": r["category"], "answer_id": uuid.uuid4().hex,
             "model_id": f"{target.spec}/{name}", "repeat": r["repeat"], "method": name,
-            "params": runners[name].params(),
+            "params": runner.params(),
             "choices": [{"index": 0, "turns": r["turns"], "new_tokens": r["new_tokens"],
                          "wall_time": r["wall_time"], "accept_lengths": r["accept_lengths"],
                          "decoding_steps": None if r["accept_lengths"] is None else
                          [len(a) for a in r["accept_lengths"]], "token_ids": r["token_ids"]}],
             "error": r["error"], "tstamp": time.time(),
-        } for r in recs])
+        } for r in answers[name]])
     doc = {"summary": summary, "verify_cost": verify_cost, "baseline": "autoregressive",
            "target": target.spec, "draft": draft.spec if draft else None,
            "settings": {"methods": spec.methods, "max_new_tokens": spec.max_new_tokens,

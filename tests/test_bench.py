@@ -251,6 +251,41 @@ def fake_endpoints(monkeypatch, target, suffix=None):
     monkeypatch.setattr(remote, "stream_completion", stream_completion)
 
 
+def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their_results(tmp_path, monkeypatch):
+    from core.bench import HFPeer
+    from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
+
+    target = tiny_target()
+
+    def cannot_load(self, *args):
+        raise ValueError("Qwen2ForCausalLM cannot be instantiated under dtype=torch.int4")
+
+    marker = target.tokenizer.convert_tokens_to_ids("z")
+    real = PromptLookup.propose
+
+    def bug_on_marked_prompts(self, ctx, budget):
+        if marker in ctx.tokens[:ctx.prompt_len]:
+            raise IndexError("a bug")
+        return real(self, ctx, budget)
+
+    monkeypatch.setattr(HFPeer, "__init__", cannot_load)
+    monkeypatch.setattr(PromptLookup, "propose", bug_on_marked_prompts)
+    questions = [Question(1, "code", ("ab cd ab",)), Question(2, "code", ("zz ab",))]
+    spec = BenchSpec(methods=["hf_assisted", "prompt_lookup"], configs={"prompt_lookup": PromptLookupConfig()},
+                     max_new_tokens=8, chat_template=False)
+    s = run_bench(target, None, questions, spec, tmp_path, log=lambda m: None)["summary"]
+
+    assisted, lookup = s["hf_assisted"]["overall"], s["prompt_lookup"]["overall"]
+    assert assisted["failures"] == 2 and assisted["tokens_per_s"] is None
+    assert assisted["errors"] == ["could not load: ValueError: Qwen2ForCausalLM cannot be instantiated under "
+                                  "dtype=torch.int4"]
+    assert lookup["failures"] == 1 and lookup["errors"] == ["IndexError: a bug"] and lookup["tokens_per_s"] > 0
+    assert s["autoregressive"]["overall"]["failures"] == 0 and s["autoregressive"]["overall"]["questions"] == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["summary"] == json.loads(json.dumps(s))
+    table = format_summary(s)
+    assert "hf_assisted: 2 failed" in table and "dtype=torch.int4" in table and "prompt_lookup: 1 failed" in table
+
+
 def test_an_endpoint_is_identical_when_its_text_is_the_baselines(tmp_path, monkeypatch):
     """The target's tokenizer reads an endpoint's text back without the special tokens the baseline
     emitted (here a <s> mid-answer), so the token ids differ where the texts are the same."""
