@@ -37,7 +37,13 @@ from core.errors import ConfigError, SpecPlayError
 from core.types import Fate, StepEvent, StepTiming, TokenEvent
 
 DEFAULT_TIMEOUT_S = 120.0
-MAX_WAIT_S = 86400.0  # the longest timeout accepted: a day
+DEFAULT_DEADLINE_S = 3600.0  # an hour: a long answer from a slow CPU server, with room to spare
+MAX_WAIT_S = 86400.0  # the longest timeout or deadline accepted: a day
+# A streamed event carries one chunk (a few hundred bytes) and a whole answer is a few MiB of
+# them, so these only stop a server that never ends a line or a body from filling the memory.
+MAX_LINE_BYTES = 4 * 2**20
+MAX_BODY_BYTES = 64 * 2**20
+READ_BYTES = 64 * 2**10  # at most this much per read, so that Stop and the deadline are checked between reads
 
 
 class RemoteError(SpecPlayError):
@@ -60,6 +66,7 @@ class Endpoint:
     name: str = ""  # label in tables and records (default: host:port and model)
     key_env: str = ""  # the environment variable holding this server's API key; empty: none
     timeout_s: float = DEFAULT_TIMEOUT_S  # per read: a server silent this long ends the run
+    deadline_s: float = DEFAULT_DEADLINE_S  # per run, from its first request: however the server paces its bytes
 
     def __post_init__(self) -> None:
         # Checked on every construction, not only when parsed, so that no caller can build one
@@ -68,19 +75,21 @@ class Endpoint:
 
     @staticmethod
     def parse(spec: str) -> "Endpoint":
-        """``URL[,model=NAME][,name=LABEL][,key-env=VAR][,timeout=SECONDS]`` (the command line's form)."""
+        """``URL[,model=NAME][,name=LABEL][,key-env=VAR][,timeout=SECONDS][,deadline=SECONDS]`` (the
+        command line's form)."""
         parts = [p.strip() for p in spec.split(",") if p.strip()]
         if not parts:
             raise ConfigError("an endpoint needs a URL, e.g. http://127.0.0.1:8000/v1")
         url, fields_ = parts[0], {}
         for p in parts[1:]:
             key, sep, value = p.partition("=")
-            if not sep or key not in ("model", "name", "key-env", "timeout"):
-                raise ConfigError(f"endpoint option '{p}' is not model=, name=, key-env= or timeout=")
+            if not sep or key not in ("model", "name", "key-env", "timeout", "deadline"):
+                raise ConfigError(f"endpoint option '{p}' is not model=, name=, key-env=, timeout= or deadline=")
             fields_[key.replace("-", "_")] = value
-        timeout = fields_.pop("timeout", "")
-        if timeout:
-            fields_["timeout_s"] = _seconds("timeout", timeout)
+        for option in ("timeout", "deadline"):
+            seconds = fields_.pop(option, "")
+            if seconds:
+                fields_[f"{option}_s"] = _seconds(option, seconds)
         return Endpoint(url=url, **fields_)
 
     def check(self) -> None:
@@ -102,11 +111,11 @@ class Endpoint:
             port = 0
         if port == 0:
             raise ConfigError(f"endpoint port must be a number from 1 to 65535, got {self.url!r}")
-        timeout = self.timeout_s
-        # NaN fails the comparison; beyond a day, socket timeouts overflow on some platforms.
-        if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_WAIT_S:
-            raise ConfigError(f"endpoint timeout must be more than 0 and at most {MAX_WAIT_S:g} seconds, "
-                              f"got {timeout!r}")
+        for option, seconds in (("timeout", self.timeout_s), ("deadline", self.deadline_s)):
+            # NaN fails the comparison; beyond a day, socket timeouts overflow on some platforms.
+            if not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_WAIT_S:
+                raise ConfigError(f"endpoint {option} must be more than 0 and at most {MAX_WAIT_S:g} seconds, "
+                                  f"got {seconds!r}")
         if self.key_env and not _ENV_NAME.fullmatch(self.key_env):
             raise ConfigError(f"key-env= must name an environment variable, got {self.key_env!r}")
         if self.key_env and not _may_carry_key(u):
@@ -172,13 +181,28 @@ def _redacted(u: urllib.parse.SplitResult) -> str:
 
 # ------------------------------------------------------------------------------------ HTTP
 class _Connection:
-    def __init__(self, endpoint: Endpoint):
-        self.endpoint = endpoint
+    """One request to an endpoint. Every read of the answer waits at most the endpoint's read
+    timeout and never past the run's deadline, so no pace of bytes keeps a run alive forever."""
+
+    def __init__(self, endpoint: Endpoint, deadline: float):
+        self.endpoint, self.deadline = endpoint, deadline
         u = urllib.parse.urlsplit(endpoint.url)
         cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
         self.conn = cls(u.hostname, u.port, timeout=endpoint.timeout_s)
         self.base = u.path.rstrip("/")
         self.root = f"{u.scheme}://{u.netloc}"
+        self.sock: socket.socket | None = None
+        self.resp: http.client.HTTPResponse | None = None
+
+    def _wait(self) -> tuple[float, bool]:
+        """How long the next read may wait, and whether the deadline (not the timeout) sets it."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RemoteError(self._late())
+        return min(self.endpoint.timeout_s, left), left < self.endpoint.timeout_s
+
+    def _late(self) -> str:
+        return f"{self.endpoint.label} did not finish within its {self.endpoint.deadline_s:g} s deadline"
 
     def request(self, method: str, path: str, body: dict | None = None) -> http.client.HTTPResponse:
         headers = {"Accept": "text/event-stream, application/json"}
@@ -190,40 +214,89 @@ class _Connection:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
         where = f"{self.root}{path}"
+        wait, late = self._wait()
+        self.conn.timeout = wait
         try:
             self.conn.request(method, path, body=data, headers=headers)
-            return self.conn.getresponse()
+            # Kept for the reads: a response that ends with the connection takes its socket over.
+            self.sock = self.conn.sock
+            self.resp = self.conn.getresponse()
+            return self.resp
+        except TimeoutError:  # socket.timeout since Python 3.10
+            raise RemoteError(self._late() if late else f"{where} did not answer within {wait:g} s") from None
         except (ConnectionError, socket.gaierror, OSError) as exc:
-            if isinstance(exc, (socket.timeout, TimeoutError)):
-                raise RemoteError(f"{where} did not answer within {self.endpoint.timeout_s:g} s") from None
             raise RemoteError(f"cannot reach {where}: {getattr(exc, 'strerror', None) or exc}") from None
+        except http.client.HTTPException as exc:
+            raise RemoteError(f"{where} did not answer in HTTP: {exc!r}") from None
+
+    def pieces(self) -> Iterator[bytes]:
+        """The body as it arrives, a read at a time; more than ``MAX_BODY_BYTES`` is an error."""
+        total = 0
+        while True:
+            wait, late = self._wait()
+            self.sock.settimeout(wait)
+            try:
+                piece = self.resp.read1(READ_BYTES)
+            except TimeoutError:  # socket.timeout since Python 3.10
+                raise RemoteError(self._late() if late else
+                                  f"{self.endpoint.label} sent nothing for {wait:g} s (timed out)") from None
+            except (http.client.HTTPException, OSError) as exc:
+                raise RemoteError(f"{self.endpoint.label} dropped the connection: {exc!r}") from None
+            if not piece:
+                return
+            total += len(piece)
+            if total > MAX_BODY_BYTES:
+                raise RemoteError(f"{self.endpoint.label} sent more than {MAX_BODY_BYTES / 2**20:g} MiB in one answer")
+            yield piece
 
     def close(self) -> None:
+        if self.resp is not None:
+            self.resp.close()
         self.conn.close()
 
 
-def _error_message(resp: http.client.HTTPResponse, where: str) -> str:
-    raw = resp.read(4096).decode("utf-8", "replace")
+def _deadline(endpoint: Endpoint, deadline: float | None) -> float:
+    """The ``time.monotonic()`` by which a run must end: the one given, or a new one from now."""
+    return time.monotonic() + endpoint.deadline_s if deadline is None else deadline
+
+
+def _head(pieces: Iterator[bytes], size: int) -> bytes:
+    """The first ``size`` bytes of a body, leaving the rest unread."""
+    out = bytearray()
+    for piece in pieces:
+        out += piece
+        if len(out) >= size:
+            break
+    return bytes(out[:size])
+
+
+def _error_message(conn: _Connection, where: str) -> str:
+    resp = conn.resp
+    try:
+        raw = _head(conn.pieces(), 4096).decode("utf-8", "replace")
+    except RemoteError:  # the status says enough
+        raw = ""
     try:
         doc = json.loads(raw)
         err = doc.get("error", doc)
         detail = err.get("message") if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         detail = raw.strip()[:300]
     return f"{where} answered {resp.status} {resp.reason}: {detail or 'no details'}"
 
 
-def _get(endpoint: Endpoint, path: str, absolute: bool = False) -> tuple[int, str]:
-    c = _Connection(endpoint)
+def _get(endpoint: Endpoint, path: str, deadline: float, absolute: bool = False) -> tuple[int, str]:
+    c = _Connection(endpoint, deadline)
     try:
         resp = c.request("GET", path if absolute else c.base + path)
-        return resp.status, resp.read().decode("utf-8", "replace")
+        return resp.status, b"".join(c.pieces()).decode("utf-8", "replace")
     finally:
         c.close()
 
 
-def list_models(endpoint: Endpoint) -> list[str]:
-    status, body = _get(endpoint, "/models")
+def list_models(endpoint: Endpoint, deadline: float | None = None) -> list[str]:
+    """The model ids the server lists (``deadline``: a ``time.monotonic()`` to finish by)."""
+    status, body = _get(endpoint, "/models", _deadline(endpoint, deadline))
     if status != 200:
         raise RemoteError(f"{endpoint.url}/models answered {status}")
     try:
@@ -232,19 +305,46 @@ def list_models(endpoint: Endpoint) -> list[str]:
         raise RemoteError(f"{endpoint.url}/models is not an OpenAI-compatible model list") from None
 
 
-def _sse_events(resp: http.client.HTTPResponse) -> Iterator[dict]:
-    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``."""
-    for raw in resp:
-        line = raw.decode("utf-8", "replace").strip()
-        if not line.startswith("data:"):
+def _lines(pieces: Iterator[bytes], label: str) -> Iterator[bytes | None]:
+    """The lines of a body, without their newline, and None for a piece that ends none, so that
+    the reader hears of every arrival however the server splits its lines."""
+    buf = bytearray()
+    for piece in pieces:
+        start = len(buf)
+        buf += piece
+        if buf.find(b"\n", start) < 0:
+            yield None
+        else:
+            *lines, rest = buf.split(b"\n")
+            buf = bytearray(rest)
+            for line in lines:
+                _check_line(len(line), label)
+                yield bytes(line)
+        _check_line(len(buf), label)
+    if buf:
+        yield bytes(buf)
+
+
+def _check_line(size: int, label: str) -> None:
+    if size > MAX_LINE_BYTES:
+        raise RemoteError(f"{label} sent a line longer than {MAX_LINE_BYTES / 2**20:g} MiB")
+
+
+def _sse_events(pieces: Iterator[bytes], label: str) -> Iterator[dict | None]:
+    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``, and None for each
+    arrival that completes no event (a keep-alive comment, part of a line), so that the caller
+    checks Stop on every one."""
+    for line in _lines(pieces, label):
+        if line is None or not line.startswith(b"data:"):
+            yield None
             continue
         payload = line[5:].strip()
-        if payload == "[DONE]":
+        if payload == b"[DONE]":
             return
         try:
-            yield json.loads(payload)
-        except ValueError:
-            continue
+            yield json.loads(payload.decode("utf-8", "replace"))
+        except (ValueError, RecursionError):
+            yield None
 
 
 # ------------------------------------------------------------------------------- metrics
@@ -330,10 +430,10 @@ def llamacpp_spec_stats(timings: dict | None) -> SpecStats | None:
                      mean_accepted=generated / steps if steps else None)
 
 
-def read_metrics(endpoint: Endpoint) -> dict:
+def read_metrics(endpoint: Endpoint, deadline: float | None = None) -> dict:
     """The server's ``/metrics`` samples, or {} where it has none (not every engine does)."""
     try:
-        status, body = _get(endpoint, "/metrics", absolute=True)
+        status, body = _get(endpoint, "/metrics", _deadline(endpoint, deadline), absolute=True)
     except RemoteError:
         return {}
     return parse_prometheus(body) if status == 200 else {}
@@ -376,22 +476,44 @@ class RemoteRun:
         return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
 
 
+def _apply_event(run: RemoteRun, event: dict, chat: bool, now: float,
+                 on_text: Callable[[str, float], None] | None) -> dict | None:
+    """Add one streamed event to ``run``; the llama.cpp timings it carries, if any."""
+    if "error" in event:
+        err = event["error"]
+        raise RemoteError(f"{run.endpoint.label}: {err.get('message') if isinstance(err, dict) else err}")
+    usage = event.get("usage")
+    if usage and usage.get("completion_tokens") is not None:
+        run.completion_tokens = int(usage["completion_tokens"])
+    for choice in event.get("choices") or []:
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if piece:
+            run.chunks.append((now, piece))
+            run.text += piece
+            if on_text:
+                on_text(piece, now)
+        run.finish_reason = choice.get("finish_reason") or run.finish_reason
+    return event.get("timings")
+
+
 def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, temperature: float = 0.0,
                       top_p: float = 1.0, seed: int | None = 0, chat: bool = True,
                       on_text: Callable[[str, float], None] | None = None,
                       should_stop: Callable[[], bool] = lambda: False) -> RemoteRun:
     """Stream one completion from ``endpoint``. A failure (unreachable, refused, dropped, timed
-    out) does not raise: the run carries the message and the text received so far."""
+    out, past the endpoint's deadline, too long) does not raise: the run carries the message and
+    the text received so far. ``should_stop`` is asked whenever bytes arrive, keep-alives included."""
     if not prompt.strip():
         raise ConfigError("the prompt is empty")
     run = RemoteRun(endpoint=endpoint, prompt=prompt, model=endpoint.model)
+    deadline = _deadline(endpoint, None)
     try:
-        run.model = endpoint.model or (list_models(endpoint) or [""])[0]
+        run.model = endpoint.model or (list_models(endpoint, deadline) or [""])[0]
     except RemoteError as exc:
         run.error = str(exc)
         return run
     model = run.model
-    before = read_metrics(endpoint)
+    before = read_metrics(endpoint, deadline)
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   "stream": True, "stream_options": {"include_usage": True}}
     if seed is not None:
@@ -400,50 +522,32 @@ def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, tempe
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
-    conn = _Connection(endpoint)
+    conn = _Connection(endpoint, deadline)
     path = conn.base + ("/chat/completions" if chat else "/completions")
     timings = None
     start = time.perf_counter()
     try:
         resp = conn.request("POST", path, body)
         if resp.status != 200:
-            raise RemoteError(_error_message(resp, f"{conn.root}{path}"))
-        for event in _sse_events(resp):
-            now = time.perf_counter() - start
-            if "error" in event:
-                err = event["error"]
-                raise RemoteError(f"{endpoint.label}: {err.get('message') if isinstance(err, dict) else err}")
-            timings = event.get("timings") or timings
-            usage = event.get("usage")
-            if usage and usage.get("completion_tokens") is not None:
-                run.completion_tokens = int(usage["completion_tokens"])
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                if piece:
-                    run.chunks.append((now, piece))
-                    run.text += piece
-                    if on_text:
-                        on_text(piece, now)
-                run.finish_reason = choice.get("finish_reason") or run.finish_reason
+            raise RemoteError(_error_message(conn, f"{conn.root}{path}"))
+        for event in _sse_events(conn.pieces(), endpoint.label):
+            if event is not None:
+                timings = _apply_event(run, event, chat, time.perf_counter() - start, on_text) or timings
             if should_stop():
                 run.cancelled = True
                 break
         else:
-            if run.finish_reason is None and not run.cancelled:
+            if run.finish_reason is None:
                 run.error = f"{endpoint.label} closed the stream before the answer ended"
     except RemoteError as exc:
         run.error = str(exc)
-    except (socket.timeout, TimeoutError):
-        run.error = f"{endpoint.label} sent nothing for {endpoint.timeout_s:g} s (timed out)"
-    except (http.client.HTTPException, ConnectionError, OSError) as exc:
-        run.error = f"{endpoint.label} dropped the connection: {exc!r}"
     finally:
         run.wall_time = time.perf_counter() - start
         conn.close()
     if run.error is None or run.chunks:
         run.spec = llamacpp_spec_stats(timings)
         if run.spec is None and before:
-            after = read_metrics(endpoint)
+            after = read_metrics(endpoint, deadline)
             run.spec = vllm_spec_stats(before, after) or sglang_spec_stats(after)
     return run
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from core import remote
 from core.errors import ConfigError
 from core.remote import (Endpoint, RemoteError, api_key, compare_endpoints, format_remote_table, llamacpp_spec_stats,
                          parse_prometheus, remote_record, sglang_spec_stats, stream_completion, vllm_spec_stats)
@@ -48,8 +49,9 @@ def test_an_engine_without_speculation_metrics_is_said_so():
 
 
 def test_endpoint_specs_parse_and_bad_ones_are_refused():
-    ep = Endpoint.parse("http://127.0.0.1:8000/v1,model=qwen,name=spec on,timeout=5")
-    assert (ep.url, ep.model, ep.name, ep.timeout_s) == ("http://127.0.0.1:8000/v1", "qwen", "spec on", 5.0)
+    ep = Endpoint.parse("http://127.0.0.1:8000/v1,model=qwen,name=spec on,timeout=5,deadline=60")
+    assert (ep.url, ep.model, ep.name, ep.timeout_s, ep.deadline_s) == ("http://127.0.0.1:8000/v1", "qwen", "spec on",
+                                                                        5.0, 60.0)
     for bad in ("", "ftp://x/v1", "http://h:1/v1,colour=red", "http://h:1/v1,timeout=soon"):
         with pytest.raises(ConfigError):
             Endpoint.parse(bad)
@@ -57,7 +59,8 @@ def test_endpoint_specs_parse_and_bad_ones_are_refused():
 
 @pytest.mark.parametrize("spec", ["http://127.0.0.1:99999/v1", "http://127.0.0.1:abc/v1", "http://127.0.0.1:0/v1",
                                   "http://127.0.0.1:8000/v1,timeout=inf", "http://127.0.0.1:8000/v1,timeout=nan",
-                                  "http://127.0.0.1:8000/v1,timeout=1e999", "http://127.0.0.1:8000/my models/v1",
+                                  "http://127.0.0.1:8000/v1,timeout=1e999", "http://127.0.0.1:8000/v1,deadline=inf",
+                                  "http://127.0.0.1:8000/v1,deadline=0", "http://127.0.0.1:8000/my models/v1",
                                   "http://exämple.org:8000/v1"])
 def test_bad_ports_timeouts_and_urls_are_refused_in_one_line(spec):
     with pytest.raises(ConfigError) as caught:
@@ -276,6 +279,147 @@ def test_compare_and_run_from_the_command_line(tmp_path, capsys):
         assert rc == 0 and captured.out.startswith("w0 w1 w2 w3 w4") and "τ 3.00" in captured.err
     assert main(["compare", "--engine", plain.url, "--prompt", "x"]) != 0  # the server is gone: a message, no trace
     assert "cannot reach" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- servers that misbehave
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+
+
+def sse(event) -> bytes:
+    """One server-sent event: ``event`` as JSON, or as it is if it is already text."""
+    return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
+
+
+def word(i: int) -> bytes:
+    return sse({"choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]})
+
+
+def every(seconds: float, data: bytes):
+    """``data`` again and again, ``seconds`` apart (the server stops it)."""
+    while True:
+        yield data
+        time.sleep(seconds)
+
+
+class RawServer:
+    """A server on 127.0.0.1 whose answers are raw bytes, for what no real engine should send.
+
+    ``routes`` maps "METHOD /path" to a function returning the bytes to send, status line and
+    headers included, as an iterable (sent piece by piece); other paths get a 404. Whatever a
+    route yields, sending stops after ``max_s`` seconds or when the test leaves the ``with``
+    block, so a client that never gives up cannot hang the suite.
+    """
+
+    def __init__(self, routes: dict, max_s: float = 5.0):
+        self.routes, self.max_s = routes, max_s
+        self.closing = threading.Event()
+        raw = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def answer(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                route = raw.routes.get(f"{self.command} {self.path}")
+                pieces = route() if route else [b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"]
+                end = time.monotonic() + raw.max_s
+                try:
+                    for data in pieces:
+                        if raw.closing.is_set() or time.monotonic() > end:
+                            return
+                        self.wfile.write(data)
+                        self.wfile.flush()
+                except OSError:  # the client hung up, as it should on garbage
+                    pass
+
+            do_GET = do_POST = answer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.closing.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def streaming(*parts) -> dict:
+    """Routes for a chat stream made of ``parts`` (bytes, or iterables of bytes, sent in order)."""
+    def answer():
+        yield SSE_HEAD
+        for part in parts:
+            yield from [part] if isinstance(part, bytes) else part
+    return {"POST /v1/chat/completions": answer}
+
+
+def test_a_line_that_never_ends_is_cut_at_the_cap_and_the_text_kept(monkeypatch):
+    monkeypatch.setattr(remote, "MAX_LINE_BYTES", 2**16, raising=False)
+    endless = (b"x" * 2**16 for _ in range(256))  # 16 MiB without a newline
+    with RawServer(streaming(word(0), word(1), b"data: ", endless)) as server:
+        run = stream_completion(Endpoint(server.url, model="m"), "hi", max_tokens=8)
+    assert "line longer than" in run.error and run.text == "w0 w1 "
+
+
+def test_a_body_past_the_cap_ends_the_run_and_the_text_is_kept(monkeypatch):
+    monkeypatch.setattr(remote, "MAX_BODY_BYTES", 2**16, raising=False)
+    many = (word(i) for i in range(2000))  # about 180 kB of well-formed events
+    with RawServer(streaming(many, sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))) as server:
+        run = stream_completion(Endpoint(server.url, model="m"), "hi", max_tokens=8)
+    assert "more than" in run.error and run.text.startswith("w0 w1 ") and len(run.chunks) < 2000
+
+
+def trickle():
+    """An event that never ends, a byte every 50 ms: each read is quick, the line never complete."""
+    yield b"data: {"
+    yield from every(0.05, b" ")
+
+
+@pytest.mark.parametrize("pace", [lambda: every(0.05, b": keep-alive\n\n"), trickle],
+                         ids=["keep-alive comments", "a byte at a time"])
+def test_a_server_that_keeps_sending_nothing_useful_ends_at_the_deadline(pace):
+    with RawServer(streaming(word(0), pace())) as server:
+        t0 = time.monotonic()
+        run = stream_completion(Endpoint(server.url, model="m", timeout_s=2, deadline_s=1), "hi", max_tokens=8)
+    assert "deadline" in run.error and run.text == "w0 " and time.monotonic() - t0 < 3
+
+
+def test_stop_is_heard_between_keep_alive_comments():
+    t0 = time.monotonic()
+    with RawServer(streaming(word(0), every(0.05, b": keep-alive\n\n"))) as server:
+        run = stream_completion(Endpoint(server.url, model="m"), "hi", max_tokens=8,
+                                should_stop=lambda: time.monotonic() - t0 > 0.3)
+    assert run.cancelled and run.error is None and run.text == "w0 " and time.monotonic() - t0 < 3
+
+
+def test_a_stalled_body_times_out_with_a_message():
+    def stalled(head: bytes):
+        def answer():
+            yield head + b'{"data": ['
+            yield from every(0.05, b"")
+        return answer
+
+    json_head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+    with RawServer({"GET /v1/models": stalled(json_head)}) as server:
+        run = stream_completion(Endpoint(server.url, timeout_s=0.5), "hi", max_tokens=8)
+    assert "timed out" in run.error and run.text == ""
+    text_head = json_head.replace(b"application/json", b"text/plain")
+    finish = sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    routes = {"GET /metrics": stalled(text_head), **streaming(word(0), finish)}
+    with RawServer(routes) as server:  # metrics are optional: a stalled /metrics only loses them
+        run = stream_completion(Endpoint(server.url, model="m", timeout_s=0.5), "hi", max_tokens=8)
+    assert run.error is None and run.text == "w0 " and run.spec is None
+    with RawServer(streaming(word(0), every(0.05, b""))) as server:
+        run = stream_completion(Endpoint(server.url, model="m", timeout_s=0.5), "hi", max_tokens=8)
+    assert "timed out" in run.error and run.text == "w0 "
 
 
 # ------------------------------------------------------------------ a real server: llama.cpp's
