@@ -12,6 +12,10 @@ as a failure with its message and left out of every speed and acceptance figure;
 compare only questions both sides answered. An endpoint's answer is compared by text (its
 token ids are only the target tokenizer's reading of that text).
 
+Each answer is appended to its method's file as soon as it is finished, so an interrupted run
+keeps what it did: run again with the same ``out_dir`` and answers already there under the
+same settings are read back instead of run again.
+
 Peers run the same weights and storage through ``transformers``: ``hf_generate`` (greedy
 ``generate``), ``hf_assisted`` (assisted generation with the draft model) and
 ``hf_prompt_lookup`` (prompt-lookup decoding), with SpecPlay's sampling settings and nothing
@@ -21,10 +25,14 @@ the target's GGUF file: ``llamacpp_generate`` (plain decoding) and ``llamacpp_pr
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 import statistics
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,6 +42,7 @@ import torch
 from core.atomic import write_text_atomic
 from core.errors import ConfigError, SpecPlayError, is_out_of_memory
 from core.paths import assets_dir
+from core.runlog import dumps, write_jsonl_atomic
 
 HF_PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
 LLAMACPP_PEERS = ("llamacpp_generate", "llamacpp_prompt_lookup")
@@ -437,6 +446,9 @@ class BenchSpec:
 
 def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir: Path,
               log: Callable[[str], None] = print) -> dict:
+    """Run every method on every question, appending each answer to its method's file in ``out_dir``
+    as it finishes, then write ``summary.json``. Answers already there under the same settings are
+    read back, not run again (see :func:`_resume`)."""
     from core.text import encode_messages, encode_prompt
     from core.types import GenerationConfig, SamplingConfig
 
@@ -455,27 +467,37 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
             return encode_messages(tok, history)
         return encode_prompt(tok, history[-1]["content"], chat_template=False)
 
+    files = {name: out_dir / f"{stem}.jsonl" for name, stem in file_stems(spec.methods).items()}
+    settings = _settings(spec, target, draft)
+    params = {name: _plain(runner.params()) for name, runner in runners.items()}
+    wanted = {(rep, q.question_id): list(q.turns) for rep in range(spec.repeats) for q in questions}
+    done = {name: _resume(files[name], name, settings, params[name], wanted, log) for name in runners}
     answers: dict[str, list[dict]] = {name: [] for name in spec.methods}
+    warm: set[str] = set()
     started = time.perf_counter()
     # Methods interleave per question, so slow drifts of a shared machine hit all of them alike.
     for rep in range(spec.repeats):
         for qi, q in enumerate(questions):
             for name, runner in runners.items():
-                if rep == 0 and qi == 0:
-                    for _ in range(spec.warmup):
-                        _run_turn(runner, prompt_ids([{"role": "user", "content": q.turns[0]}]), gen)
-                rec = _record(q, rep, _answer(runner, q, prompt_ids, gen))
-                if rec["error"]:
-                    log(f"{name} failed on question {q.question_id}: {rec['error']}")
+                rec = done[name].get((rep, q.question_id))
+                if rec is None:
+                    if name not in warm:  # before its first timed run; a method read back in full needs none
+                        for _ in range(spec.warmup):
+                            _run_turn(runner, prompt_ids([{"role": "user", "content": q.turns[0]}]), gen)
+                        warm.add(name)
+                    rec = _record(q, rep, _answer(runner, q, prompt_ids, gen))
+                    if rec["error"]:
+                        log(f"{name} failed on question {q.question_id}: {rec['error']}")
+                    _append_line(files[name], _answer_line(rec, name, target.spec, settings, params[name]))
                 answers[name].append(rec)
-            done = rep * len(questions) + qi + 1
-            log(f"[{done}/{spec.repeats * len(questions)}] question {q.question_id} "
+            done_count = rep * len(questions) + qi + 1
+            log(f"[{done_count}/{spec.repeats * len(questions)}] question {q.question_id} "
                 f"({time.perf_counter() - started:.0f}s)")
     for name, error in load_errors.items():
         answers[name] = [_record(q, rep, [TurnResult([], "", 0.0, None, error=error)])
                          for rep in range(spec.repeats) for q in questions]
     summary = summarize(answers, questions, by_text=set(spec.endpoints))
-    _write_outputs(out_dir, answers, summary, verify_cost, target, draft, spec, runners)
+    _write_summary(out_dir, summary, verify_cost, target, draft, spec, params, files)
     return {"summary": summary, "verify_cost": verify_cost}
 
 
@@ -528,7 +550,7 @@ def _answer(runner, q: Question, prompt_ids: Callable[[list[dict]], list[int]], 
 
 def _record(q: Question, rep: int, turns: list[TurnResult]) -> dict:
     """The record :func:`summarize` reads, for one question's turns (the last one's error is the question's)."""
-    return {"question_id": q.question_id, "category": q.category, "repeat": rep,
+    return {"question_id": q.question_id, "category": q.category, "repeat": rep, "question_turns": list(q.turns),
             "turns": [t.text for t in turns], "token_ids": [t.token_ids for t in turns],
             "new_tokens": [len(t.token_ids) for t in turns], "wall_time": [t.wall_time for t in turns],
             "accept_lengths": None if turns[0].accept_lengths is None else [t.accept_lengths for t in turns],
@@ -536,26 +558,152 @@ def _record(q: Question, rep: int, turns: list[TurnResult]) -> dict:
             "time_to_first_token": [t.time_to_first_token for t in turns], "error": turns[-1].error}
 
 
-def _write_outputs(out_dir, answers, summary, verify_cost, target, draft, spec, runners) -> None:
-    from core.runlog import environment, write_jsonl_atomic
+# ----------------------------------------------------------------------------- answer files
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_MAX_STEM = 100  # well under the 255 bytes a file name may have, with room for a hash and suffixes
 
-    for name, runner in runners.items():  # a method that could not load has no answers to write
-        write_jsonl_atomic(out_dir / f"{name.replace(':', '-')}.jsonl", [{
-            "question_id": r["question_id"], "category": r["category"], "answer_id": uuid.uuid4().hex,
-            "model_id": f"{target.spec}/{name}", "repeat": r["repeat"], "method": name,
-            "params": runner.params(),
-            "choices": [{"index": 0, "turns": r["turns"], "new_tokens": r["new_tokens"],
-                         "wall_time": r["wall_time"], "accept_lengths": r["accept_lengths"],
-                         "decoding_steps": None if r["accept_lengths"] is None else
-                         [len(a) for a in r["accept_lengths"]], "token_ids": r["token_ids"]}],
-            "error": r["error"], "tstamp": time.time(),
-        } for r in answers[name]])
+
+def file_stems(names: list[str]) -> dict[str, str]:
+    """A file name stem for each method, safe in any folder and distinct from the others' stems.
+
+    An endpoint's name carries its label (``remote:host:8000/Org/Name``, or whatever ``name=``
+    says), so every character but letters, digits, ``.``, ``_`` and ``-`` becomes ``-`` and leading
+    dots go: no folders, no ``..``, no hidden files. Stems that would then coincide (also up to
+    case, for case-insensitive file systems) or that are cut to length end with a short hash of
+    the full name, which tells them apart and stays the same from one run to the next.
+    """
+    plain = {n: _UNSAFE.sub("-", n).lstrip(".") or "method" for n in names}
+    taken = Counter(s.lower() for s in plain.values())
+    return {n: s if taken[s.lower()] == 1 and len(s) <= _MAX_STEM
+            else f"{s[:_MAX_STEM]}-{hashlib.sha256(n.encode()).hexdigest()[:8]}" for n, s in plain.items()}
+
+
+def _settings(spec: BenchSpec, target, draft) -> dict:
+    """What shapes an answer besides the method's own parameters: answers are reused only under the same."""
+    return {"target": target.spec, "draft": draft.spec if draft else None, "max_new_tokens": spec.max_new_tokens,
+            "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
+            "chat_template": spec.chat_template}
+
+
+def _plain(value):
+    """``value`` as it reads back from JSON (tuples become lists), so that read-back settings compare equal."""
+    return json.loads(json.dumps(value, default=str))
+
+
+_CHOICE_FIELDS = ("turns", "new_tokens", "wall_time", "accept_lengths", "token_ids", "drafted", "accepted",
+                  "time_to_first_token")
+
+
+def _answer_line(rec: dict, name: str, target_spec: str, settings: dict, params: dict) -> dict:
+    """A Spec-Bench answer record, with what it takes to read it back and to check it was made the same way."""
+    choice = {"index": 0, **{k: rec[k] for k in _CHOICE_FIELDS},
+              "decoding_steps": None if rec["accept_lengths"] is None else [len(a) for a in rec["accept_lengths"]]}
+    return {"question_id": rec["question_id"], "category": rec["category"], "answer_id": uuid.uuid4().hex,
+            "model_id": f"{target_spec}/{name}", "repeat": rec["repeat"], "method": name, "params": params,
+            "settings": settings, "question_turns": rec["question_turns"], "choices": [choice],
+            "error": rec["error"], "tstamp": time.time()}
+
+
+def _record_from_line(line: dict) -> dict:
+    """The record that :func:`_answer_line` wrote, as :func:`summarize` reads it."""
+    c = line["choices"][0]
+    return {"question_id": line["question_id"], "category": line["category"], "repeat": line["repeat"],
+            "question_turns": line["question_turns"], **{k: c[k] for k in _CHOICE_FIELDS}, "error": line["error"]}
+
+
+def _append_line(path: Path, line: dict) -> None:
+    """Append one JSON line and sync it to disk; if that fails the file is left as it was, not with half a line."""
+    data = memoryview((dumps(line) + "\n").encode("utf-8"))
+    existed = path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    size = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, size)
+        os.close(fd)
+        if not existed:
+            path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+
+
+def _json_object(text: str) -> dict | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _mismatch(line: dict | None, name: str, settings: dict, params: dict, wanted: dict) -> str | None:
+    """Why a line already in the file may not stand beside this run's answers; None if it may."""
+    if line is None:
+        return "a line is not an answer"
+    if line.get("method") != name:
+        return f"it holds answers of {line.get('method')!r}"
+    old = line.get("settings")
+    if not isinstance(old, dict):
+        return "its answers do not record their settings"
+    changed = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v]
+    if changed:
+        return "the settings changed: " + ", ".join(changed)
+    old = line.get("params") or {}
+    if old != params:
+        return f"{name}'s parameters changed: " + ", ".join(sorted(k for k in {**old, **params}
+                                                                   if old.get(k) != params.get(k)))
+    key = (line.get("repeat"), line.get("question_id"))
+    if key in wanted and line.get("question_turns") != wanted[key]:
+        return f"question {key[1]!r} is not the same question any more"
+    return None
+
+
+def _resume(path: Path, name: str, settings: dict, params: dict, wanted: dict, log: Callable[[str], None]) -> dict:
+    """The answers of ``name`` in ``path`` that this run can use, by (repeat, question id).
+
+    A file whose answers were made otherwise (settings, parameters, questions), or that holds
+    something else, is moved aside, not mixed with new answers, and the method starts afresh.
+    Failed runs are dropped from the file, to be run again (a failure is not an answer), and so
+    is an unfinished last line: :func:`_append_line` leaves none, but a killed process can.
+    """
+    if not path.is_file():
+        return {}
+    texts = [t for t in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True) if t.strip()]
+    torn = bool(texts) and (not texts[-1].endswith("\n") or _json_object(texts[-1]) is None)
+    lines = [_json_object(t) for t in (texts[:-1] if torn else texts)]
+    for line in lines:
+        why = _mismatch(line, name, settings, params, wanted)
+        if why:
+            aside = path.with_name(f"{path.name}.superseded-{uuid.uuid4().hex[:8]}")  # never ends in .jsonl
+            path.rename(aside)
+            log(f"{name}: {path.name} was made otherwise ({why}); moved to {aside.name}, {name} starts afresh")
+            return {}
+    kept = [line for line in lines if not line["error"]]
+    if torn or len(kept) < len(lines):
+        log(f"{name}: {path.name}: {len(lines) - len(kept)} failed and {int(torn)} unfinished answers "
+            "dropped, to be run again")
+        write_jsonl_atomic(path, kept)
+    reused: dict = {}
+    for line in kept:
+        reused.setdefault((line["repeat"], line["question_id"]), _record_from_line(line))
+    reused = {key: rec for key, rec in reused.items() if key in wanted}
+    if reused:
+        log(f"{name}: {len(reused)} answers read back from {path.name}")
+    return reused
+
+
+def _write_summary(out_dir: Path, summary: dict, verify_cost: dict, target, draft, spec: BenchSpec, params: dict,
+                   files: dict[str, Path]) -> None:
+    from core.runlog import environment
+
     doc = {"summary": summary, "verify_cost": verify_cost, "baseline": "autoregressive",
            "target": target.spec, "draft": draft.spec if draft else None,
            "settings": {"methods": spec.methods, "max_new_tokens": spec.max_new_tokens,
                         "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
-                        "warmup": spec.warmup, "repeats": spec.repeats},
-           "params": {name: r.params() for name, r in runners.items()},
+                        "warmup": spec.warmup, "repeats": spec.repeats, "chat_template": spec.chat_template},
+           "params": params, "answer_files": {name: files[name].name for name in params},
            "environment": environment(target.model)}
     write_text_atomic(out_dir / "summary.json", json.dumps(doc, indent=2, default=str) + "\n")
 

@@ -1,6 +1,7 @@
 """The benchmark harness: metric arithmetic against hand-computed values, multi-turn, equality, files."""
 
 import json
+import re
 
 import pytest
 
@@ -249,6 +250,98 @@ def fake_endpoints(monkeypatch, target, suffix=None):
         return remote.RemoteRun(endpoint, prompt, text=text, chunks=[(0.01, text)], wall_time=0.02)
 
     monkeypatch.setattr(remote, "stream_completion", stream_completion)
+
+
+def test_file_stems_are_plain_names_kept_apart():
+    from core.bench import file_stems
+
+    names = ["autoregressive", "remote:fake", "remote:h:8000/Org/Name", "remote:../../x", "remote:a/b", "remote:a-b",
+             "remote:A-B", "remote:" + "n" * 300]
+    stems = file_stems(names)
+    assert stems["autoregressive"] == "autoregressive" and stems["remote:fake"] == "remote-fake"  # as before
+    assert stems["remote:h:8000/Org/Name"] == "remote-h-8000-Org-Name"
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", s) for s in stems.values())
+    assert not any(s.startswith(".") or len(s) > 120 for s in stems.values())
+    assert len({s.lower() for s in stems.values()}) == len(names)  # apart even where case is not
+    assert file_stems(list(reversed(names))) == stems  # the same from one run to the next
+
+
+def test_endpoint_labels_with_slashes_or_dots_write_inside_out_and_keep_everything(tmp_path, monkeypatch):
+    from core.remote import Endpoint
+
+    target = tiny_target()
+    fake_endpoints(monkeypatch, target)
+    url = "http://h:8000/v1"
+    endpoints = {f"remote:{ep.label}": ep for ep in (Endpoint(url, model="Org/Name"), Endpoint(url, name="../../evil"),
+                                                     Endpoint(url, name="a/b"), Endpoint(url, name="a-b"))}
+    spec = BenchSpec(methods=list(endpoints), endpoints=endpoints, max_new_tokens=4, chat_template=False, warmup=0)
+    out = tmp_path / "out"
+    run_bench(target, None, [Question(1, "code", ("ab",))], spec, out, log=lambda m: None)
+    assert all(p.parent == out and p.is_file() for p in tmp_path.rglob("*") if p != out)
+    doc = json.loads((out / "summary.json").read_text())
+    files = doc["answer_files"]
+    assert set(files) == {"autoregressive", *endpoints} and len(set(files.values())) == len(files)
+    for name, file in files.items():
+        assert [x["method"] for x in answer_lines(out / file)] == [name]
+        assert doc["summary"][name]["overall"]["failures"] == 0
+
+
+def test_an_interrupted_bench_keeps_its_answers_and_a_rerun_resumes_it(tmp_path, monkeypatch):
+    from core.bench import OurMethod
+    from core.methods.prompt_lookup import PromptLookupConfig
+
+    target = tiny_target()
+    real = OurMethod.run
+    runs, interrupt_at = [], [("prompt_lookup", "cd")]
+
+    def counted(self, prompt_ids, gen):
+        run = (self.name, self.target.tokenizer.decode(prompt_ids))
+        if run in interrupt_at:
+            raise KeyboardInterrupt
+        runs.append(run)
+        return real(self, prompt_ids, gen)
+
+    monkeypatch.setattr(OurMethod, "run", counted)
+    questions = [Question(1, "code", ("ab",)), Question(2, "code", ("cd",)), Question(3, "qa", ("ab cd",))]
+
+    def bench():
+        spec = BenchSpec(methods=["prompt_lookup"], configs={"prompt_lookup": PromptLookupConfig()}, max_new_tokens=6,
+                         chat_template=False, warmup=0)
+        return run_bench(target, None, questions, spec, tmp_path, log=lambda m: None)
+
+    with pytest.raises(KeyboardInterrupt):
+        bench()
+    assert runs == [("autoregressive", "ab"), ("prompt_lookup", "ab"), ("autoregressive", "cd")]
+    assert [x["question_id"] for x in answer_lines(tmp_path / "autoregressive.jsonl")] == [1, 2]
+    with open(tmp_path / "prompt_lookup.jsonl", "a") as f:
+        f.write('{"question_id": 2, "catego')  # and a process killed mid-line leaves half an answer
+    runs.clear()
+    interrupt_at.clear()
+
+    s = bench()["summary"]
+    assert runs == [("prompt_lookup", "cd"), ("autoregressive", "ab cd"), ("prompt_lookup", "ab cd")]
+    assert [x["question_id"] for x in answer_lines(tmp_path / "prompt_lookup.jsonl")] == [1, 2, 3]
+    assert [x["question_id"] for x in answer_lines(tmp_path / "autoregressive.jsonl")] == [1, 2, 3]
+    got = s["prompt_lookup"]["overall"]
+    assert got["questions"] == 3 and got["failures"] == 0 and got["identical"] is True
+    assert got["mean_accepted"] is not None and s["autoregressive"]["code"]["tokens_per_s"] > 0
+
+
+def test_a_rerun_with_another_setting_starts_afresh_and_says_so(tmp_path):
+    target = tiny_target()
+    logs = []
+
+    def bench(max_new_tokens):
+        spec = BenchSpec(methods=["autoregressive"], max_new_tokens=max_new_tokens, warmup=0, chat_template=False)
+        run_bench(target, None, [Question(1, "code", ("ab",))], spec, tmp_path, log=logs.append)
+
+    bench(4)
+    first = (tmp_path / "autoregressive.jsonl").read_text()
+    bench(6)
+    assert any("max_new_tokens 4 -> 6" in m and "starts afresh" in m for m in logs)
+    assert [x["settings"]["max_new_tokens"] for x in answer_lines(tmp_path / "autoregressive.jsonl")] == [6]
+    aside = list(tmp_path.glob("autoregressive.jsonl.superseded-*"))
+    assert len(aside) == 1 and aside[0].read_text() == first  # kept, not mixed in
 
 
 def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their_results(tmp_path, monkeypatch):
