@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 
 from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QSaveFile
@@ -22,6 +23,11 @@ CSV_COLUMNS = ("method", "lossy", "tokens_per_s", "speedup", "mean_accepted", "a
                "steps", "wall_time", "prefill_time", "identical_to_baseline", "stop_reason", "temperature", "top_p",
                "seed", "max_new_tokens", "model_id", "draft_id", "device", "dtype", "params", "prompt", "text",
                "answer_id", "tstamp")
+
+
+# Spreadsheets run a cell that starts with one of these as a formula (OWASP, "CSV Injection").
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 class ExportError(Exception):
@@ -51,12 +57,23 @@ def csv_row(record: dict) -> dict:
     return row
 
 
+def csv_cell(value):
+    """``value`` as a cell no spreadsheet runs: text that would start a formula (a prompt or an
+    answer can be anything) gets a leading quote, OWASP's advice; numbers, and text that is
+    only a number such as ``-1.5``, stay as they are, so they still read as numbers."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_START) and not _NUMBER.fullmatch(value):
+        return "'" + value
+    return value
+
+
 def runs_csv(records: list[dict]) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
     for r in records:
-        writer.writerow({k: ("" if v is None else v) for k, v in csv_row(r).items()})
+        writer.writerow({k: csv_cell(v) for k, v in csv_row(r).items()})
     return buf.getvalue()
 
 
