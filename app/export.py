@@ -70,7 +70,9 @@ def csv_cell(value):
 
 def runs_csv(records: list[dict]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    # RFC 4180's line end: the writer quotes cells holding either of its characters, so an answer
+    # with a lone carriage return stays one cell (with "\n" alone, it split the row for readers).
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\r\n")
     writer.writeheader()
     for r in records:
         writer.writerow({k: csv_cell(v) for k, v in csv_row(r).items()})

@@ -29,3 +29,9 @@ def test_negative_numbers_stay_numbers():
     assert (row["tokens_per_s"], row["speedup"], row["seed"], row["mean_accepted"]) == ("-1.5", "-2", "-7", "-0.001")
     assert float(row["tokens_per_s"]) == -1.5
     assert row["text"] == "-3.25" and row["prompt"] == "+4"  # text that is only a number runs nothing
+
+
+def test_a_carriage_return_in_a_cell_keeps_the_row_whole():
+    rows = read_back([{"method": "m", "text": "one\rtwo", "prompt": "\r=1"}, {"method": "n", "text": "three"}])
+    assert [(r["method"], r["text"]) for r in rows] == [("m", "one\rtwo"), ("n", "three")]
+    assert rows[0]["prompt"] == "'\r=1"
