@@ -7,6 +7,8 @@ import torch
 from core.models.native import greedy_batch
 from tests.tiny import tiny_pair
 
+KEY = "sha256 of the tiny target's weights"
+
 
 def plain_greedy(model, prompt, max_new, stop=(2,)):
     """One sequence at a time: tokens, final-norm features and argmax at every position."""
@@ -73,7 +75,7 @@ def test_answer_generation_resumes_after_a_cancel(tmp_path):
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
     prompts = ["ab cd", "xyz", "hello world", "q", "abc abc", "zz top", "m n o", "kk"]
-    whole = generate_answers(model, tok, prompts, 6, tmp_path / "whole", slots=3, shard_size=2)
+    whole = generate_answers(model, tok, prompts, 6, tmp_path / "whole", target_key=KEY, slots=3, shard_size=2)
 
     calls = {"n": 0}
 
@@ -82,12 +84,12 @@ def test_answer_generation_resumes_after_a_cancel(tmp_path):
         return calls["n"] > 8
 
     with pytest.raises(Cancelled):
-        generate_answers(model, tok, prompts, 6, tmp_path / "resumed", slots=3, shard_size=2,
+        generate_answers(model, tok, prompts, 6, tmp_path / "resumed", target_key=KEY, slots=3, shard_size=2,
                          should_cancel=cancel_later)
     kept = list((tmp_path / "resumed").glob("answers-*.safetensors"))
     assert kept, "finished answers were not kept"
     answered = []
-    resumed = generate_answers(model, tok, prompts, 6, tmp_path / "resumed", slots=3, shard_size=2,
+    resumed = generate_answers(model, tok, prompts, 6, tmp_path / "resumed", target_key=KEY, slots=3, shard_size=2,
                                progress=lambda msg, frac: answered.append(msg))
     assert sequences_of(resumed) == sequences_of(whole)
     assert resumed.starts.numel() - 1 == len(prompts)
@@ -103,12 +105,12 @@ def test_fewer_prompts_take_their_answers_from_a_larger_earlier_run(tmp_path):
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
     prompts = ["ab cd", "xyz", "hello world", "q", "abc abc", "zz top", "m n o", "kk"]
-    whole = generate_answers(model, tok, prompts, 6, tmp_path, slots=3, shard_size=3)
+    whole = generate_answers(model, tok, prompts, 6, tmp_path, target_key=KEY, slots=3, shard_size=3)
     generated = []
-    first = generate_answers(model, tok, prompts[:3], 6, tmp_path, slots=3, shard_size=3,
+    first = generate_answers(model, tok, prompts[:3], 6, tmp_path, target_key=KEY, slots=3, shard_size=3,
                              progress=lambda msg, frac: generated.append(msg))
     assert not generated and first.starts.numel() - 1 == 3
-    alone = generate_answers(model, tok, prompts[:3], 6, tmp_path / "alone", slots=3, shard_size=3)
+    alone = generate_answers(model, tok, prompts[:3], 6, tmp_path / "alone", target_key=KEY, slots=3, shard_size=3)
     assert sequences_of(first) == sequences_of(alone)
     assert set(sequences_of(first)) <= set(sequences_of(whole))
 
@@ -124,12 +126,12 @@ def test_a_saved_corpus_stands_in_for_generating(tmp_path):
 
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
-    whole = generate_answers(model, tok, PROMPTS, 6, tmp_path / "made", slots=3, shard_size=3)
+    whole = generate_answers(model, tok, PROMPTS, 6, tmp_path / "made", target_key=KEY, slots=3, shard_size=3)
     assert save_corpus(tmp_path / "made", tmp_path / "corpus.safetensors", "tiny") == len(PROMPTS)
-    corpus = load_corpus(tmp_path / "corpus.safetensors", "tiny")
+    corpus = load_corpus(tmp_path / "corpus.safetensors", "tiny", KEY)
     said = []
-    again = generate_answers(model, tok, PROMPTS, 6, tmp_path / "fresh", slots=3, shard_size=3, corpus=corpus,
-                             progress=lambda msg, frac: said.append(msg))
+    again = generate_answers(model, tok, PROMPTS, 6, tmp_path / "fresh", target_key=KEY, slots=3, shard_size=3,
+                             corpus=corpus, progress=lambda msg, frac: said.append(msg))
     assert said and all(m.startswith("Reading answers from the corpus") for m in said)
     by_seq = {}
     for data in (whole, again):
@@ -157,24 +159,24 @@ def test_a_corpus_answer_is_used_only_where_it_answers_that_prompt_in_full(tmp_p
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
     path = tmp_path / "corpus.safetensors"
-    generate_answers(model, tok, PROMPTS[:3], 6, tmp_path / "first", slots=3, shard_size=3)
+    generate_answers(model, tok, PROMPTS[:3], 6, tmp_path / "first", target_key=KEY, slots=3, shard_size=3)
     assert save_corpus(tmp_path / "first", path, "tiny") == 3
-    whole = generate_answers(model, tok, PROMPTS, 6, tmp_path / "second", slots=3, shard_size=3)
+    whole = generate_answers(model, tok, PROMPTS, 6, tmp_path / "second", target_key=KEY, slots=3, shard_size=3)
     save_corpus(tmp_path / "first", path, "tiny")
-    assert len(load_corpus(path, "tiny")) == 3
+    assert len(load_corpus(path, "tiny", KEY)) == 3
     assert save_corpus(tmp_path / "second", path, "tiny") == len(PROMPTS)
     assert save_corpus(tmp_path / "first", path, "tiny") == len(PROMPTS)  # merged, not replaced
 
-    short = generate_answers(model, tok, PROMPTS, 3, tmp_path / "short", slots=3, shard_size=3)
+    short = generate_answers(model, tok, PROMPTS, 3, tmp_path / "short", target_key=KEY, slots=3, shard_size=3)
     save_corpus(tmp_path / "short", tmp_path / "short.safetensors", "tiny")
     said = []
-    longer = generate_answers(model, tok, PROMPTS, 6, tmp_path / "longer", slots=3, shard_size=3,
-                              corpus=load_corpus(tmp_path / "short.safetensors", "tiny"),
+    longer = generate_answers(model, tok, PROMPTS, 6, tmp_path / "longer", target_key=KEY, slots=3, shard_size=3,
+                              corpus=load_corpus(tmp_path / "short.safetensors", "tiny", KEY),
                               progress=lambda msg, frac: said.append(msg))
     assert sequences_of(longer) == sequences_of(whole)
     assert any(m.startswith("Generating answers") for m in said)  # the cut answers were made again
-    cut = generate_answers(model, tok, PROMPTS, 3, tmp_path / "cut", slots=3, shard_size=3,
-                           corpus=load_corpus(path, "tiny"))
+    cut = generate_answers(model, tok, PROMPTS, 3, tmp_path / "cut", target_key=KEY, slots=3, shard_size=3,
+                           corpus=load_corpus(path, "tiny", KEY))
     assert sequences_of(cut) == sequences_of(short)
 
 
@@ -187,14 +189,142 @@ def test_an_unreadable_or_foreign_corpus_is_not_used(tmp_path, caplog):
 
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
-    generate_answers(model, tok, PROMPTS[:2], 4, tmp_path / "made", slots=2, shard_size=2)
+    generate_answers(model, tok, PROMPTS[:2], 4, tmp_path / "made", target_key=KEY, slots=2, shard_size=2)
     path = tmp_path / "corpus.safetensors"
     save_corpus(tmp_path / "made", path, "tiny")
-    assert len(load_corpus(path, "tiny")) == 2
+    assert len(load_corpus(path, "tiny", KEY)) == 2
     with caplog.at_level(logging.INFO):
-        assert load_corpus(path, "another-model") == {}
+        assert load_corpus(path, "another-model", "sha256 of other weights") == {}
         assert "another-model" in caplog.text
         path.write_bytes(path.read_bytes()[:40])
-        assert load_corpus(path, "tiny") == {}
+        assert load_corpus(path, "tiny", KEY) == {}
         assert "cannot read the answer corpus" in caplog.text
-    assert load_corpus(tmp_path / "missing.safetensors", "tiny") == {}
+    assert load_corpus(tmp_path / "missing.safetensors", "tiny", KEY) == {}
+
+
+def chat_model(path, seed):
+    """A tiny model folder with a chat template, loaded as a target."""
+    from core.models import load_model
+    from tests.tiny import save_tiny_model
+
+    folder = save_tiny_model(path, seed=seed)
+    chat_tokenizer().save_pretrained(folder)
+    return load_model(str(folder), device="cpu", dtype="float32")
+
+
+def prepared(target, workdir, monkeypatch, prompts):
+    """`specplay train --data-only` on a few instructions and one short text."""
+    from core.training import pipeline
+
+    monkeypatch.setattr(pipeline, "instruction_prompts", lambda n, seed: prompts[:n])
+    monkeypatch.setattr(pipeline, "code_sequences", lambda tok, n, seq_len, seed: [[4, 5, 6, 7, 8, 9, 10, 11]])
+    settings = pipeline.DataSettings(code_tokens=8, answers=len(prompts), answer_tokens=5, slots=2)
+    features, _ = pipeline.prepare_data(target, settings, workdir, lambda s, f: None, lambda: False,
+                                        corpus=workdir.parent / "no-corpus.safetensors")
+    return features
+
+
+def labels_by_sequence(data):
+    bounds = data.starts.tolist()
+    return {tuple(data.tokens[a:b].tolist()): data.labels[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])}
+
+
+def test_data_made_by_another_target_with_the_same_folder_name_is_made_again(tmp_path, monkeypatch, caplog):
+    """Two targets named alike (the default work folder is named after the target's folder) never
+    share answers or features: the data is the one a fresh work folder gets, and the log says
+    what was left out."""
+    import logging
+
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    one, other = chat_model(tmp_path / "a" / "chat", seed=0), chat_model(tmp_path / "b" / "chat", seed=1)
+    shared = tmp_path / "work" / "chat"
+    prepared(one, shared, monkeypatch, PROMPTS[:4])
+    with caplog.at_level(logging.WARNING):
+        got = prepared(other, shared, monkeypatch, PROMPTS[:4])
+    assert labels_by_sequence(got) == labels_by_sequence(prepared(other, tmp_path / "fresh", monkeypatch, PROMPTS[:4]))
+    assert "4 answers made by another target" in caplog.text
+    assert "1 feature shards of another target" in caplog.text
+
+
+def test_answers_to_instructions_that_have_changed_are_made_again(tmp_path, monkeypatch, caplog):
+    """The instruction pool is written from this machine's standard library, so another Python can
+    put another instruction at an index: its answer is made again, the others are kept."""
+    import logging
+
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    target = chat_model(tmp_path / "chat", seed=0)
+    prepared(target, tmp_path / "work", monkeypatch, PROMPTS[:4])
+    changed = [PROMPTS[0], PROMPTS[5], PROMPTS[2], PROMPTS[3]]
+    with caplog.at_level(logging.WARNING):
+        got = prepared(target, tmp_path / "work", monkeypatch, changed)
+    assert labels_by_sequence(got) == labels_by_sequence(prepared(target, tmp_path / "fresh", monkeypatch, changed))
+    assert "0 answers made by another target" in caplog.text and "1 to prompts that have changed" in caplog.text
+
+
+def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
+    """A converted model by the source sha256 its marker records; a folder by its weights files,
+    hashed once and remembered until a file changes; a hub snapshot by the names of its blobs."""
+    import shutil
+
+    from core.models.cache import write_marker
+    from core.training import pipeline
+    from tests.tiny import save_tiny_model
+
+    def quiet(stage, fraction):
+        pass
+
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    hashed = []
+    real_sha256 = pipeline.sha256_file
+    monkeypatch.setattr(pipeline, "sha256_file", lambda path, progress: hashed.append(path) or real_sha256(path))
+    one, other = save_tiny_model(tmp_path / "one", seed=0), save_tiny_model(tmp_path / "other", seed=1)
+    key = pipeline.target_key(one, quiet)
+    assert pipeline.target_key(one, quiet) == key and len(hashed) == 1
+    assert pipeline.target_key(other, quiet) != key
+    shutil.copyfile(other / "model.safetensors", one / "model.safetensors")
+    assert pipeline.target_key(one, quiet) == pipeline.target_key(other, quiet) and len(hashed) == 3
+
+    blob = tmp_path / "hub" / "blobs" / ("c" * 64)
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"weights")
+    snapshot = tmp_path / "hub" / "snapshots" / "main"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to(blob)
+    assert pipeline.target_key(snapshot, quiet) != key and len(hashed) == 3
+
+    write_marker(one, {"source": "m.gguf", "sha256": "ab" * 32})
+    assert pipeline.target_key(one, quiet) == "ab" * 32
+
+
+def test_the_committed_corpus_is_read_for_the_default_target_alone():
+    """The project's corpus predates corpora recording their target's weights: it is taken for the
+    default target as the catalog pins it, not for other weights that share its name."""
+    from core.models.catalog import CATALOG, DEFAULT_TARGET
+    from core.training.data import load_corpus
+    from core.training.pipeline import shipped_corpus
+
+    path = shipped_corpus(DEFAULT_TARGET)
+    assert len(load_corpus(path, DEFAULT_TARGET, CATALOG[DEFAULT_TARGET].sha256)) > 2000
+    assert load_corpus(path, DEFAULT_TARGET, "sha256 of other weights") == {}
+
+
+def test_a_corpus_keeps_the_answers_of_its_own_target_alone(tmp_path):
+    """Answers of two targets in one work folder: the corpus takes those of the target it is for,
+    and records it; without saying which, it refuses to guess."""
+    import pytest
+
+    from core.errors import SpecPlayError
+    from core.training.data import generate_answers, load_corpus, save_corpus
+
+    tok = chat_tokenizer()
+    (one, _), (other, _) = tiny_pair(dtype=torch.float64, seed=0), tiny_pair(dtype=torch.float64, seed=1)
+    generate_answers(one, tok, PROMPTS[:3], 4, tmp_path / "made", target_key="one", slots=3, shard_size=3)
+    generate_answers(other, tok, PROMPTS[:3], 4, tmp_path / "made", target_key="other", slots=3, shard_size=3)
+    generate_answers(other, tok, PROMPTS[:3], 4, tmp_path / "alone", target_key="other", slots=3, shard_size=3)
+    with pytest.raises(SpecPlayError, match="2 different targets"):
+        save_corpus(tmp_path / "made", tmp_path / "corpus.safetensors", "tiny")
+    assert save_corpus(tmp_path / "made", tmp_path / "corpus.safetensors", "tiny", key="other") == 3
+    save_corpus(tmp_path / "alone", tmp_path / "alone.safetensors", "tiny")
+    assert load_corpus(tmp_path / "corpus.safetensors", "tiny", "one") == {}
+    assert load_corpus(tmp_path / "corpus.safetensors", "tiny", "other") == \
+        load_corpus(tmp_path / "alone.safetensors", "tiny", "other")

@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 
 from core.atomic import replacing
-from core.errors import Cancelled
+from core.errors import Cancelled, SpecPlayError
+from core.models.catalog import CATALOG, DEFAULT_TARGET
 from core.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -164,15 +165,17 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, shard_dir: Path, *,
-                     slots: int = 16, shard_size: int = 32, corpus: dict[int, list[int]] | None = None,
-                     progress: Progress | None = None,
+                     target_key: str, slots: int = 16, shard_size: int = 32,
+                     corpus: dict[int, list[int]] | None = None, progress: Progress | None = None,
                      should_cancel: Callable[[], bool] = lambda: False) -> "FeatureSet":
     """The target's greedy answers to ``prompts`` with its features, generated in batches.
 
     Each answer keeps the target's feature and argmax at every position, prompt included, as
     it is produced (no second pass over the text). Finished answers are saved in shards of
-    ``shard_size``; a shard records the prompts it answers, so an interrupted run resumes with
-    the prompts not yet answered (answers in flight at the interruption are redone).
+    ``shard_size``; a shard records the prompts it answers and the target that made it
+    (``target_key``, what identifies its weights), so an interrupted run resumes with the
+    prompts not yet answered (answers in flight at the interruption are redone), and answers
+    of another target, or to a prompt that has since changed, are made again, never reused.
 
     ``corpus`` (prompt index -> prompt and answer token ids, :func:`load_corpus`) holds answers
     made earlier, perhaps on another machine: those are not generated again but read once by
@@ -182,15 +185,9 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     from core.models.native import Generated, greedy_batch
 
     shard_dir.mkdir(parents=True, exist_ok=True)
-    parts, done = [], set()
-    for path in sorted(shard_dir.glob("answers-*.safetensors")):
-        part, keys = FeatureSet.load_keyed(path)
-        wanted = [i for i, k in enumerate(keys) if k < len(prompts)]  # a larger earlier run: take its prefix
-        if len(wanted) < len(keys):
-            part = part.sequences(wanted)
-        parts.append(part)
-        done.update(keys[i] for i in wanted)
-    todo = [(k, chat_prompt_ids(tokenizer, p)) for k, p in enumerate(prompts) if k not in done]
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    parts, done = _answers_made(shard_dir, target_key, prompt_ids)
+    todo = [(k, ids) for k, ids in enumerate(prompt_ids) if k not in done]
     stop = set(model.info.eos_token_ids)
     known: dict[int, tuple[list[int], int]] = {}  # key -> (corpus answer, prompt length)
     for k, ids in todo:
@@ -205,7 +202,7 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     def save() -> None:
         part = FeatureSet.from_sequences([g for _, g in pending])
         keys = [k for k, _ in pending]
-        part.save(shard_dir / f"answers-{min(keys):06d}-{len(keys)}.safetensors", keys=keys)
+        part.save(shard_dir / _answers_shard_name(target_key, keys), keys=keys, meta={"target": target_key})
         parts.append(part)
         pending.clear()
 
@@ -236,6 +233,47 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     return FeatureSet.concat(parts) if parts else FeatureSet.empty(model.info.hidden_size)
 
 
+def _answers_made(shard_dir: Path, target_key: str, prompt_ids: list[list[int]]) -> tuple[list["FeatureSet"], set[int]]:
+    """The answers in ``shard_dir`` that this target made to these prompts, and their prompt indices.
+
+    Shards of another target (or from before shards recorded theirs), and answers whose prompt
+    is no longer the one at their index (the instruction pool is written from this machine's
+    standard library), are left out, with a warning that counts them.
+    """
+    parts, done = [], set()
+    foreign = changed = 0
+    for path in sorted(shard_dir.glob("answers-*.safetensors")):
+        made_by, keys = _shard_header(path)
+        if made_by != target_key:
+            foreign += len(keys)
+            continue
+        part = FeatureSet.load(path)
+        asked = [i for i, k in enumerate(keys) if k < len(prompt_ids)]  # a larger earlier run: take its prefix
+        wanted = [i for i in asked if part.sequence_starts_with(i, prompt_ids[keys[i]])]
+        changed += len(asked) - len(wanted)
+        parts.append(part.sequences(wanted) if len(wanted) < len(keys) else part)
+        done.update(keys[i] for i in wanted)
+    if foreign or changed:
+        log.warning("%s: %d answers made by another target (or before answers recorded their target) and %d to "
+                    "prompts that have changed are not used; they are made again", shard_dir, foreign, changed)
+    return parts, done
+
+
+def _shard_header(path: Path) -> tuple[str | None, list[int]]:
+    """(the target a shard's answers were made by, their prompt indices), without reading its features."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("target"), f.get_tensor("keys").tolist()
+
+
+def _answers_shard_name(target_key: str, keys: list[int]) -> str:
+    # The digest keeps a new shard from overwriting one that starts at the same prompt: another
+    # target's, or this target's from before some of its prompts changed, with answers still in use.
+    digest = hashlib.sha256(json.dumps([target_key, keys]).encode()).hexdigest()[:12]
+    return f"answers-{min(keys):06d}-{len(keys)}-{digest}.safetensors"
+
+
 def read_once(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's final-norm feature (float16) and argmax at every position of ``seq``, in one
     pass from an empty cache (the prompt path: exactness is not needed for training data)."""
@@ -256,20 +294,25 @@ def usable_answer(seq: list[int], prompt_ids: list[int], max_new_tokens: int, st
     return seq if seq[-1] in stop else None
 
 
-def save_corpus(shard_dir: Path, path: Path, target: str) -> int:
-    """Add the token ids of every answer finished in ``shard_dir`` (prompt and answer, no
-    features) to the corpus at ``path``; return how many it holds. A few MB per million tokens:
-    small enough to keep with the project, so the hours of generating them are spent once."""
+def save_corpus(shard_dir: Path, path: Path, target: str, key: str | None = None) -> int:
+    """Add the token ids of every answer target ``key`` finished in ``shard_dir`` (prompt and
+    answer, no features) to the corpus at ``path``; return how many it holds. A few MB per
+    million tokens: small enough to keep with the project, so the hours of generating them are
+    spent once. Without ``key``: the one target whose answers ``shard_dir`` holds."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    entries = load_corpus(path, target)
-    for shard in sorted(shard_dir.glob("answers-*.safetensors")):
+    shards = sorted(shard_dir.glob("answers-*.safetensors"))
+    key = key or _only_target(shard_dir, shards)
+    entries = load_corpus(path, target, key)
+    for shard in shards:
         with safe_open(str(shard), framework="pt") as f:  # the ids only: the features are most of the file
+            if (f.metadata() or {}).get("target") != key:
+                continue
             keys, tokens, labels, bounds = (f.get_tensor(n).tolist() for n in ("keys", "tokens", "labels", "starts"))
-        for i, key in enumerate(keys):
+        for i, k in enumerate(keys):
             s, e = bounds[i], bounds[i + 1]
-            entries[key] = tokens[s:e] + [labels[e - 1]]
+            entries[k] = tokens[s:e] + [labels[e - 1]]
     keys = sorted(entries)
     lengths = [len(entries[k]) for k in keys]
     tensors = {"keys": torch.tensor(keys, dtype=torch.long),
@@ -277,28 +320,49 @@ def save_corpus(shard_dir: Path, path: Path, target: str) -> int:
                "starts": torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)}
     path.parent.mkdir(parents=True, exist_ok=True)
     with replacing(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"target": target})
+        save_file(tensors, str(tmp), metadata={"target": target, "target_key": key})
     return len(keys)
 
 
-def load_corpus(path: Path, target: str) -> dict[int, list[int]]:
+def _only_target(shard_dir: Path, shards: list[Path]) -> str:
+    made_by = {_shard_header(p)[0] for p in shards} - {None}  # shards from before answers recorded their target
+    if not made_by:
+        raise SpecPlayError(f"{shard_dir} holds no answers to keep")
+    if len(made_by) > 1:
+        raise SpecPlayError(f"{shard_dir} holds answers of {len(made_by)} different targets; make the answers "
+                            f"to keep in a work folder of their own (--workdir)")
+    return made_by.pop()
+
+
+def load_corpus(path: Path, target: str, key: str) -> dict[int, list[int]]:
     """Prompt index -> token ids, from :func:`save_corpus`; empty (with a log line) when ``path``
-    is missing, unreadable or made from another target."""
+    is missing, unreadable or made from another target than ``key`` identifies.
+
+    A corpus from before corpora recorded their target's key is taken for the default target
+    alone, loaded from the catalog (which pins its weights): the one such corpus the project keeps.
+    """
     from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
         return {}
     try:
         with safe_open(str(path), framework="pt") as f:
-            made_for = (f.metadata() or {}).get("target")
-            if made_for != target:
-                log.info("%s holds answers of %s, not %s: not used", path, made_for, target)
+            meta = f.metadata() or {}
+            if not _corpus_fits(meta, key):
+                log.info("%s holds answers of %s (weights %s), not of %s (weights %s): not used", path,
+                         meta.get("target"), meta.get("target_key", "unrecorded"), target, key)
                 return {}
             keys, tokens, starts = (f.get_tensor(n).tolist() for n in ("keys", "tokens", "starts"))
     except (OSError, SafetensorError, KeyError) as e:  # a corrupt file costs only the time it saves
         log.warning("cannot read the answer corpus %s (%s): answers are generated instead", path, e)
         return {}
     return {k: tokens[starts[i]:starts[i + 1]] for i, k in enumerate(keys)}
+
+
+def _corpus_fits(meta: dict, key: str) -> bool:
+    if "target_key" in meta:
+        return meta["target_key"] == key
+    return meta.get("target") == DEFAULT_TARGET and key == CATALOG[DEFAULT_TARGET].sha256
 
 
 @dataclass
@@ -327,8 +391,9 @@ class FeatureSet:
             ok[: self.num_tokens - k] = seq_id[: self.num_tokens - k] == seq_id[k:]
         return ok
 
-    def save(self, path: Path, keys: list[int] | None = None) -> None:
-        """Write atomically; ``keys`` (e.g. the prompts these sequences answer) are stored alongside."""
+    def save(self, path: Path, keys: list[int] | None = None, meta: dict[str, str] | None = None) -> None:
+        """Write atomically; ``keys`` (e.g. the prompts these sequences answer) are stored alongside,
+        ``meta`` in the file's metadata."""
         from safetensors.torch import save_file
 
         # A shard on disk counts as done (extraction resumes past it), so it must never be half written.
@@ -337,19 +402,14 @@ class FeatureSet:
         if keys is not None:
             tensors["keys"] = torch.tensor(keys, dtype=torch.long)
         with replacing(path) as tmp:
-            save_file(tensors, str(tmp))
+            save_file(tensors, str(tmp), metadata=meta)
 
     @staticmethod
     def load(path: Path) -> "FeatureSet":
-        return FeatureSet.load_keyed(path)[0]
-
-    @staticmethod
-    def load_keyed(path: Path) -> tuple["FeatureSet", list[int]]:
         from safetensors.torch import load_file
 
         d = load_file(str(path))
-        keys = d["keys"].tolist() if "keys" in d else []
-        return FeatureSet(d["features"], d["tokens"], d["labels"], d["starts"]), keys
+        return FeatureSet(d["features"], d["tokens"], d["labels"], d["starts"])
 
     @staticmethod
     def from_sequences(seqs) -> "FeatureSet":
@@ -362,6 +422,10 @@ class FeatureSet:
     def empty(hidden: int) -> "FeatureSet":
         return FeatureSet(torch.zeros(0, hidden, dtype=torch.float16), torch.zeros(0, dtype=torch.int32),
                           torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.long))
+
+    def sequence_starts_with(self, index: int, prefix: list[int]) -> bool:
+        start, end = int(self.starts[index]), int(self.starts[index + 1])
+        return end - start >= len(prefix) and self.tokens[start:start + len(prefix)].tolist() == prefix
 
     def sequences(self, keep: list[int]) -> "FeatureSet":
         """The sequences at indices ``keep``, in that order."""
@@ -382,18 +446,22 @@ class FeatureSet:
                           torch.cat([p.labels for p in parts]), torch.cat(starts))
 
 
-def extract_features(target, sequences: list[list[int]], shard_dir: Path, shard_size: int = 64,
+def extract_features(target, sequences: list[list[int]], shard_dir: Path, *, target_key: str, shard_size: int = 64,
                      progress: Progress | None = None, should_cancel: Callable[[], bool] = lambda: False) -> FeatureSet:
-    """Run the target over ``sequences``; return features and labels. Shards on disk make it resumable."""
+    """Run the target over ``sequences``; return features and labels. Shards on disk make it
+    resumable; each is named by what it holds (the sequences, and ``target_key``: the target
+    whose features they are), so a changed text or another target never reads them."""
     if not sequences:
         return FeatureSet.empty(target.info.hidden_size)
     shard_dir.mkdir(parents=True, exist_ok=True)
     parts = []
     n_shards = (len(sequences) + shard_size - 1) // shard_size
+    names = [_features_shard_name(s, target_key, sequences[s * shard_size:(s + 1) * shard_size])
+             for s in range(n_shards)]
+    _warn_of_other_shards(shard_dir, set(names))
     for s in range(n_shards):
         chunk = sequences[s * shard_size:(s + 1) * shard_size]
-        key = hashlib.sha256(json.dumps(chunk).encode()).hexdigest()[:16]
-        path = shard_dir / f"shard-{s:04d}-{key}.safetensors"
+        path = shard_dir / names[s]
         if path.is_file():
             parts.append(FeatureSet.load(path))
             continue
@@ -412,6 +480,18 @@ def extract_features(target, sequences: list[list[int]], shard_dir: Path, shard_
         if progress:
             progress(f"Extracting target features (shard {s + 1}/{n_shards})", (s + 1) / n_shards)
     return FeatureSet.concat(parts)
+
+
+def _features_shard_name(index: int, target_key: str, chunk: list[list[int]]) -> str:
+    digest = hashlib.sha256(json.dumps([target_key, chunk]).encode()).hexdigest()[:16]
+    return f"shard-{index:04d}-{digest}.safetensors"
+
+
+def _warn_of_other_shards(shard_dir: Path, names: set[str]) -> None:
+    others = [p for p in shard_dir.glob("shard-*.safetensors") if p.name not in names]
+    if others:
+        log.warning("%s: %d feature shards of another target or text (or from before shards were named by "
+                    "their target) are not used", shard_dir, len(others))
 
 
 def draft_vocabulary(labels: torch.Tensor, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:

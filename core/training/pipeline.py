@@ -6,7 +6,10 @@ interrupted run resumes where it stopped (``--resume`` for the training itself).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +17,11 @@ from typing import Callable
 
 import torch
 
+from core.atomic import write_text_atomic
+from core.errors import ModelError
 from core.heads import save_heads
+from core.models.cache import read_marker
+from core.models.convert import sha256_file
 from core.paths import assets_dir, cache_dir, data_dir
 from core.progress import Progress
 from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
@@ -22,6 +29,8 @@ from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, ex
                                 instruction_prompts, load_corpus)
 
 log = logging.getLogger(__name__)
+
+_WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 
 @dataclass(frozen=True)
@@ -54,25 +63,67 @@ def default_output(kind: str, target_spec: str) -> Path:
     return data_dir() / "heads" / f"{kind}-{Path(target_spec).name}.safetensors"
 
 
+def target_key(folder: Path, progress: Progress) -> str:
+    """What identifies a target's weights, so that data made by another target (one with the
+    same folder name, or the same folder with other weights) is never taken for its own.
+
+    A converted model's marker records the sha256 of the GGUF it was made from (a catalog
+    model's is the catalog's); another folder is known by the sha256 of its weights files.
+    """
+    source = read_marker(folder).get("sha256")
+    if source:
+        return source
+    files = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHTS_SUFFIXES and p.is_file())
+    if not files:
+        raise ModelError(f"no weights files in {folder} to tell which model it is")
+    listing = "".join(f"{p.name} {_file_sha256(p, progress)}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _file_sha256(path: Path, progress: Progress) -> str:
+    """A weights file's sha256: the name of the blob a hub snapshot links it to, or else hashed
+    once (seconds per GB) and remembered with the file's size and modification time."""
+    real = path.resolve()
+    if real.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", real.name):
+        return real.name
+    known_file = cache_dir() / "training" / "weights-sha256.json"
+    try:
+        known = json.loads(known_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    stat = real.stat()
+    stamp = [stat.st_size, stat.st_mtime_ns]
+    if known.get(str(real), {}).get("stamp") == stamp:
+        return known[str(real)]["sha256"]
+    sha = sha256_file(real, progress)
+    known = {name: seen for name, seen in known.items() if Path(name).exists()}  # not a line per deleted file
+    known[str(real)] = {"stamp": stamp, "sha256": sha}
+    known_file.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(known_file, json.dumps(known, indent=1) + "\n")
+    return sha
+
+
 def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progress,
                  should_cancel: Callable[[], bool], corpus: Path | None = None) -> tuple[FeatureSet, dict]:
     """Standard-library source and the target's answers, with the target's features.
 
     Answers found in ``corpus`` (default: the project's, :func:`shipped_corpus`) are read
-    instead of generated."""
+    instead of generated. What the work folder holds is used only where it was made by these
+    weights (:func:`target_key`) and, for answers, for these instructions."""
     workdir.mkdir(parents=True, exist_ok=True)
+    key = target_key(target.path, progress)
     sequences = code_sequences(target.tokenizer, settings.code_tokens, settings.seq_len, settings.seed)
-    code = extract_features(target.model, sequences, workdir / f"features-{settings.key()}", progress=progress,
-                            should_cancel=should_cancel)
+    code = extract_features(target.model, sequences, workdir / f"features-{settings.key()}", target_key=key,
+                            progress=progress, should_cancel=should_cancel)
     parts = [code]
     answers = None
     if settings.answers > 0:
         prompts = instruction_prompts(settings.answers, settings.seed)
         started = time.perf_counter()
-        known = load_corpus(corpus or shipped_corpus(target.spec), target.spec)
+        known = load_corpus(corpus or shipped_corpus(target.spec), target.spec, key)
         answers = generate_answers(target.model, target.tokenizer, prompts, settings.answer_tokens,
-                                   answers_dir(workdir, settings), slots=settings.slots, corpus=known,
-                                   progress=progress, should_cancel=should_cancel)
+                                   answers_dir(workdir, settings), target_key=key, slots=settings.slots,
+                                   corpus=known, progress=progress, should_cancel=should_cancel)
         parts.append(answers)
         log.info("answers ready in %.0f s", time.perf_counter() - started)
     features = FeatureSet.concat(parts)
