@@ -24,6 +24,7 @@ from __future__ import annotations
 import http.client
 import ipaddress
 import json
+import math
 import os
 import re
 import socket
@@ -300,9 +301,13 @@ def list_models(endpoint: Endpoint, deadline: float | None = None) -> list[str]:
     if status != 200:
         raise RemoteError(f"{endpoint.url}/models answered {status}")
     try:
-        return [m["id"] for m in json.loads(body).get("data", [])]
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise RemoteError(f"{endpoint.url}/models is not an OpenAI-compatible model list") from None
+        doc = json.loads(body)
+    except (ValueError, RecursionError):  # deep nesting is valid JSON that Python cannot parse
+        doc = None
+    models = doc.get("data", []) if isinstance(doc, dict) else None
+    if not isinstance(models, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in models):
+        raise RemoteError(f"{endpoint.url}/models is not an OpenAI-compatible model list")
+    return [m["id"] for m in models]
 
 
 def _lines(pieces: Iterator[bytes], label: str) -> Iterator[bytes | None]:
@@ -331,9 +336,9 @@ def _check_line(size: int, label: str) -> None:
 
 
 def _sse_events(pieces: Iterator[bytes], label: str) -> Iterator[dict | None]:
-    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``, and None for each
+    """The JSON objects of a server-sent event stream, up to ``data: [DONE]``, and None for each
     arrival that completes no event (a keep-alive comment, part of a line), so that the caller
-    checks Stop on every one."""
+    checks Stop on every one. A data line that is not a JSON object is a malformed reply."""
     for line in _lines(pieces, label):
         if line is None or not line.startswith(b"data:"):
             yield None
@@ -342,9 +347,39 @@ def _sse_events(pieces: Iterator[bytes], label: str) -> Iterator[dict | None]:
         if payload == b"[DONE]":
             return
         try:
-            yield json.loads(payload.decode("utf-8", "replace"))
-        except (ValueError, RecursionError):
-            yield None
+            event = json.loads(payload.decode("utf-8", "replace"))
+        except (ValueError, RecursionError):  # deep nesting is valid JSON that Python cannot parse
+            raise _malformed(label, "an event that is not JSON") from None
+        if not isinstance(event, dict):
+            raise _malformed(label, f"an event that is {_kind(event)}, not an object")
+        yield event
+
+
+def _malformed(label: str, what: str) -> RemoteError:
+    return RemoteError(f"{label} sent a malformed reply: {what}")
+
+
+def _kind(value) -> str:
+    """A JSON value's type in JSON's words, for messages."""
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+             dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def _field(obj: dict, key: str, kind: type, label: str):
+    """``obj[key]`` if it is of ``kind``, None if absent or null; a malformed reply otherwise."""
+    value = obj.get(key)
+    # bool is an int to Python, not a count to anyone
+    if value is None or (isinstance(value, kind) and not isinstance(value, bool)):
+        return value
+    raise _malformed(label, f"'{key}' is {_kind(value)}, not {_kind(kind())}")
+
+
+def _count(obj: dict, key: str, label: str) -> int | None:
+    value = _field(obj, key, int, label)
+    if value is not None and value < 0:
+        raise _malformed(label, f"'{key}' is negative ({value})")
+    return value
 
 
 # ------------------------------------------------------------------------------- metrics
@@ -364,6 +399,8 @@ def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
         try:
             value = float(m.group(3))
         except ValueError:
+            continue
+        if not math.isfinite(value):  # NaN and ±Inf are allowed in the format but say nothing of a run
             continue
         labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
         out[(m.group(1), labels)] = value
@@ -478,22 +515,40 @@ class RemoteRun:
 
 def _apply_event(run: RemoteRun, event: dict, chat: bool, now: float,
                  on_text: Callable[[str, float], None] | None) -> dict | None:
-    """Add one streamed event to ``run``; the llama.cpp timings it carries, if any."""
-    if "error" in event:
+    """Add one streamed event to ``run``; the llama.cpp timings it carries, if any. The whole
+    event is checked before any of it is used: a field of the wrong type is a malformed reply
+    (a RemoteError, so the run keeps its text), never a TypeError."""
+    label = run.endpoint.label
+    if event.get("error") is not None:
         err = event["error"]
-        raise RemoteError(f"{run.endpoint.label}: {err.get('message') if isinstance(err, dict) else err}")
-    usage = event.get("usage")
-    if usage and usage.get("completion_tokens") is not None:
-        run.completion_tokens = int(usage["completion_tokens"])
-    for choice in event.get("choices") or []:
-        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        raise RemoteError(f"{label}: {err.get('message') if isinstance(err, dict) else err}")
+    usage = _field(event, "usage", dict, label) or {}
+    count = _count(usage, "completion_tokens", label)
+    timings = _field(event, "timings", dict, label)
+    for key in ("predicted_n", "draft_n", "draft_n_accepted"):  # what llamacpp_spec_stats reads
+        _count(timings or {}, key, label)
+    choices = [_choice(c, chat, label) for c in _field(event, "choices", list, label) or []]
+    if count is not None:
+        run.completion_tokens = count
+    for piece, finish in choices:
         if piece:
             run.chunks.append((now, piece))
             run.text += piece
             if on_text:
                 on_text(piece, now)
-        run.finish_reason = choice.get("finish_reason") or run.finish_reason
-    return event.get("timings")
+        run.finish_reason = finish or run.finish_reason
+    return timings
+
+
+def _choice(choice, chat: bool, label: str) -> tuple[str | None, str | None]:
+    """A streamed choice's text and finish reason, checked."""
+    if not isinstance(choice, dict):
+        raise _malformed(label, f"a choice that is {_kind(choice)}, not an object")
+    if chat:
+        piece = _field(_field(choice, "delta", dict, label) or {}, "content", str, label)
+    else:
+        piece = _field(choice, "text", str, label)
+    return piece, _field(choice, "finish_reason", str, label)
 
 
 def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, temperature: float = 0.0,

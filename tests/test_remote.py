@@ -352,13 +352,67 @@ class RawServer:
         self.server.server_close()
 
 
-def streaming(*parts) -> dict:
-    """Routes for a chat stream made of ``parts`` (bytes, or iterables of bytes, sent in order)."""
+def streaming(*parts, path="/v1/chat/completions") -> dict:
+    """Routes for a stream made of ``parts`` (bytes, or iterables of bytes, sent in order)."""
     def answer():
         yield SSE_HEAD
         for part in parts:
             yield from [part] if isinstance(part, bytes) else part
-    return {"POST /v1/chat/completions": answer}
+    return {f"POST {path}": answer}
+
+
+FINISH = sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+WRONG_SHAPES = {
+    "a number": "1", "a string": '"w2 "', "an array": "[]", "not JSON": "{w2",
+    "nested too deep for Python": "[" * 100_000 + "]" * 100_000,
+    "choices an object": {"choices": {"0": {"delta": {"content": "w2 "}}}},
+    "a choice a string": {"choices": ["w2 "]},
+    "a string delta": {"choices": [{"index": 0, "delta": "w2 "}]},
+    "a number content": {"choices": [{"index": 0, "delta": {"content": 5}}]},
+    "a number finish reason": {"choices": [{"index": 0, "delta": {}, "finish_reason": 3}]},
+    "a string count": {"choices": [], "usage": {"completion_tokens": "12"}},
+    "a negative count": {"choices": [], "usage": {"completion_tokens": -1}},
+    "a boolean count": {"choices": [], "usage": {"completion_tokens": True}},
+    "usage an array": {"choices": [], "usage": [12]},
+    "timings a string": {"choices": [], "timings": "fast"},
+    "a string draft count": {"choices": [], "timings": {"predicted_n": 3, "draft_n": "9"}},
+}
+
+
+@pytest.mark.parametrize("bad", WRONG_SHAPES.values(), ids=WRONG_SHAPES.keys())
+def test_json_of_the_wrong_shape_is_a_malformed_reply_and_the_text_is_kept(bad):
+    with RawServer(streaming(word(0), word(1), sse(bad), word(2), FINISH)) as server:
+        run = stream_completion(Endpoint(server.url, model="m"), "hi", max_tokens=8)
+    assert "malformed reply" in run.error and run.text == "w0 w1 "
+    record = remote_record(run, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0)
+    assert record["stop_reason"] == "error" and record["text"] == "w0 w1 "
+
+
+def test_a_completion_of_the_wrong_shape_is_a_message_on_the_command_line(capsys):
+    from core.cli import main
+
+    bad = sse({"choices": [{"index": 0, "text": ["w2 "]}]})
+    with RawServer(streaming(sse({"choices": [{"index": 0, "text": "w0 "}]}), bad, FINISH,
+                             path="/v1/completions")) as server:
+        rc = main(["run", "--engine", f"{server.url},model=m", "--prompt", "hi", "--no-chat-template"])
+    captured = capsys.readouterr()
+    assert rc == 1 and captured.out.startswith("w0 ") and "malformed reply: 'text' is an array" in captured.err
+
+
+@pytest.mark.parametrize("body", [b'{"data": [{"id": 5}]}', b'{"data": {"id": "m"}}', b"[1]", b"[" * 100_000])
+def test_a_model_list_of_the_wrong_shape_is_refused(body):
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    with RawServer({"GET /v1/models": lambda: [head + body]}) as server:
+        run = stream_completion(Endpoint(server.url), "hi", max_tokens=8)
+    assert "not an OpenAI-compatible model list" in run.error
+
+
+def test_metrics_that_are_not_finite_numbers_claim_nothing():
+    counters = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                "vllm:spec_decode_num_accepted_tokens_total")
+    after = parse_prometheus("".join(f"{name} {value}\n" for name, value in zip(counters, ("NaN", "+Inf", "4"))))
+    assert vllm_spec_stats({}, after) is None
+    assert sglang_spec_stats(parse_prometheus("sglang:spec_accept_length NaN\n")) is None
 
 
 def test_a_line_that_never_ends_is_cut_at_the_cap_and_the_text_kept(monkeypatch):
