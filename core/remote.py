@@ -94,16 +94,20 @@ class Endpoint:
         return Endpoint(url=url, **fields_)
 
     def check(self) -> None:
-        """Refuse, in one line, what the connection would otherwise fail on with a traceback."""
+        """Refuse, in one line, what the connection would otherwise fail on with a traceback, or
+        what would put a secret in records (the messages never repeat one)."""
+        try:
+            u = urllib.parse.urlsplit(self.url)
+        except ValueError:  # an unclosed or invalid [IPv6] host
+            raise ConfigError("endpoint URL has a malformed [IPv6] host") from None
+        # The URL goes into records, logs and the history: a secret in it would too.
+        if "@" in u.netloc or u.query or u.fragment:
+            raise ConfigError(f"endpoint URL must not carry credentials, a query string or a fragment "
+                              f"({_redacted(u)}): name the key's variable with key-env= or store it in the keyring")
         # http.client sends the URL as ASCII and rejects spaces and control characters mid-request.
         if not self.url.isascii() or any(c.isspace() or not c.isprintable() for c in self.url):
             raise ConfigError(f"endpoint URL must be ASCII without spaces (an international host name in its "
                               f"xn-- form), got {self.url!r}")
-        u = urllib.parse.urlsplit(self.url)
-        # The URL goes into records, logs and the history: a secret in it would too.
-        if "@" in u.netloc or u.query or u.fragment:
-            raise ConfigError(f"endpoint URL must not carry credentials or a query string ({_redacted(u)}): "
-                              "name the key's variable with key-env= or store it in the keyring")
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ConfigError(f"endpoint URL must be http(s)://host[:port]/..., got {self.url!r}")
         try:

@@ -61,7 +61,7 @@ def test_endpoint_specs_parse_and_bad_ones_are_refused():
                                   "http://127.0.0.1:8000/v1,timeout=inf", "http://127.0.0.1:8000/v1,timeout=nan",
                                   "http://127.0.0.1:8000/v1,timeout=1e999", "http://127.0.0.1:8000/v1,deadline=inf",
                                   "http://127.0.0.1:8000/v1,deadline=0", "http://127.0.0.1:8000/my models/v1",
-                                  "http://exämple.org:8000/v1"])
+                                  "http://exämple.org:8000/v1", "http://[::1:8000/v1"])
 def test_bad_ports_timeouts_and_urls_are_refused_in_one_line(spec):
     with pytest.raises(ConfigError) as caught:
         Endpoint.parse(spec)
