@@ -5,7 +5,9 @@ exercises the same kernels at the same sizes. For a device and dtype this report
 
 * per method, whether its greedy output is identical to ``autoregressive``'s (the native
   engine's exactness claim in that dtype: low-precision kernels that block a verified batch
-  differently from a single token can flip near-ties), with τ and tokens/s;
+  differently from a single token can flip near-ties), with τ, the draft tokens it proposed
+  and had accepted (a method that accepted none was checked on its rejection path only), and
+  tokens/s;
 * the target's verification cost curve T(k)/T(1) for k = 1 … 64.
 
 Run it from the repository root::
@@ -52,6 +54,8 @@ SHAPES = {
              dict(hidden=32, inter=64, layers=1, heads=4, kv_heads=2, vocab=512)),
 }
 COST_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+#: See :func:`embeddings`.
+DRAFT_WRITE_SCALE = 0.05
 
 
 class IdTokenizer:
@@ -61,8 +65,12 @@ class IdTokenizer:
         return "".join(f" {i}" for i in ids)
 
 
-def random_decoder(shape: dict, name: str, device: str, dtype: torch.dtype, seed: int) -> NativeDecoder:
-    """A Qwen2-shaped native decoder with seeded random weights, made directly on ``device``."""
+def random_decoder(shape: dict, name: str, device: str, dtype: torch.dtype, seed: int, embedding: torch.Tensor,
+                   write_scale: float = 1.0) -> NativeDecoder:
+    """A Qwen2-shaped native decoder with seeded random weights and the given (tied) embedding, made on ``device``.
+
+    ``write_scale`` scales what each layer adds to the residual stream (its attention and MLP output projections).
+    """
     import transformers
 
     hf_cfg = transformers.Qwen2Config(
@@ -81,17 +89,35 @@ def random_decoder(shape: dict, name: str, device: str, dtype: torch.dtype, seed
         if key.endswith("norm.weight"):
             return torch.ones(h, device=device)
         if key == "model.embed_tokens.weight":
-            # Large enough that the tied LM head gives peaked, not uniform, distributions.
-            return torch.randn(cfg.vocab_size, h, generator=gen, device=device) * 0.1
+            return embedding
         part = key.split(".")[-2]
         if key.endswith(".bias"):
             return torch.randn(shapes[part][0], generator=gen, device=device) * 0.02
         if part in shapes:
             out, fan_in = shapes[part]
-            return torch.randn(out, fan_in, generator=gen, device=device) / fan_in ** 0.5
+            scale = write_scale if part in ("o_proj", "down_proj") else 1.0
+            return torch.randn(out, fan_in, generator=gen, device=device) * (scale / fan_in ** 0.5)
         return None
 
     return NativeDecoder(cfg, tensor, name=name, device=device, dtype=dtype, eos_token_ids=())
+
+
+def embeddings(target_shape: dict, draft_shape: dict, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random embeddings (tied to the LM heads) for the target and for a draft that agrees with it at times.
+
+    The target's is large enough that its LM head gives peaked, not uniform, distributions.
+    The draft's is the target's through a random projection to the draft's width, four times
+    larger, and the draft's layers write to its residual stream at ``DRAFT_WRITE_SCALE``: the
+    draft then ranks next tokens by their embeddings' likeness to the context's, and the random
+    target repeats tokens often enough that such a draft is accepted at times (9 of 32 draft
+    tokens at the default shapes in float32). With an independent draft none is ever accepted,
+    and ``speculative`` would be checked on its rejection path alone.
+    """
+    g = torch.Generator(device=device).manual_seed(3)
+    vocab, width, draft_width = target_shape["vocab"], target_shape["hidden"], draft_shape["hidden"]
+    target = torch.randn(vocab, width, generator=g, device=device) * 0.1
+    projection = torch.randn(width, draft_width, generator=g, device=device) * (4 / width ** 0.5)
+    return target, target @ projection
 
 
 def random_heads(folder: Path, target: NativeDecoder) -> tuple[Path, Path]:
@@ -141,6 +167,16 @@ def verify_cost_curve(model: NativeDecoder, device: str, context: int = 256, rep
     return {str(k): round(t / medians[1], 3) for k, t in medians.items()} | {"T1_ms": round(medians[1] * 1e3, 3)}
 
 
+def first_difference(tokens: list[int], baseline: list[int]) -> int | None:
+    """The first position where ``tokens`` and ``baseline`` differ, None if they are equal.
+
+    A run cut short (out of memory at full size) differs where it ends, though it may agree up to there.
+    """
+    if tokens == baseline:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(tokens, baseline)) if a != b), min(len(tokens), len(baseline)))
+
+
 def run_methods(target: LoadedModel, draft: LoadedModel, heads: tuple[Path, Path], prompt: list[int],
                 max_new_tokens: int) -> list[dict]:
     medusa_path, eagle_path = heads
@@ -154,10 +190,11 @@ def run_methods(target: LoadedModel, draft: LoadedModel, heads: tuple[Path, Path
         drain(generate(target.model, target.tokenizer, method, prompt, GenerationConfig(max_new_tokens=8)))
         result = drain(generate(target.model, target.tokenizer, method, prompt, gen))
         baseline = baseline if baseline is not None else result.token_ids
-        first_difference = next((i for i, (a, b) in enumerate(zip(result.token_ids, baseline)) if a != b), None)
         rows.append({"method": name, "identical": result.token_ids == baseline,
-                     "first_difference": first_difference, "tau": round(result.metrics.mean_accepted, 3),
-                     "tokens_per_s": round(result.metrics.tokens_per_s, 2)})
+                     "first_difference": first_difference(result.token_ids, baseline),
+                     "tau": round(result.metrics.mean_accepted, 3), "drafted": result.metrics.drafted,
+                     "accepted": result.metrics.accepted, "tokens_per_s": round(result.metrics.tokens_per_s, 2),
+                     "error": result.error})
     return rows
 
 
@@ -171,10 +208,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     target_shape, draft_shape = SHAPES[args.scale]
-    target = LoadedModel(random_decoder(target_shape, "random-target", args.device, dtype, seed=0), IdTokenizer(),
-                         spec="random-target", path=None)
-    draft = LoadedModel(random_decoder(draft_shape, "random-draft", args.device, dtype, seed=1), IdTokenizer(),
-                        spec="random-draft", path=None)
+    target_embedding, draft_embedding = embeddings(target_shape, draft_shape, args.device)
+    target = LoadedModel(random_decoder(target_shape, "random-target", args.device, dtype, 0, target_embedding),
+                         IdTokenizer(), spec="random-target", path=None)
+    draft = LoadedModel(random_decoder(draft_shape, "random-draft", args.device, dtype, 1, draft_embedding,
+                                       DRAFT_WRITE_SCALE), IdTokenizer(), spec="random-draft", path=None)
     g = torch.Generator().manual_seed(2)
     chunk = torch.randint(0, target_shape["vocab"], (40,), generator=g).tolist()
     prompt = chunk + torch.randint(0, target_shape["vocab"], (20,), generator=g).tolist() + chunk[:20]

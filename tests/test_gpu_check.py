@@ -1,17 +1,34 @@
 """The GPU check script runs on the CPU too (tiny shapes), so its code runs in CI."""
 
+import dataclasses
+
 import pytest
+import torch
 
 import gpu_check
 
+TINY_FLOAT32 = ["--device", "cpu", "--dtype", "float32", "--scale", "tiny", "--max-new-tokens", "24"]
+METHODS = ["autoregressive", "speculative", "prompt_lookup", "lookahead", "medusa", "eagle"]
 
-def test_float32_is_identical_for_every_method_and_the_cost_curve_is_reported(tmp_path):
-    report = gpu_check.main(["--device", "cpu", "--dtype", "float32", "--scale", "tiny", "--max-new-tokens", "24",
-                             "--out", str(tmp_path / "report.json")])
-    assert [m["method"] for m in report["methods"]] == ["autoregressive", "speculative", "prompt_lookup", "lookahead",
-                                                        "medusa", "eagle"]
-    assert all(m["identical"] for m in report["methods"]), report["methods"]
-    assert any(m["tau"] > 1 for m in report["methods"][1:]), "no method accepted a draft: nothing was verified"
+
+@pytest.fixture
+def steady_sizes(monkeypatch):
+    """Prompt lookup and EAGLE size their drafts by a timing of the target: on a loaded machine
+    a tiny target's timing could keep them from drafting anything worth accepting."""
+    import core.methods.eagle
+    import core.methods.prompt_lookup
+    from core.costmodel import CostCurve
+
+    for module in (core.methods.eagle, core.methods.prompt_lookup):
+        monkeypatch.setattr(module, "cost_curve", lambda model: CostCurve.linear(0.05))
+
+
+def test_float32_is_identical_for_every_method_and_the_cost_curve_is_reported(tmp_path, steady_sizes):
+    report = gpu_check.main(TINY_FLOAT32 + ["--out", str(tmp_path / "report.json")])
+    assert [m["method"] for m in report["methods"]] == METHODS
+    assert all(m["identical"] and m["first_difference"] is None for m in report["methods"]), report["methods"]
+    # Identity says something about a method's accepted path only where it accepted drafts.
+    assert all(m["accepted"] > 0 and m["tau"] > 1 for m in report["methods"][1:]), report["methods"]
     curve = report["verify_cost"]
     assert set(curve) == {str(k) for k in gpu_check.COST_SIZES} | {"T1_ms"} and curve["1"] == 1.0
     assert (tmp_path / "report.json").is_file()
@@ -19,7 +36,72 @@ def test_float32_is_identical_for_every_method_and_the_cost_curve_is_reported(tm
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_half_precision_paths_run_every_method(dtype):
-    """Whether they match is what the check reports; here every method must run and report."""
+    """Whether they match is what the check reports; here every method must run to its end and report."""
     report = gpu_check.main(["--device", "cpu", "--dtype", dtype, "--scale", "tiny", "--max-new-tokens", "16"])
-    assert len(report["methods"]) == 6 and report["methods"][0]["identical"]
-    assert all(m["tokens_per_s"] > 0 for m in report["methods"])
+    assert [m["method"] for m in report["methods"]] == METHODS
+    assert all(m["error"] is None and m["tokens_per_s"] > 0 for m in report["methods"])
+    assert all(m["drafted"] > 0 for m in report["methods"][1:])
+
+
+def break_third_step(monkeypatch, culprit: str, how: str) -> dict:
+    """Make every run of the method ``culprit`` go wrong at its third step.
+
+    ``how``: "wrong token" commits a token the target did not choose; "out of memory" ends the
+    run there, as the engine does when an allocation fails. Returns a dict whose "at" is, once
+    the check has run, the output position where the culprit's last run went wrong.
+    """
+    import core.engine
+
+    state = {"method": None}
+    real_build, real_generate, real_verify = gpu_check.build_method, gpu_check.generate, core.engine.verify
+
+    def build_method(name, *args):
+        state["method"] = name
+        return real_build(name, *args)
+
+    def generate(*args, **kwargs):
+        state.update(step=0, committed=0)
+        return real_generate(*args, **kwargs)
+
+    def verify(draft, target_logits, *args, **kwargs):
+        verdict = real_verify(draft, target_logits, *args, **kwargs)
+        if state["method"] == culprit and state["step"] == 2:
+            state["at"] = state["committed"]
+            if how == "out of memory":
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            state["at"] += len(verdict.accepted)
+            verdict = dataclasses.replace(verdict, next_token=(verdict.next_token + 1) % target_logits.shape[-1])
+        state["step"] += 1
+        state["committed"] += len(verdict.accepted) + 1
+        return verdict
+
+    monkeypatch.setattr(gpu_check, "build_method", build_method)
+    monkeypatch.setattr(gpu_check, "generate", generate)
+    monkeypatch.setattr(core.engine, "verify", verify)
+    return state
+
+
+@pytest.mark.parametrize("culprit", ["eagle", "autoregressive"])
+def test_the_check_reports_a_method_that_emits_a_wrong_token_where_it_does(monkeypatch, culprit):
+    """Every method is compared with autoregressive's output: a wrong eagle token flags eagle
+    alone, a wrong autoregressive token flags every other method, at the same position."""
+    broken = break_third_step(monkeypatch, culprit, "wrong token")
+    report = gpu_check.main(TINY_FLOAT32)
+    assert broken.get("at"), "the culprit's run never reached a third step"
+    if culprit == "autoregressive":
+        want = {name: broken["at"] for name in METHODS} | {culprit: None}
+    else:
+        want = {name: None for name in METHODS} | {culprit: broken["at"]}
+    assert {m["method"]: m["first_difference"] for m in report["methods"]} == want
+    assert {m["method"]: m["identical"] for m in report["methods"]} == {n: at is None for n, at in want.items()}
+
+
+def test_a_run_cut_short_is_reported_where_it_ends(monkeypatch):
+    """Out of memory at full size ends a run early; the tokens it kept agree with autoregressive's,
+    yet it is not identical, and the report says where it ends and why."""
+    broken = break_third_step(monkeypatch, "medusa", "out of memory")
+    report = gpu_check.main(TINY_FLOAT32)
+    assert broken.get("at"), "the culprit's run never reached a third step"
+    row = next(m for m in report["methods"] if m["method"] == "medusa")
+    assert not row["identical"] and row["first_difference"] == broken["at"]
+    assert "out of memory" in row["error"]
