@@ -44,9 +44,7 @@ def test_the_draft_follows_the_native_model_through_commits_crops_and_a_growing_
     draft = LlamaCppDraft(gguf, "tiny", model.config, (2,), threads=1)
     native = native_from_hf(model)
     assert draft.info.backend == "llama.cpp" and draft.info.dtype == "f32" and draft.info.vocab_size == 64
-    import llama_cpp
-
-    assert draft._llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    assert draft.settings.flash_attn and draft.settings.extra_buffers
 
     def expect(sequence: list[int]) -> torch.Tensor:
         native.reset()
@@ -113,13 +111,14 @@ def test_the_4_bit_file_is_made_once_and_a_damaged_one_is_made_again(model, gguf
     folder = tmp_path / "cache"
     folder.mkdir()
     (folder / "draft-q4_0.gguf").write_bytes(b"an earlier version's draft file")
-    draft = load_llamacpp_draft(str(gguf), folder, model.config, (2,))
+    draft, probes = load_llamacpp_draft(str(gguf), folder, model.config, (2,))
     assert draft.info.dtype == "iq4_nl" and [p.name for p in folder.iterdir()] == [DRAFT_GGUF]
+    assert all(p.ok for p in probes)
     load_llamacpp_draft(str(gguf), folder, model.config, (2,))
     assert len(calls) == 1  # the second load reads the kept file
     data = (folder / DRAFT_GGUF).read_bytes()
     (folder / DRAFT_GGUF).write_bytes(data[: len(data) // 2])  # truncated
-    again = load_llamacpp_draft(str(gguf), folder, model.config, (2,))
+    again, _ = load_llamacpp_draft(str(gguf), folder, model.config, (2,))
     assert len(calls) == 2 and again.info.dtype == "iq4_nl"
     assert (folder / DRAFT_GGUF).read_bytes() == data
 

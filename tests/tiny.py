@@ -181,7 +181,7 @@ def need_llama_cpp() -> None:
 
     import pytest
 
-    from core.models.llamacpp_draft import available
+    from core.models.llamacpp import available
 
     why = available()
     if why:

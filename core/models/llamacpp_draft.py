@@ -16,16 +16,15 @@ computed (all a chain draft reads).
 from __future__ import annotations
 
 import ctypes
-import importlib
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from core.atomic import replacing
 from core.errors import ModelError
 from core.models.base import CausalLM, ForwardOutput, ModelInfo
+from core.models.llamacpp import LlamaCppFileError, LlamaCppSession, LlamaSettings, ProbeResult, usable_settings
 from core.progress import Progress, log_progress
 
 log = logging.getLogger(__name__)
@@ -38,15 +37,6 @@ _OLD_DRAFT_GGUFS = ("draft-q4_0.gguf",)
 _FTYPE_IQ4_NL = 25
 _TYPE_Q4_0 = 2
 _FIRST_CONTEXT = 4096
-
-
-def available() -> str | None:
-    """Why llama.cpp cannot run drafts here, or None if it can."""
-    try:
-        importlib.import_module("llama_cpp")
-    except ImportError:
-        return "llama-cpp-python is not installed (pip install -e \".[peers]\")"
-    return None
 
 
 def prepare_draft_gguf(source: Path, folder: Path, progress: Progress = log_progress) -> Path:
@@ -85,35 +75,28 @@ def _file_type(desc: str) -> str:
 class LlamaCppDraft(CausalLM):
     """A chain draft model on llama.cpp, with SpecPlay's cache interface (forward, commit, crop)."""
 
-    def __init__(self, gguf: Path, name: str, config, eos: tuple[int, ...], threads: int):
-        import llama_cpp
-
+    def __init__(self, gguf: Path, name: str, config, eos: tuple[int, ...], threads: int,
+                 settings: LlamaSettings = LlamaSettings()):
         self._gguf = gguf
         self._threads = threads
+        self._settings = settings
         self._tokens: list[int] = []  # committed, kept to refill a larger context
         self._pending: list[int] = []
         self._max_positions = getattr(config, "max_position_embeddings", 32768)
-        self._llm = self._open(min(_FIRST_CONTEXT, self._max_positions))
-        desc = ctypes.create_string_buffer(128)
-        llama_cpp.llama_model_desc(self._llm.model, desc, len(desc))
+        self._session = LlamaCppSession(gguf, min(_FIRST_CONTEXT, self._max_positions), threads, settings)
         self.info = ModelInfo(
-            name=name, architecture=config.model_type, vocab_size=self._llm.n_vocab(),
+            name=name, architecture=config.model_type, vocab_size=self._session.n_vocab,
             hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-            num_parameters=int(llama_cpp.llama_model_n_params(self._llm.model)), device="cpu",
-            dtype=_file_type(desc.value.decode(errors="replace")), backend="llama.cpp", eos_token_ids=eos,
-            max_positions=self._max_positions)
+            num_parameters=self._session.n_params, device="cpu", dtype=_file_type(self._session.description),
+            backend="llama.cpp", eos_token_ids=eos, max_positions=self._max_positions)
 
-    def _open(self, n_ctx: int):
-        import llama_cpp
+    @property
+    def settings(self) -> LlamaSettings:
+        return self._settings
 
-        self._capacity = n_ctx
-        try:
-            # Flash attention: a long prompt's prefill about a tenth faster on two cores, a draft token
-            # a few percent (measured on the default draft; a draft's numerics never matter).
-            return llama_cpp.Llama(model_path=str(self._gguf), n_ctx=n_ctx, n_batch=512, n_threads=self._threads,
-                                   n_threads_batch=self._threads, logits_all=False, flash_attn=True, verbose=False)
-        except ValueError as exc:
-            raise ModelError(f"llama.cpp cannot load {self._gguf}: {exc}") from None
+    def close(self) -> None:
+        """Free llama.cpp's model and context now (a draft measured slower than the native one)."""
+        self._session.close()
 
     @property
     def cache_len(self) -> int:
@@ -133,32 +116,31 @@ class LlamaCppDraft(CausalLM):
         rows = list(range(n)) if logit_rows is None else [int(r) for r in logit_rows]
         if rows not in ([], [n - 1]):
             raise NotImplementedError("the llama.cpp draft computes the last new token's logits only")
-        if len(self._tokens) + n > self._capacity:
+        if len(self._tokens) + n > self._session.n_ctx:
             self._grow(len(self._tokens) + n)
-        # Llama.eval drops the cache past n_tokens, then appends: a crop or a partial commit
-        # is just a shorter n_tokens.
-        self._llm.n_tokens = len(self._tokens)
-        self._llm.eval(ids)
+        # The session drops its cache past the committed tokens, then appends: a crop or a partial
+        # commit is just a shorter kept prefix.
+        logits = self._session.eval(ids, len(self._tokens))
         self._pending = ids
         if not rows:
             return ForwardOutput(logits=torch.empty(0, self.info.vocab_size))
-        import llama_cpp
-
-        out = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._llm.ctx, -1), shape=(self._llm.n_vocab(),))
-        return ForwardOutput(logits=torch.from_numpy(out.copy())[None])
+        return ForwardOutput(logits=torch.from_numpy(logits.copy())[None])
 
     def _grow(self, needed: int) -> None:
-        """Reopen with a context that holds ``needed`` tokens, refilled with the committed ones."""
-        n_ctx = self._capacity
+        """Move to a context that holds ``needed`` tokens, refilled with the committed ones; the old
+        one is closed only once the new one works, so a failure leaves the draft as it was."""
+        n_ctx = self._session.n_ctx
         while n_ctx < needed:
             n_ctx *= 2
         n_ctx = min(n_ctx, self._max_positions)
         if n_ctx < needed:
-            raise ValueError(f"the draft holds at most {self._max_positions} tokens")
-        self._llm.close()
-        self._llm = self._open(n_ctx)
+            raise ModelError(f"the llama.cpp draft holds at most {self._max_positions} tokens; this run needs "
+                             f"{needed}: shorten the prompt or the answer")
+        bigger = LlamaCppSession(self._gguf, n_ctx, self._threads, self._settings)
         if self._tokens:
-            self._llm.eval(self._tokens)
+            bigger.eval(self._tokens, 0)
+        self._session.close()
+        self._session = bigger
 
     def commit(self, keep) -> None:
         if not isinstance(keep, int):
@@ -186,22 +168,33 @@ class LlamaCppDraft(CausalLM):
 
 
 def load_llamacpp_draft(spec: str, folder: Path, config, eos: tuple[int, ...],
-                        progress: Progress = log_progress) -> LlamaCppDraft:
-    """The draft ``spec`` (a catalog id or a ``.gguf`` file, converted into ``folder``) on llama.cpp.
+                        progress: Progress = log_progress) -> tuple[LlamaCppDraft | None, list[ProbeResult]]:
+    """The draft ``spec`` (a catalog id or a ``.gguf`` file, converted into ``folder``) on llama.cpp,
+    with the fastest settings a child process survived here, and what each probe found; ``None``
+    for the draft when no settings are safe on this machine.
 
     Its 4-bit file is made once into ``folder``; one that llama.cpp cannot read (damaged) is
-    made again, never used. A catalog model's original GGUF is assembled only to be quantized
-    and is not kept unless it was there before.
+    made again, never used; any other failure (a context that cannot be allocated) is reported
+    as it is. A catalog model's original GGUF is assembled only to be quantized and is not kept
+    unless it was there before.
     """
     _make_draft_gguf(spec, folder, progress)
     try:
-        return LlamaCppDraft(folder / DRAFT_GGUF, spec, config, eos, torch.get_num_threads())
-    except ModelError:
+        return _open_draft(spec, folder, config, eos, progress)
+    except LlamaCppFileError:
         log.warning("%s: llama.cpp cannot read %s; quantizing it again", spec, DRAFT_GGUF)
         progress(f"The llama.cpp draft file of {spec} is damaged: quantizing it again", None)
         (folder / DRAFT_GGUF).unlink()
     _make_draft_gguf(spec, folder, progress)
-    return LlamaCppDraft(folder / DRAFT_GGUF, spec, config, eos, torch.get_num_threads())
+    return _open_draft(spec, folder, config, eos, progress)
+
+
+def _open_draft(spec, folder, config, eos, progress) -> tuple[LlamaCppDraft | None, list[ProbeResult]]:
+    threads = torch.get_num_threads()
+    settings, probes = usable_settings(folder / DRAFT_GGUF, threads, progress)
+    if settings is None:
+        return None, probes
+    return LlamaCppDraft(folder / DRAFT_GGUF, spec, config, eos, threads, settings), probes
 
 
 def _make_draft_gguf(spec: str, folder: Path, progress: Progress) -> None:

@@ -214,17 +214,34 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         raise ModelError(f"cannot read the config or tokenizer of {spec} at {path}: {exc}") from exc
     eos = _eos_ids(path, config, tokenizer)
     notes: list[str] = []
+    if storage != "float" and torch.device(dev).type == "cpu":
+        from core.models.engines import describe_quant_engine, use_fastest_quant_engine
+
+        use_fastest_quant_engine(progress)  # before any int8 layer is packed
+        notes.append(describe_quant_engine())
     if role == "draft" and backend in ("auto", "llamacpp"):
         why_not = _llamacpp_draft_unavailable(spec, dev, storage)
         if why_not is None:
-            from core.models.llamacpp_draft import load_llamacpp_draft
-
-            model = load_llamacpp_draft(spec, path, config, eos, progress)
-            progress(f"{spec} loaded", 1.0)
-            return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
-        if backend == "llamacpp":
+            model = _draft_on_llamacpp(spec, path, config, eos, storage, backend, notes, progress)
+            if model is not None:
+                progress(f"{spec} loaded", 1.0)
+                return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
+        elif backend == "llamacpp":
             raise ModelError(f"{spec}: the llama.cpp draft is unavailable: {why_not}")
+    model, path = _build_model(spec, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
+                               should_cancel)
+    if compute_dtype in (torch.bfloat16, torch.float16):
+        notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
+                     "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
+                     "float32 is exact")
+    release_freed_memory()
+    progress(f"{spec} loaded", 1.0)
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
 
+
+def _build_model(spec, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
+                 should_cancel) -> tuple[CausalLM, Path]:
+    """The model on the native decoder where it implements the architecture, else on transformers."""
     from core.models.native import DecoderConfig, NativeDecoder, unsupported_reason
 
     reason = unsupported_reason(config)
@@ -248,30 +265,85 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
                 raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
             if storage == "int4-draft" and getattr(reader, "path", None) == path / INT8_WEIGHTS:
                 _store_int4_layers(model, reader, path, progress)
-        else:
-            _check_fallback_storage(spec, dtype, storage, reason, notes)
-            path = float_weights_dir(spec, path, progress, should_cancel)  # transformers reads float weights
-            notes.append(f"native path unavailable ({reason}); using transformers")
-            log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
-            model = _load_hf(path, spec, dev, compute_dtype, eos)
+            return model, path
+        _check_fallback_storage(spec, dtype, storage, reason, notes)
+        path = float_weights_dir(spec, path, progress, should_cancel)  # transformers reads float weights
+        notes.append(f"native path unavailable ({reason}); using transformers")
+        log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
+        return _load_hf(path, spec, dev, compute_dtype, eos), path
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
         raise ModelError(f"not enough memory to load {spec} on {dev} ({dtype}); close other programs, or on a CPU "
                          "use --dtype int8 (int8 rows with a scale each, embedding included: about 30% of float32's "
                          "memory for a 1.5B model)") from None
-    if compute_dtype in (torch.bfloat16, torch.float16):
-        notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
-                     "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
-                     "float32 is exact")
-    release_freed_memory()
-    progress(f"{spec} loaded", 1.0)
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
+
+
+def _draft_on_llamacpp(spec, path, config, eos, storage, backend, notes, progress):
+    """The draft on llama.cpp, or None (with a note saying why) when the native draft is to run.
+
+    llama.cpp runs only with settings a child process survived on this machine. With ``auto``
+    it must also be measured faster per token than the native draft, which is then built once
+    to be timed (cached per machine, so later loads only read the two figures back).
+    """
+    from core.models.llamacpp import describe
+    from core.models.llamacpp_draft import load_llamacpp_draft
+
+    model, probes = load_llamacpp_draft(spec, path, config, eos, progress)
+    if model is None:
+        why = f"llama.cpp is unsafe on this CPU ({describe(probes)})"
+        if backend == "llamacpp":
+            raise ModelError(f"{spec}: {why}")
+        notes.append(f"{why}: the draft runs on SpecPlay's own {storage} layers")
+        log.warning("%s: %s", spec, why)
+        return None
+    llama_ms = min(p.ms_per_token for p in probes if p.ok)
+    if backend == "llamacpp":
+        notes.append(f"draft engine llama.cpp, {model.settings.label} ({describe(probes)})")
+        return model
+    native_ms = _native_draft_ms(spec, path, config, eos, storage, progress)
+    if native_ms < llama_ms:
+        model.close()
+        notes.append(f"draft engine native {storage}: {native_ms:.1f} ms/token against llama.cpp's "
+                     f"{llama_ms:.1f} ({describe(probes)}), measured on this machine")
+        return None
+    notes.append(f"draft engine llama.cpp, {model.settings.label}: {llama_ms:.1f} ms/token against native "
+                 f"{storage}'s {native_ms:.1f} ({describe(probes)}), measured on this machine")
+    return model
+
+
+def _native_draft_ms(spec, path, config, eos, storage, progress) -> float:
+    """The native draft's cost per token here, measured once (the same protocol as llama.cpp's probe)."""
+    from core.models.engines import measured
+
+    def measure() -> dict:
+        progress(f"Timing the native {storage} draft of {spec} (once)", None)
+        model, _ = _build_model(spec, path, config, eos, "cpu", "int8", torch.float32, storage, "native", [],
+                                progress, never)
+        return {"ms_per_token": time_decoding(model)}
+
+    return float(measured(f"native draft {spec} {storage}", measure)["ms_per_token"])
+
+
+def time_decoding(model: CausalLM, prompt: int = 24, tokens: int = 12) -> float:
+    """Median ms of one greedy token after a short prompt (how the llama.cpp probe measures too)."""
+    import statistics
+    import time
+
+    vocab = model.info.vocab_size
+    with torch.inference_mode():
+        logits = model.forward_chain([(7 * i + 11) % vocab for i in range(prompt)]).logits[-1]
+        times = []
+        for _ in range(tokens):
+            start = time.perf_counter()
+            logits = model.forward_chain([int(logits.argmax())]).logits[-1]
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def _llamacpp_draft_unavailable(spec: str, dev, storage: str) -> str | None:
     """Why a draft cannot run on llama.cpp (a quantized CPU draft from a GGUF source), or None."""
-    from core.models.llamacpp_draft import available
+    from core.models.llamacpp import available
 
     if torch.device(dev).type != "cpu" or storage == "float":
         return "it runs quantized drafts on the CPU only"

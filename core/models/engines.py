@@ -1,0 +1,142 @@
+"""Which kernels run what on this machine: chosen by measurement, once per machine, cached.
+
+Cost curves differ by CPU (an AMD EPYC and an Intel Xeon with AMX verify 16 tokens at 1.85x and
+2.03x one token's cost), so nothing is chosen by what is installed or by vendor. Two choices
+are made here and kept in the user cache, keyed by the CPU's model name and feature flags and
+the library versions that run them:
+
+- the **quantized engine** of the row-exact int8 layer (torch's ``x86``, ``fbgemm``, ``onednn``):
+  a candidate is first proved bit-exact for blocks of 1 to 16 rows (the row pinning's promise),
+  then the fastest wins;
+- the **draft engine** (llama.cpp with the settings a child process survived, or SpecPlay's own
+  int4/int8 layers) by its measured cost per draft token (:func:`measured`, the loader's caller).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from core.atomic import write_text_atomic
+from core.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+#: torch's quantized engines that run the x86 dynamic int8 linear, in the order tried.
+QUANT_ENGINES = ("x86", "fbgemm", "onednn")
+_ROWS = (1, 8, 16)  # the decode row and two verify blocks: what the layer spends its time on
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def machine_key() -> str:
+    """This CPU: its model name and a digest of its feature flags (what decides which kernels run)."""
+    from core.models.linear import cpu_flags
+
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return f"{cpu_name() or 'unknown CPU'} [{flags}] torch {torch.__version__} {torch.get_num_threads()} threads"
+
+
+def _file():
+    return cache_dir() / "engines.json"
+
+
+def _read() -> dict:
+    try:
+        data = json.loads(_file().read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def measured(key: str, measure: Callable[[], dict]) -> dict:
+    """``measure()``'s result for ``key`` on this machine: measured once, then read back."""
+    key = f"{machine_key()}|{key}"
+    table = _read()
+    if key not in table:
+        table[key] = measure()
+        _file().parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(_file(), json.dumps(table, indent=1))
+    return table[key]
+
+
+def _engine_report(progress=None) -> dict:
+    """Each candidate engine's exactness and fastest time per block size on a 1536 x 8960 layer."""
+    from core.models.linear import Int8RowExactLinear, QuantizedWeight
+
+    if progress:
+        progress("Measuring this machine's int8 kernels (once)", None)
+    gen = torch.Generator().manual_seed(0)
+    weight = QuantizedWeight.quantize(torch.randn(8960, 1536, generator=gen) * 0.02)
+    x = torch.randn(max(_ROWS), 1536, generator=gen)
+    before = torch.backends.quantized.engine
+    layers, report = {}, {}
+    try:
+        for engine in QUANT_ENGINES:
+            if engine not in torch.backends.quantized.supported_engines:
+                continue
+            torch.backends.quantized.engine = engine
+            try:
+                layer = Int8RowExactLinear(weight)
+                alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+                exact = all(torch.equal(layer(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1))
+            except RuntimeError as exc:  # an engine without this kernel (or its reduced range) here
+                report[engine] = {"exact": False, "ms": {}, "error": str(exc).splitlines()[0][:200]}
+                continue
+            report[engine] = {"exact": exact, "ms": {}}
+            if exact:
+                layers[engine] = layer
+        # Candidates take turns, each keeping its fastest pass: a slow spell of a busy machine
+        # then inflates no one engine's figure.
+        for _ in range(7):
+            for engine, layer in layers.items():
+                torch.backends.quantized.engine = engine
+                for m in _ROWS:
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        layer(x[:m])
+                    ms = (time.perf_counter() - start) / 3 * 1e3
+                    best = report[engine]["ms"].get(str(m))
+                    report[engine]["ms"][str(m)] = round(ms if best is None else min(best, ms), 4)
+    finally:
+        torch.backends.quantized.engine = before
+    return report
+
+
+def quant_engine(progress=None) -> str:
+    """The fastest bit-exact quantized engine here (measured once); torch's default when none is exact."""
+    report = measured("quantized engine", lambda: _engine_report(progress))
+    exact = {e: sum(r["ms"].values()) for e, r in report.items() if r.get("exact") and r.get("ms")}
+    return min(exact, key=exact.get) if exact else torch.backends.quantized.engine
+
+
+def use_fastest_quant_engine(progress=None) -> str:
+    """Set torch's quantized engine to :func:`quant_engine` (before int8 layers are packed: a
+    packed weight belongs to the engine that packed it) and return it."""
+    engine = quant_engine(progress)
+    if torch.backends.quantized.engine != engine:
+        log.info("quantized engine: %s (measured fastest and bit-exact here)", engine)
+        torch.backends.quantized.engine = engine
+    return engine
+
+
+def describe_quant_engine() -> str:
+    """One line for the Models panel, the Why view and the bench: the engine and what it beat."""
+    report = measured("quantized engine", _engine_report)
+    chosen = quant_engine()
+    parts = []
+    for engine, r in report.items():
+        times = "/".join(f"{r['ms'][str(m)]:.2f}" for m in _ROWS) if r.get("ms") else ""
+        parts.append(f"{engine} {times} ms" if r.get("exact") else f"{engine} not row-exact")
+    return f"int8 kernel {chosen} (1/8/16 rows: {', '.join(parts)})"

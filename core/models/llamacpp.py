@@ -1,0 +1,318 @@
+"""llama.cpp (``llama-cpp-python``, the ``peers`` extra) opened only with settings proved safe here.
+
+A native library can kill the process that calls it: on an Intel Xeon guest whose flags list
+AMX, llama.cpp moves 4-bit weights into its AMX buffer and its first ``decode`` executes an
+instruction the hypervisor forbids (SIGILL). No handler survives that, so before SpecPlay's
+own process uses llama.cpp, a child process opens the file with the settings meant to be used
+and decodes a few tokens (:func:`probe`). The verdict and the child's measured cost per token
+are kept per machine, llama.cpp build, file type and settings (:func:`usable_settings`), so the
+probe runs once. Both llama.cpp's extra weight buffers (repacked layouts, AMX where listed) and
+plain buffers are tried, and the faster of those that survive is used.
+
+:class:`LlamaCppSession` is a thin layer over llama.cpp's C API rather than ``llama_cpp.Llama``,
+because only the C API takes ``use_extra_bufts``: append tokens after a kept prefix, read the
+last token's logits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from core.atomic import write_text_atomic
+from core.errors import ModelError
+from core.models.engines import machine_key
+from core.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+#: How long a probe child may take (loading a 1 GB file and decoding a few tokens takes seconds).
+PROBE_TIMEOUT_S = 180
+_PROBE_PROMPT = 24
+_PROBE_TOKENS = 12
+_FILE_ERROR = 3  # the probe child's exit code when the file itself cannot be read
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    """How llama.cpp opens a model. ``extra_buffers``: its repacked weight layouts (and AMX where
+    the CPU lists it), usually faster, the part that can die by SIGILL; ``flash_attn``: its fused
+    attention (a draft token a few percent faster, a long prompt's prefill about a tenth)."""
+
+    extra_buffers: bool = True
+    flash_attn: bool = True
+
+    @property
+    def label(self) -> str:
+        return f"extra buffers {'on' if self.extra_buffers else 'off'}"
+
+
+#: The settings tried: llama.cpp's defaults, and without extra buffers.
+CANDIDATES = (LlamaSettings(True), LlamaSettings(False))
+
+
+def available() -> str | None:
+    """Why llama.cpp cannot run here (not installed), or None if it can be tried."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama-cpp-python is not installed (pip install -e \".[peers]\")"
+    return None
+
+
+class LlamaCppFileError(ModelError):
+    """llama.cpp cannot read the model file itself (damaged, truncated, unknown): made again, not retried."""
+
+
+class LlamaCppSession:
+    """One llama.cpp model and context: tokens appended after a kept prefix, the last token's logits."""
+
+    def __init__(self, gguf: Path, n_ctx: int, threads: int, settings: LlamaSettings, n_batch: int = 512):
+        import llama_cpp
+
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # not a line per tensor
+        llama_cpp.llama_backend_init()
+        self.settings = settings
+        self.n_ctx = n_ctx
+        self._n_batch = n_batch
+        if not Path(gguf).is_file():
+            raise LlamaCppFileError(f"llama.cpp cannot load {gguf}: no such file")
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.use_extra_bufts = settings.extra_buffers
+        self._model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), mparams)
+        if not self._model:
+            raise LlamaCppFileError(f"llama.cpp cannot load {gguf} (damaged, or not a model file it knows)")
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn
+                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+            raise ModelError(f"llama.cpp cannot make a context of {n_ctx} tokens for {gguf} (out of memory?)")
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self._model))
+        self.length = 0  # tokens in the context's cache
+
+    @property
+    def description(self) -> str:
+        """llama.cpp's model description, ``qwen2 1B IQ4_NL - 4.5 bpw``."""
+        import llama_cpp
+
+        desc = ctypes.create_string_buffer(128)
+        llama_cpp.llama_model_desc(self._model, desc, len(desc))
+        return desc.value.decode(errors="replace")
+
+    @property
+    def n_params(self) -> int:
+        import llama_cpp
+
+        return int(llama_cpp.llama_model_n_params(self._model))
+
+    def eval(self, ids: list[int], keep: int) -> np.ndarray:
+        """Keep the first ``keep`` cached tokens, append ``ids``; the last one's logits (a view, valid
+        until the next call)."""
+        import llama_cpp
+
+        if not 0 <= keep <= self.length:
+            raise ValueError(f"cannot keep {keep} of {self.length} cached tokens")
+        if keep + len(ids) > self.n_ctx:
+            raise ModelError(f"llama.cpp's context holds {self.n_ctx} tokens; {keep + len(ids)} were asked for")
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), 0, keep, -1)
+        self.length = keep
+        for lo in range(0, len(ids), self._n_batch):
+            chunk = ids[lo: lo + self._n_batch]
+            arr = (llama_cpp.llama_token * len(chunk))(*chunk)
+            # A one-sequence batch whose positions follow the cache; only its last token's logits are kept.
+            code = llama_cpp.llama_decode(self._ctx, llama_cpp.llama_batch_get_one(arr, len(chunk)))
+            if code != 0:
+                raise ModelError(f"llama.cpp could not decode {len(chunk)} tokens (code {code})")
+            self.length += len(chunk)
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+
+    def close(self) -> None:
+        import llama_cpp
+
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+
+# ----------------------------------------------------------------------------- the probe
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a child process found: ``ok`` with its cost per token, or the reason it failed."""
+
+    settings: LlamaSettings
+    ok: bool
+    ms_per_token: float | None = None
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "settings": asdict(self.settings)}
+
+    @staticmethod
+    def from_json(d: dict) -> "ProbeResult":
+        return ProbeResult(LlamaSettings(**d["settings"]), d["ok"], d.get("ms_per_token"), d.get("reason", ""))
+
+
+def _decode_timed(gguf: Path, settings: LlamaSettings, threads: int) -> float:
+    """In the child: open, read a short prompt, decode greedily; the median ms per token."""
+    session = LlamaCppSession(gguf, 256, threads, settings)
+    logits = session.eval([(7 * i + 11) % session.n_vocab for i in range(_PROBE_PROMPT)], 0)
+    times = []
+    for _ in range(_PROBE_TOKENS):
+        token = int(logits.argmax())
+        start = time.perf_counter()
+        logits = session.eval([token], session.length)
+        times.append(time.perf_counter() - start)
+    session.close()
+    return statistics.median(times) * 1e3
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        what = {"SIGILL": " (an instruction this CPU or its hypervisor does not allow)",
+                "SIGSEGV": " (a memory fault)", "SIGKILL": " (out of memory?)"}.get(name, "")
+        return f"died by {name}{what}"
+    return f"exited with code {code}"
+
+
+def probe(gguf: Path, settings: LlamaSettings, threads: int, timeout: float = PROBE_TIMEOUT_S) -> ProbeResult:
+    """Open ``gguf`` with ``settings`` and decode a few tokens in a child process; never in this one."""
+    cmd = _probe_command(gguf, settings, threads)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=_import_root())
+    except subprocess.TimeoutExpired:
+        return ProbeResult(settings, False, reason=f"did not finish within {timeout:.0f} s")
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == _FILE_ERROR and lines:
+        raise LlamaCppFileError(json.loads(lines[-1])["error"])  # the file, not these settings: no verdict
+    if done.returncode == 0 and lines:
+        try:
+            return ProbeResult(settings, True, ms_per_token=float(json.loads(lines[-1])["ms_per_token"]))
+        except (ValueError, KeyError, TypeError):
+            pass
+    tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
+    return ProbeResult(settings, False, reason=_exit_reason(done.returncode) + (f": {tail}" if tail else ""))
+
+
+def _probe_command(gguf: Path, settings: LlamaSettings, threads: int) -> list[str]:
+    return [sys.executable, "-m", "core.models.llamacpp", str(gguf), str(int(settings.extra_buffers)),
+            str(int(settings.flash_attn)), str(threads)]
+
+
+def _import_root() -> str:
+    """The folder from which ``core`` imports (the child must find the same package)."""
+    import core
+
+    return str(Path(core.__file__).resolve().parent.parent)
+
+
+def _probe_file() -> Path:
+    return cache_dir() / "llamacpp-probes.json"
+
+
+def _read_verdicts() -> dict:
+    try:
+        data = json.loads(_probe_file().read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def build_key() -> str:
+    """This llama.cpp build: the package's version and its shared libraries' sizes and times."""
+    import llama_cpp
+
+    libs = sorted(p for p in Path(llama_cpp.__file__).parent.rglob("*") if p.suffix in (".so", ".dylib", ".dll"))
+    stamp = ";".join(f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in libs)
+    return f"{llama_cpp.__version__}:{hashlib.sha256(stamp.encode()).hexdigest()[:12]}"
+
+
+def file_type(gguf: Path) -> str:
+    """The GGUF's ``general.file_type`` (the weights' quantization), which decides the kernels used."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(gguf)).fields.get("general.file_type")
+        return str(int(field.parts[field.data[0]][0])) if field is not None else "unknown"
+    except (OSError, ValueError) as exc:
+        raise LlamaCppFileError(f"cannot read the GGUF header of {gguf}: {exc}") from None
+
+
+def usable_settings(gguf: Path, threads: int, progress=None) -> tuple[LlamaSettings | None, list[ProbeResult]]:
+    """The fastest of :data:`CANDIDATES` that a child decoded ``gguf`` with here, and every probe's result.
+
+    Probed once per machine, llama.cpp build, file type and thread count; later calls read the
+    verdicts back. ``None`` when every candidate failed: llama.cpp must not be used for this file.
+    """
+    prefix = f"{machine_key()}|{build_key()}|type {file_type(gguf)}|{threads} llama.cpp threads"
+    verdicts = _read_verdicts()
+    results: list[ProbeResult] = []
+    for settings in CANDIDATES:
+        key = f"{prefix}|{settings.label}, flash attention {'on' if settings.flash_attn else 'off'}"
+        if key in verdicts:
+            results.append(ProbeResult.from_json(verdicts[key]))
+            continue
+        if progress:
+            progress(f"Trying llama.cpp on {Path(gguf).name} ({settings.label}) in a child process (once)", None)
+        result = probe(gguf, settings, threads)
+        if not result.ok:
+            log.warning("llama.cpp %s with %s: %s", Path(gguf).name, settings.label, result.reason)
+        verdicts[key] = result.to_json()
+        _probe_file().parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(_probe_file(), json.dumps(verdicts, indent=1))
+        results.append(result)
+    ok = [r for r in results if r.ok]
+    return (min(ok, key=lambda r: r.ms_per_token).settings if ok else None), results
+
+
+def describe(results: list[ProbeResult]) -> str:
+    """One line for the Models panel, the run record and the bench: what was tried and what happened."""
+    return "; ".join(f"{r.settings.label}: " + (f"{r.ms_per_token:.1f} ms/token" if r.ok else r.reason)
+                     for r in results)
+
+
+def _child(argv: list[str]) -> int:
+    gguf, extra, flash, threads = argv
+    try:
+        ms = _decode_timed(Path(gguf), LlamaSettings(extra == "1", flash == "1"), int(threads))
+    except LlamaCppFileError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return _FILE_ERROR
+    print(json.dumps({"ms_per_token": ms}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

@@ -1,0 +1,102 @@
+"""llama.cpp never takes the process down: a child tries each setting first, and a child that
+dies by a signal leads to the next setting, or to the native draft, with the reason said."""
+
+import signal
+import sys
+
+import pytest
+import torch
+
+from core.models import llamacpp, loader
+from core.models.llamacpp import LlamaSettings, probe, usable_settings
+from core.models.llamacpp_draft import DRAFT_GGUF, prepare_draft_gguf
+from tiny import need_llama_cpp, tiny_hf_model, write_tiny_gguf
+
+_DIE_BY_SIGILL = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]
+
+
+@pytest.fixture
+def model():
+    return tiny_hf_model(seed=3, dtype=torch.float32, vocab=64, hidden=32, inter=64)
+
+
+@pytest.fixture
+def gguf(model, tmp_path, monkeypatch):
+    need_llama_cpp()
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))  # verdicts of this test only
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, path)
+    return path
+
+
+def _crash_with_extra_buffers(monkeypatch, crash_all: bool = False) -> list[LlamaSettings]:
+    """Children die by SIGILL with llama.cpp's extra buffers (or always), as on an AMX guest."""
+    tried = []
+    real = llamacpp._probe_command
+
+    def command(gguf, settings, threads):
+        tried.append(settings)
+        return _DIE_BY_SIGILL if (settings.extra_buffers or crash_all) else real(gguf, settings, threads)
+
+    monkeypatch.setattr(llamacpp, "_probe_command", command)
+    return tried
+
+
+def test_a_probe_decodes_in_a_child_and_measures_its_cost(gguf):
+    result = probe(gguf, LlamaSettings(False), threads=1)
+    assert result.ok and 0 < result.ms_per_token < 1000, result
+
+
+def test_a_child_killed_by_sigill_is_reported_and_the_next_setting_is_used_once(gguf, monkeypatch):
+    tried = _crash_with_extra_buffers(monkeypatch)
+    settings, results = usable_settings(gguf, threads=1)
+    assert settings == LlamaSettings(extra_buffers=False)
+    assert not results[0].ok and "SIGILL" in results[0].reason and "does not allow" in results[0].reason
+    assert results[1].ok
+    assert "extra buffers on: died by SIGILL" in llamacpp.describe(results)
+    again, _ = usable_settings(gguf, threads=1)  # the verdicts are kept: no child this time
+    assert again == settings and len(tried) == 2
+
+
+def test_a_damaged_file_is_an_error_not_a_verdict(tmp_path, monkeypatch):
+    need_llama_cpp()
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(Exception, match="bad.gguf"):
+        usable_settings(bad, threads=1)
+    assert not (tmp_path / "cache" / "llamacpp-probes.json").exists()
+
+
+def test_the_draft_runs_without_extra_buffers_where_they_crash(model, gguf, tmp_path, monkeypatch):
+    _crash_with_extra_buffers(monkeypatch)
+    folder = tmp_path / "entry"
+    folder.mkdir()
+    prepare_draft_gguf(gguf, folder)
+    notes = []
+    draft = loader._draft_on_llamacpp(str(gguf), folder, model.config, (2,), "int8-draft", "llamacpp", notes,
+                                      lambda *a: None)
+    assert draft.settings.extra_buffers is False
+    assert "extra buffers off" in notes[0] and "SIGILL" in notes[0]
+    assert draft.forward_chain([5, 9, 13], logit_rows=[2]).logits.shape == (1, 64)
+
+
+def test_where_every_setting_crashes_the_native_draft_runs_and_says_why(model, gguf, tmp_path, monkeypatch):
+    _crash_with_extra_buffers(monkeypatch, crash_all=True)
+    folder = tmp_path / "entry"
+    folder.mkdir()
+    prepare_draft_gguf(gguf, folder)
+    assert (folder / DRAFT_GGUF).is_file()
+    notes = []
+    assert loader._draft_on_llamacpp(str(gguf), folder, model.config, (2,), "int8-draft", "auto", notes,
+                                     lambda *a: None) is None
+    assert "unsafe on this CPU" in notes[0] and "SIGILL" in notes[0] and "own int8-draft layers" in notes[0]
+    with pytest.raises(Exception, match="unsafe on this CPU"):  # asked for by name: a clear error
+        loader._draft_on_llamacpp(str(gguf), folder, model.config, (2,), "int8-draft", "llamacpp", [],
+                                  lambda *a: None)
+
+
+def test_signal_names_and_exit_codes_read_as_words():
+    assert "SIGILL" in llamacpp._exit_reason(-signal.SIGILL)
+    assert "SIGKILL" in llamacpp._exit_reason(-signal.SIGKILL) and "memory" in llamacpp._exit_reason(-9)
+    assert llamacpp._exit_reason(1) == "exited with code 1"
