@@ -12,7 +12,9 @@ from core.costmodel import CostCurve, best_size
 from core.methods.lookahead import LookaheadConfig
 from core.methods.prompt_lookup import PromptLookupConfig
 from core.methods.speculative import SpeculativeConfig
+from core.sampling import probabilities
 from core.types import Fate, GenerationConfig, SamplingConfig, StopReason
+from stats import chi_square_pvalue
 from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
@@ -290,9 +292,30 @@ def test_adaptive_prompt_lookup_starts_each_run_afresh(models):
     assert [e.internals.get("match") for e in second.events] == [e.internals.get("match") for e in first.events]
 
 
+def first_token_samples(target, method, trials: int) -> list[int]:
+    """The first new token of ``trials`` two-token runs at temperature 1 and seeds 0, 1, …: each decided by
+    verifying a draft token."""
+    firsts = []
+    for seed in range(trials):
+        gen = GenerationConfig(max_new_tokens=2, stop_at_eos=False, sampling=SamplingConfig(temperature=1.0, seed=seed))
+        res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
+        assert res.events[0].num_drafted == 1, "the first token must be decided on a draft token"
+        firsts.append(res.token_ids[0])
+    return firsts
+
+
+def next_token_probabilities(model, prefix: list[int]) -> dict:
+    """Token -> the model's probability of it after ``prefix``, at temperature 1."""
+    model.reset()
+    p = probabilities(model.forward(torch.tensor(prefix)).logits[-1], 1.0)
+    model.reset()
+    return dict(enumerate(p.tolist()))
+
+
 @pytest.mark.parametrize("draft_rows", [60, 72])
 def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
-    """Same tokenizer, different embedding rows (a 7B target with the 0.5B draft): aligned, not a crash."""
+    """Same tokenizer, different embedding rows (a 7B target with the 0.5B draft): aligned, not a crash;
+    greedy stays greedy, and sampling draws the first token from the target's own distribution."""
     from core.models import check_draft_compatible
     from tiny import tiny_tokenizer
 
@@ -305,9 +328,53 @@ def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
     base = run(target, "autoregressive")
     res = run(target, "speculative", SpeculativeConfig(gamma=4), draft)
     assert res.token_ids == base.token_ids
-    sampled = run(target, "speculative", SpeculativeConfig(gamma=4), draft,
-                  gen=GenerationConfig(max_new_tokens=40, stop_at_eos=False, sampling=SamplingConfig(temperature=1.0)))
-    assert len(sampled.token_ids) == 40
+    # γ = 1 over two new tokens: the first is the draft's token accepted, or the target's resampled in its place.
+    firsts = first_token_samples(target, build_method("speculative", SpeculativeConfig(gamma=1), target, draft), 1500)
+    pvalue = chi_square_pvalue(firsts, next_token_probabilities(target.model, PROMPT))
+    assert pvalue > 1e-3, f"p = {pvalue:.2e}"
+
+
+def test_a_draft_with_more_vocabulary_rows_samples_the_target_and_never_its_own_extra_tokens():
+    """A draft whose rows past the target's carry much of its mass: those ids are never drafted,
+    and sampled continuations follow the target's distribution (chi-square; a continuation with
+    an id the target lacks is outside its support and makes p zero)."""
+    from tiny import tiny_tokenizer
+
+    vocab, length, trials = 8, 3, 2000
+    prompt = [4, 5, 6, 3, 7, 4, 5, 6]
+    tokenizer = tiny_tokenizer(vocab)
+    target = loaded(native_from_hf(tiny_hf_model(seed=11, vocab=vocab, dtype=torch.float64)), tokenizer=tokenizer)
+    wide = tiny_hf_model(seed=5, vocab=vocab + 4, layers=1, dtype=torch.float64)
+    with torch.no_grad():
+        wide.lm_head.weight[vocab:] *= 3
+    draft = loaded(native_from_hf(wide), tokenizer=tokenizer, spec="draft")
+    extra = sum(p for t, p in next_token_probabilities(draft.model, prompt).items() if t >= vocab)
+    assert extra > 0.3, "the draft's own extra tokens must be likely, or dropping them would go untested"
+
+    method = build_method("speculative", SpeculativeConfig(gamma=3), target, draft)
+    samples, drafted, fates = [], set(), set()
+    for seed in range(trials):
+        gen = GenerationConfig(max_new_tokens=length, stop_at_eos=False,
+                               sampling=SamplingConfig(temperature=1.0, seed=seed))
+        res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+        samples.append(tuple(res.token_ids))
+        drafted.update(t.token_id for e in res.events for t in e.tokens if t.node >= 0)
+        fates.update(t.fate for e in res.events for t in e.tokens)
+    assert max(drafted) < vocab
+    assert {Fate.ACCEPTED, Fate.REJECTED, Fate.RESAMPLED} <= fates
+
+    exact: dict = {}
+
+    def walk(seq: tuple, prob: float) -> None:
+        if len(seq) == length:
+            exact[seq] = prob
+            return
+        for token, p in next_token_probabilities(target.model, prompt + list(seq)).items():
+            walk(seq + (token,), prob * p)
+
+    walk((), 1.0)
+    pvalue = chi_square_pvalue(samples, exact)
+    assert pvalue > 1e-3, f"p = {pvalue:.2e}"
 
 
 def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(models):
