@@ -25,6 +25,7 @@ def test_an_engine_that_is_not_row_exact_is_never_chosen(tmp_path, monkeypatch):
 def test_the_fastest_exact_engine_wins_and_is_measured_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
     calls = []
+    monkeypatch.setattr(engines, "_DEFAULT_ENGINE", "x86")
     fake = {"x86": {"exact": True, "ms": {"1": 0.2, "8": 0.6, "16": 1.4}},
             "fbgemm": {"exact": False, "ms": {}},
             "onednn": {"exact": True, "ms": {"1": 0.2, "8": 0.5, "16": 1.0}}}
@@ -33,3 +34,12 @@ def test_the_fastest_exact_engine_wins_and_is_measured_once(tmp_path, monkeypatc
     assert engines.quant_engine() == "onednn" and len(calls) == 1
     line = engines.describe_quant_engine()
     assert line.startswith("int8 kernel onednn") and "fbgemm not row-exact" in line
+
+
+def test_a_tie_keeps_torchs_default_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(engines, "_DEFAULT_ENGINE", "x86")
+    fake = {"x86": {"exact": True, "ms": {"1": 0.34, "8": 0.37, "16": 0.68}},
+            "fbgemm": {"exact": True, "ms": {"1": 0.33, "8": 0.37, "16": 0.68}}}
+    monkeypatch.setattr(engines, "_engine_report", lambda progress=None: fake)
+    assert engines.quant_engine() == "x86"

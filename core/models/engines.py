@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 #: torch's quantized engines that run the x86 dynamic int8 linear, in the order tried.
 QUANT_ENGINES = ("x86", "fbgemm", "onednn")
-_ROWS = (1, 8, 16)  # the decode row and two verify blocks: what the layer spends its time on
+_ROWS = (1, 8, 16)
+_DEFAULT_ENGINE = torch.backends.quantized.engine  # torch's own choice, read before anything changes it  # the decode row and two verify blocks: what the layer spends its time on
 
 
 def cpu_name() -> str:
@@ -58,6 +59,10 @@ def _read() -> dict:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def has_measured(key: str) -> bool:
+    return f"{machine_key()}|{key}" in _read()
 
 
 def measured(key: str, measure: Callable[[], dict]) -> dict:
@@ -114,11 +119,21 @@ def _engine_report(progress=None) -> dict:
     return report
 
 
+#: Another engine replaces torch's default only when it is this much faster: a tie measured on a
+#: shared machine is noise, not a reason to leave the default.
+_MARGIN = 0.95
+
+
 def quant_engine(progress=None) -> str:
-    """The fastest bit-exact quantized engine here (measured once); torch's default when none is exact."""
+    """The fastest bit-exact quantized engine here (measured once); torch's default when none is
+    exact or none beats it clearly."""
     report = measured("quantized engine", lambda: _engine_report(progress))
     exact = {e: sum(r["ms"].values()) for e, r in report.items() if r.get("exact") and r.get("ms")}
-    return min(exact, key=exact.get) if exact else torch.backends.quantized.engine
+    if not exact:
+        return _DEFAULT_ENGINE
+    best = min(exact, key=exact.get)
+    default = exact.get(_DEFAULT_ENGINE)
+    return _DEFAULT_ENGINE if default is not None and exact[best] > _MARGIN * default else best
 
 
 def use_fastest_quant_engine(progress=None) -> str:

@@ -218,7 +218,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         from core.models.engines import describe_quant_engine, use_fastest_quant_engine
 
         use_fastest_quant_engine(progress)  # before any int8 layer is packed
-        notes.append(describe_quant_engine())
+        if storage == "int8":  # a target's: what its decoding and verification cost depend on
+            notes.append(describe_quant_engine())
     if role == "draft" and backend in ("auto", "llamacpp"):
         why_not = _llamacpp_draft_unavailable(spec, dev, storage)
         if why_not is None:
