@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from core.atomic import write_text_atomic
-from core.errors import ConfigError, SpecPlayError, is_out_of_memory
+from core.errors import ConfigError, ModelError, SpecPlayError, is_out_of_memory
 from core.paths import assets_dir
 from core.runlog import dumps, write_jsonl_atomic
 
@@ -215,39 +215,49 @@ class LlamaCppPeer:
     It reads the Q4_K_M weights as shipped (fewer bytes a token than SpecPlay's int8) and is
     not batch-invariant, so it is a peer to measure against, not an exact verifier. It gets
     the same prompt tokens (chat template applied by SpecPlay), the same threads and the
-    same sampling settings.
+    same sampling settings. It opens the file only with settings a child process survived on
+    this machine (:mod:`core.models.llamacpp`): plain decoding runs on SpecPlay's thin layer
+    over llama.cpp's C API, which takes them; the prompt-lookup peer needs ``llama_cpp.Llama``,
+    which always uses llama.cpp's extra buffers, so it runs only where those are safe.
     """
 
     def __init__(self, name: str, target):
-        try:
-            import llama_cpp
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-        except ImportError:
+        from core.models.llamacpp import LlamaCppSession, available, describe, usable_settings
+
+        why = available()
+        if why:
             raise ConfigError(f"{name} needs llama-cpp-python: pip install -e \".[peers]\" (it compiles llama.cpp, "
-                              "about 6 minutes on two cores)") from None
+                              "about 6 minutes on two cores)")
         self.name = name
         self.target = target
         self.options = {"num_pred_tokens": 10} if name == "llamacpp_prompt_lookup" else {}
-        draft = LlamaPromptLookupDecoding(**self.options) if self.options else None
         threads = torch.get_num_threads()
-        # Verifying a draft reads the logits of every drafted row, which llama-cpp-python keeps only with logits_all.
-        self.llm = llama_cpp.Llama(model_path=str(gguf_file(target)), n_ctx=8192, n_threads=threads,
-                                   n_threads_batch=threads, draft_model=draft, logits_all=draft is not None,
-                                   verbose=False)
+        gguf = gguf_file(target)
+        settings, probes = usable_settings(gguf, threads)
+        self.engine = describe(probes)
+        if settings is None or (self.options and not settings.extra_buffers):
+            raise ModelError(f"{name}: llama.cpp is unsafe on this CPU with the settings it needs ({self.engine})")
+        if self.options:
+            import llama_cpp
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            # Verifying a draft reads every drafted row's logits, which llama-cpp-python keeps only with logits_all.
+            self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=8192, n_threads=threads, n_threads_batch=threads,
+                                       draft_model=LlamaPromptLookupDecoding(**self.options), logits_all=True,
+                                       verbose=False)
+            self.session = None
+        else:
+            self.session = LlamaCppSession(gguf, 8192, threads, settings)
 
     def params(self) -> dict:
-        return dict(self.options)
+        return {**self.options, "engine": self.engine}
 
     def run(self, prompt_ids: list[int], gen) -> TurnResult:
-        s = gen.sampling
         eos = set(self.target.model.info.eos_token_ids)
-        # temp 0 is llama.cpp's greedy sampler; no top-k, min-p or repetition penalty of its own.
-        sampling = dict(temp=s.temperature, top_p=s.top_p, top_k=0, min_p=0.0, repeat_penalty=1.0)
-        self.llm.set_seed(s.seed)
         new: list[int] = []
         first = None
         t0 = time.perf_counter()
-        for token in self.llm.generate(prompt_ids, reset=True, **sampling):
+        for token in self._tokens(prompt_ids, gen):
             first = first if first is not None else time.perf_counter() - t0
             new.append(int(token))
             if token in eos or len(new) >= gen.max_new_tokens:
@@ -255,6 +265,23 @@ class LlamaCppPeer:
         wall = time.perf_counter() - t0
         text = self.target.tokenizer.decode(new, skip_special_tokens=True)
         return TurnResult(new, text, wall, None, time_to_first_token=first)
+
+    def _tokens(self, prompt_ids: list[int], gen):
+        from core.sampling import probabilities, sample
+
+        s = gen.sampling
+        if self.session is None:
+            # temp 0 is llama.cpp's greedy sampler; no top-k, min-p or repetition penalty of its own.
+            self.llm.set_seed(s.seed)
+            yield from self.llm.generate(prompt_ids, reset=True, temp=s.temperature, top_p=s.top_p, top_k=0,
+                                         min_p=0.0, repeat_penalty=1.0)
+            return
+        rng = torch.Generator().manual_seed(s.seed)
+        logits = self.session.eval(list(prompt_ids), 0)
+        while True:
+            token = sample(probabilities(torch.from_numpy(logits), s.temperature, s.top_p), rng)
+            yield token
+            logits = self.session.eval([token], self.session.length)
 
 
 class RemotePeer:
@@ -497,8 +524,8 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
         answers[name] = [_record(q, rep, [TurnResult([], "", 0.0, None, error=error)])
                          for rep in range(spec.repeats) for q in questions]
     summary = summarize(answers, questions, by_text=set(spec.endpoints))
-    _write_summary(out_dir, summary, verify_cost, target, draft, spec, params, files)
-    return {"summary": summary, "verify_cost": verify_cost}
+    env = _write_summary(out_dir, summary, verify_cost, target, draft, spec, params, files)
+    return {"summary": summary, "verify_cost": verify_cost, "environment": env}
 
 
 def _load_runners(spec: BenchSpec, target, draft, log: Callable[[str], None]) -> tuple[dict, dict[str, str]]:
@@ -695,8 +722,9 @@ def _resume(path: Path, name: str, settings: dict, params: dict, wanted: dict, l
 
 
 def _write_summary(out_dir: Path, summary: dict, verify_cost: dict, target, draft, spec: BenchSpec, params: dict,
-                   files: dict[str, Path]) -> None:
-    from core.runlog import environment
+                   files: dict[str, Path]) -> dict:
+    """Write ``summary.json``; return its environment card."""
+    from core.environment import environment
 
     doc = {"summary": summary, "verify_cost": verify_cost, "baseline": "autoregressive",
            "target": target.spec, "draft": draft.spec if draft else None,
@@ -704,8 +732,9 @@ def _write_summary(out_dir: Path, summary: dict, verify_cost: dict, target, draf
                         "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
                         "warmup": spec.warmup, "repeats": spec.repeats, "chat_template": spec.chat_template},
            "params": params, "answer_files": {name: files[name].name for name in params},
-           "environment": environment(target.model)}
+           "environment": environment(target, draft, measure=True)}
     write_text_atomic(out_dir / "summary.json", json.dumps(doc, indent=2, default=str) + "\n")
+    return doc["environment"]
 
 
 def check_methods(names: list[str]) -> None:

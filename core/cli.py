@@ -337,6 +337,7 @@ def cmd_models(args) -> int:
         for name, size in sizes.items():
             print(f"{name:32s} {'cached':14s} {size / 1e9:6.2f} GB")
         print(f"cache: {models_root()}")
+        _print_engines()
         return 0
     if args.models_command == "prune":
         print(f"freed {prune(args.ids) / 1e9:.2f} GB in {models_root()}")
@@ -346,6 +347,21 @@ def cmd_models(args) -> int:
         path = prepare_catalog_model(get_entry(model_id), _Progress())
         print(f"{model_id}: {path}")
     return 0
+
+
+def _print_engines() -> None:
+    """What was measured and chosen on this machine: the int8 kernel, llama.cpp's probes."""
+    from core.models.engines import cpu_name, describe_quant_engine, has_measured
+    from core.models.llamacpp import available, known_verdicts
+
+    print(f"this machine: {cpu_name() or 'unknown CPU'}")
+    print("  " + (describe_quant_engine() if has_measured("quantized engine")
+                  else "int8 kernel: not measured yet (measured on the first int8 load)"))
+    why_not = available()
+    verdicts = [] if why_not else known_verdicts()
+    print(f"  llama.cpp: {why_not or ('no file tried yet' if not verdicts else 'tried in child processes')}")
+    for line in verdicts:
+        print(f"    {line}")
 
 
 def cmd_bench(args) -> int:
@@ -366,6 +382,9 @@ def cmd_bench(args) -> int:
                      top_p=args.top_p, seed=args.seed, warmup=args.warmup, repeats=args.repeats,
                      chat_template=not args.no_chat_template)
     result = run_bench(target, draft, questions, spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    from core.environment import format_card
+
+    print(format_card(result["environment"]))
     print(format_summary(result["summary"], result["verify_cost"]))
     print(f"answers and summary.json in {args.out}", file=sys.stderr)
     return 0

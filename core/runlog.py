@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 import uuid
 from collections import Counter
@@ -20,22 +19,8 @@ from pathlib import Path
 from typing import Iterable
 
 from core.atomic import replacing
+from core.environment import environment
 from core.types import Fate, Rule, RunResult, StepEvent, StepTiming, TokenEvent
-
-
-def environment(model=None) -> dict:
-    import torch
-    import transformers
-
-    from core import __version__
-
-    env = {
-        "specplay": __version__, "python": platform.python_version(), "platform": platform.platform(),
-        "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
-    }
-    if model is not None:
-        env["device"], env["dtype"] = model.info.device, model.info.dtype
-    return env
 
 
 def _model_entry(loaded) -> dict | None:
@@ -128,7 +113,7 @@ def run_record(result: RunResult, *, target, draft=None, prompt: str | None = No
         "acceptance_by_position": m.acceptance_by_position,
         "acceptance_histogram": {str(k): v for k, v in sorted(Counter(m.accept_lengths).items())},
         "time_split": {"draft": m.draft_s, "verify": m.verify_s, "other": m.other_s},
-        "environment": environment(target.model if target is not None else None),
+        "environment": environment(target, draft),
     }
     if include_events:
         record["events"] = [event_to_dict(e) for e in result.events]

@@ -100,3 +100,10 @@ def test_signal_names_and_exit_codes_read_as_words():
     assert "SIGILL" in llamacpp._exit_reason(-signal.SIGILL)
     assert "SIGKILL" in llamacpp._exit_reason(-signal.SIGKILL) and "memory" in llamacpp._exit_reason(-9)
     assert llamacpp._exit_reason(1) == "exited with code 1"
+
+
+def test_the_servers_defaults_are_called_unsafe_where_their_child_died(gguf, monkeypatch):
+    assert llamacpp.defaults_unsafe(gguf, threads=1) is None
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(gguf.parent / "other-cache"))
+    _crash_with_extra_buffers(monkeypatch)
+    assert "extra buffers on: died by SIGILL" in llamacpp.defaults_unsafe(gguf, threads=1)

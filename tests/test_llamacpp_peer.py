@@ -38,3 +38,40 @@ def test_llamacpp_decodes_the_default_target_in_the_bench(tmp_path):
     for peer in ("llamacpp_generate", "llamacpp_prompt_lookup"):
         entry = result["summary"][peer]["overall"]
         assert entry["tokens_per_s"] > 0 and entry["time_to_first_token"] > 0 and entry["failures"] == 0
+
+
+def _tiny_target(tmp_path):
+    import torch
+
+    from tiny import loaded, native_from_hf, need_llama_cpp, tiny_hf_model, write_tiny_gguf
+
+    need_llama_cpp()
+    model = tiny_hf_model(seed=3, dtype=torch.float32, vocab=64, hidden=32, inter=64)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, path)
+    return loaded(native_from_hf(model), spec=str(path))
+
+
+def test_llamacpp_generate_decodes_greedily_and_survives_a_crashing_setting(tmp_path, monkeypatch):
+    import torch
+
+    from core.errors import ModelError
+    from core.types import GenerationConfig
+    from test_llamacpp_guard import _crash_with_extra_buffers
+
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    target = _tiny_target(tmp_path)
+    _crash_with_extra_buffers(monkeypatch)
+    peer = LlamaCppPeer("llamacpp_generate", target)
+    assert "SIGILL" in peer.params()["engine"]
+    gen = GenerationConfig(max_new_tokens=10, stop_at_eos=False)
+    turn = peer.run([5, 9, 13, 4], gen)
+    # llama.cpp keeps its cache in float16, the native reference is float64: the same argmax chain.
+    ids, expected = [5, 9, 13, 4], []
+    for _ in range(10):
+        target.model.reset()
+        expected.append(int(target.model.forward(torch.tensor(ids + expected)).logits[-1].argmax()))
+    assert turn.token_ids == expected
+    # The prompt-lookup peer needs llama_cpp.Llama, which always uses the extra buffers that crash here.
+    with pytest.raises(ModelError, match="unsafe on this CPU.*SIGILL"):
+        LlamaCppPeer("llamacpp_prompt_lookup", target)

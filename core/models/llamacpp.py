@@ -297,6 +297,26 @@ def usable_settings(gguf: Path, threads: int, progress=None) -> tuple[LlamaSetti
     return (min(ok, key=lambda r: r.ms_per_token).settings if ok else None), results
 
 
+def known_verdicts() -> list[str]:
+    """What the probe children found on this machine, a line each (file type, settings, outcome)."""
+    mine = f"{machine_key()}|"
+    lines = []
+    for key, verdict in sorted(_read_verdicts().items()):
+        if key.startswith(mine):
+            result = ProbeResult.from_json(verdict)
+            what = key[len(mine):].split("|", 1)[1]  # past the build
+            lines.append(f"{what}: " + (f"ok, {result.ms_per_token:.1f} ms/token" if result.ok else result.reason))
+    return lines
+
+
+def defaults_unsafe(gguf: Path, threads: int, progress=None) -> str | None:
+    """Why llama.cpp's default settings (what ``llama_cpp.Llama`` and its server always use) must not
+    open ``gguf`` here, or None when a child decoded it with them."""
+    _, results = usable_settings(gguf, threads, progress)
+    default = next(r for r in results if r.settings == LlamaSettings())
+    return None if default.ok else f"{default.settings.label}: {default.reason}"
+
+
 def describe(results: list[ProbeResult]) -> str:
     """One line for the Models panel, the run record and the bench: what was tried and what happened."""
     return "; ".join(f"{r.settings.label}: " + (f"{r.ms_per_token:.1f} ms/token" if r.ok else r.reason)
