@@ -107,3 +107,16 @@ def test_the_servers_defaults_are_called_unsafe_where_their_child_died(gguf, mon
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(gguf.parent / "other-cache"))
     _crash_with_extra_buffers(monkeypatch)
     assert "extra buffers on: died by SIGILL" in llamacpp.defaults_unsafe(gguf, threads=1)
+
+
+def test_the_frozen_app_runs_the_probe_child_through_its_own_executable(gguf, monkeypatch, capsys):
+    import json
+
+    from app.launcher import main
+
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    command = llamacpp._probe_command(gguf, LlamaSettings(False), 1)
+    assert command[:2] == [sys.executable, llamacpp.PROBE_ARGUMENT] and "-m" not in command
+    # What that executable does with it (extra buffers off: safe to run in this process).
+    assert main(command[1:]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ms_per_token"] > 0

@@ -226,9 +226,15 @@ def probe(gguf: Path, settings: LlamaSettings, threads: int, timeout: float = PR
     return ProbeResult(settings, False, reason=_exit_reason(done.returncode) + (f": {tail}" if tail else ""))
 
 
+#: The first argument that turns the frozen app's executable into a probe child (``app.launcher``).
+PROBE_ARGUMENT = "--llamacpp-probe"
+
+
 def _probe_command(gguf: Path, settings: LlamaSettings, threads: int) -> list[str]:
-    return [sys.executable, "-m", "core.models.llamacpp", str(gguf), str(int(settings.extra_buffers)),
-            str(int(settings.flash_attn)), str(threads)]
+    args = [str(gguf), str(int(settings.extra_buffers)), str(int(settings.flash_attn)), str(threads)]
+    if getattr(sys, "frozen", False):  # a PyInstaller app: no ``-m``, the executable runs the child itself
+        return [sys.executable, PROBE_ARGUMENT, *args]
+    return [sys.executable, "-m", "core.models.llamacpp", *args]
 
 
 def _import_root() -> str:
@@ -323,7 +329,8 @@ def describe(results: list[ProbeResult]) -> str:
                      for r in results)
 
 
-def _child(argv: list[str]) -> int:
+def probe_child(argv: list[str]) -> int:
+    """The probe child's body: open, decode, print the cost per token as JSON (or the file's error)."""
     gguf, extra, flash, threads = argv
     try:
         ms = _decode_timed(Path(gguf), LlamaSettings(extra == "1", flash == "1"), int(threads))
@@ -335,4 +342,4 @@ def _child(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1:]))
+    sys.exit(probe_child(sys.argv[1:]))
