@@ -5,7 +5,8 @@
 #   packaging/build_app.sh --clean    # also start PyInstaller from scratch (build/pyinstaller/)
 #
 # The build venv (build/app-venv, or $SPECPLAY_BUILD_VENV) holds only the project's runtime
-# dependencies from pyproject.toml, the CPU torch ($SPECPLAY_TORCH, default torch==2.13.0) and
+# dependencies from pyproject.toml, llama-cpp-python (the draft engine; it compiles llama.cpp,
+# about 6 minutes on two cores), the CPU torch ($SPECPLAY_TORCH, default torch==2.13.0) and
 # pyinstaller: nothing from a development venv (pytest, the 1.6 GB model packages) can leak in.
 # The app's own code and assets are taken from this checkout. $PYTHON picks the interpreter
 # for a new venv (default python3; 3.10 or newer).
@@ -43,7 +44,11 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib
 with open("pyproject.toml", "rb") as f:
-    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
+    project = tomllib.load(f)["project"]
+print("\n".join(project["dependencies"]))
+# llama.cpp, the draft engine the default speculative runs fastest on (the peers extra without its server).
+print("\n".join(r.replace("[server]", "") for r in project["optional-dependencies"]["peers"]
+                if r.startswith("llama-cpp-python")))
 PYEOF
 "$PY" -m pip install --quiet "$TORCH" -r "$ROOT/build/app-requirements.txt" "$PYINSTALLER"
 

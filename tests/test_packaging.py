@@ -156,6 +156,7 @@ def test_spec_takes_assets_and_builds_one_folder():
     assert "copy_metadata(_dist)" in spec and "gguf" in bundle_data.METADATA_COPIED
     assert "COLLECT(" in spec and "exclude_binaries=True" in spec  # one folder, not one file
     assert "specplay_main.py" in spec
+    assert 'collect_dynamic_libs("llama_cpp")' in spec and '"llama_cpp"' in spec  # the draft engine goes in
     main_script = (PACKAGING / "specplay_main.py").read_text()
     assert "from app.launcher import main" in main_script
 
@@ -213,6 +214,16 @@ def test_build_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
     assert "packaging/specplay.spec" in text and "pyinstaller" in text
+
+
+def test_the_build_installs_the_draft_engine_without_its_server(tmp_path):
+    """The requirements the build script writes: the runtime dependencies and llama-cpp-python, pinned."""
+    script = (PACKAGING / "build_app.sh").read_text()
+    program = script.split("<<'PYEOF'\n", 1)[1].split("\nPYEOF", 1)[0]
+    out = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, check=True)
+    lines = out.stdout.split()
+    assert any(line.startswith("llama-cpp-python==") for line in lines) and not any("[server]" in line for line in lines)
+    assert any(line.startswith("torch") for line in lines)
 
 
 def test_entry_point_calls_freeze_support_first(monkeypatch):
