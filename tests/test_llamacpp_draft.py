@@ -155,3 +155,45 @@ def test_llama_cpp_never_loads_a_target():
 
     with pytest.raises(ModelError, match="draft models only"):
         load_model("anything", "cpu", backend="llamacpp")
+
+
+def test_a_context_past_the_models_limit_is_a_clear_error_and_the_draft_stays_usable(model, gguf, monkeypatch):
+    monkeypatch.setattr(llamacpp_draft, "_FIRST_CONTEXT", 8)
+    model.config.max_position_embeddings = 16
+    draft = LlamaCppDraft(gguf, "tiny", model.config, (2,), threads=1)
+    draft.forward_chain(list(range(4, 16)), logit_rows=[])
+    with pytest.raises(ModelError, match="at most 16 tokens"):
+        draft.forward(torch.tensor([5] * 8), logit_rows=[7])
+    assert draft.forward_chain([5], logit_rows=[0]).logits.shape == (1, 64)  # still open, same cache
+
+
+def test_a_context_that_cannot_be_opened_leaves_the_draft_open(model, gguf, monkeypatch):
+    monkeypatch.setattr(llamacpp_draft, "_FIRST_CONTEXT", 8)
+    draft = LlamaCppDraft(gguf, "tiny", model.config, (2,), threads=1)
+    draft.forward_chain([5, 9, 13], logit_rows=[])
+    real = llamacpp_draft.LlamaCppSession
+
+    def refuse(*a, **kw):
+        raise ModelError("llama.cpp cannot make a context of 16 tokens (out of memory?)")
+
+    monkeypatch.setattr(llamacpp_draft, "LlamaCppSession", refuse)
+    with pytest.raises(ModelError, match="cannot make a context"):
+        draft.forward(torch.tensor([4] * 8), logit_rows=[7])
+    monkeypatch.setattr(llamacpp_draft, "LlamaCppSession", real)
+    assert draft.cache_len == 3 and draft.forward_chain([4], logit_rows=[0]).logits.shape == (1, 64)
+
+
+def test_only_a_file_llama_cpp_cannot_read_is_quantized_again(model, gguf, tmp_path, monkeypatch):
+    import llama_cpp
+
+    calls = []
+    quantize = llama_cpp.llama_model_quantize
+    monkeypatch.setattr(llama_cpp, "llama_model_quantize", lambda *a: calls.append(a) or quantize(*a))
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    load_llamacpp_draft(str(gguf), folder, model.config, (2,))
+    monkeypatch.setattr(llamacpp_draft, "LlamaCppSession", lambda *a, **kw: (_ for _ in ()).throw(
+        ModelError("llama.cpp cannot make a context of 4096 tokens (out of memory?)")))
+    with pytest.raises(ModelError, match="cannot make a context"):
+        load_llamacpp_draft(str(gguf), folder, model.config, (2,))
+    assert len(calls) == 1 and (folder / DRAFT_GGUF).is_file()  # the file was fine: kept, not made again
