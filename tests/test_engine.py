@@ -407,3 +407,35 @@ def test_token_events_and_run_logs_carry_the_rule_per_draft_token(models):
         assert drafted and {t.rule for t in drafted} == {rule}
         again = [event_from_dict(event_to_dict(e)) for e in res.events]
         assert [t.rule for e in again for t in e.tokens] == [t.rule for e in res.events for t in e.tokens]
+
+
+def sampled(seed: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=40, stop_at_eos=False, sampling=SamplingConfig(temperature=1.0, seed=seed))
+
+
+@pytest.mark.parametrize("name,config,draft_index", [
+    ("autoregressive", None, None),
+    ("speculative", SpeculativeConfig(gamma=4), 1),
+    ("speculative", SpeculativeConfig(gamma=2, adaptive=True, max_gamma=8), 1),  # γ from acceptance, not time
+    ("speculative", SpeculativeConfig(gamma=6, confidence=0.5), 1),
+    ("prompt_lookup", PromptLookupConfig(adaptive=False), None),
+    ("lookahead", LookaheadConfig(window=3, ngram=3, guesses=3), None),
+])
+def test_a_seed_reproduces_a_sampled_run_whose_draft_sizes_do_not_come_from_timings(models, name, config, draft_index):
+    target = models[0]
+    draft = models[draft_index] if draft_index is not None else None
+    first, again = (run(target, name, config, draft, gen=sampled(7)) for _ in range(2))
+    assert again.token_ids == first.token_ids
+    assert [e.tree for e in again.events] == [e.tree for e in first.events]  # the same drafts, the same fates
+    assert run(target, name, config, draft, gen=sampled(8)).token_ids != first.token_ids  # the seed matters
+
+
+def test_the_same_seed_with_other_draft_sizes_samples_another_output(models):
+    """Why a sampled run whose draft sizes come from timings (cost-sized γ, adaptive lookup lengths,
+    auto-sized trees) is not repeatable by its seed: lossless verification decides a position by
+    accepting or rejecting the token drafted there, or, past the draft's end, by a plain draw from
+    the target, so which output a seed gives depends on where the drafts end (docs/seeds.md)."""
+    target, near, *_ = models
+    outputs = {gamma: run(target, "speculative", SpeculativeConfig(gamma=gamma), near, gen=sampled(7)).token_ids
+               for gamma in (2, 4)}
+    assert outputs[2] != outputs[4]
