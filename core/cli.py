@@ -407,13 +407,15 @@ def cmd_train(args) -> int:
     target = load_model(args.target, args.device, args.dtype, progress=progress)
     if args.data_only:
         from core.training.data import save_corpus
-        from core.training.pipeline import answers_dir, default_workdir, prepare_data
+        from core.training.pipeline import answers_dir, default_workdir, prepare_data, target_key
 
         workdir = args.workdir or default_workdir(target.spec)
         _, stats = prepare_data(target, data, workdir, progress, lambda: False, args.corpus)
         print(json.dumps(stats))
         if args.save_corpus:
-            n = save_corpus(answers_dir(workdir, data), args.save_corpus, target.spec)
+            # This target's answers only: a shared work folder may also hold another target's.
+            n = save_corpus(answers_dir(workdir, data), args.save_corpus, target.spec,
+                            key=target_key(target.path, progress))
             print(f"{args.save_corpus} holds {n} answers", file=sys.stderr)
         return 0
 

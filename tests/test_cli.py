@@ -204,3 +204,28 @@ def test_train_data_keeps_its_answers_in_a_corpus_that_a_fresh_work_folder_reads
 
     code, _, err = cli(capsys, "train", "medusa", "--target", folder, "--save-corpus", corpus)
     assert code == 1 and "--save-corpus goes with --data-only" in err
+
+
+def test_train_save_corpus_keeps_its_own_targets_answers_in_a_shared_work_folder(tmp_path, capsys):
+    """Two targets' answers in one work folder: `--save-corpus` keeps the answers of the target it
+    was given, keyed by that target, rather than giving up on a folder of mixed answers."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    from core.training.pipeline import target_key
+
+    folders = [save_tiny_model(tmp_path / name, seed=seed, layers=2) for name, seed in (("a", 0), ("b", 1))]
+    for folder in folders:
+        tok = AutoTokenizer.from_pretrained(folder)
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        tok.save_pretrained(folder)
+    common = ["train", "medusa", "--data-only", "--answers", "3", "--answer-tokens", "4", "--code-tokens", "0",
+              "--workdir", tmp_path / "shared"]
+    code, _, err = cli(capsys, *common, "--target", folders[0])
+    assert code == 0, err
+    corpus = tmp_path / "corpus.safetensors"
+    code, _, err = cli(capsys, *common, "--target", folders[1], "--save-corpus", corpus)
+    assert code == 0, err
+    assert f"{corpus} holds 3 answers" in err
+    with safe_open(str(corpus), framework="pt") as f:
+        assert f.metadata()["target_key"] == target_key(folders[1], lambda *_: None)
