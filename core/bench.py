@@ -33,7 +33,7 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -277,9 +277,13 @@ class LlamaCppPeer:
                                          min_p=0.0, repeat_penalty=1.0)
             return
         rng = torch.Generator().manual_seed(s.seed)
+        # Every question is read from an empty cache, as SpecPlay's methods read it (llama_cpp.Llama's
+        # generate would reuse the previous prompt's cached prefix: the chat template's system prompt).
         logits = self.session.eval(list(prompt_ids), 0)
         while True:
-            token = sample(probabilities(torch.from_numpy(logits), s.temperature, s.top_p), rng)
+            greedy = s.temperature == 0
+            token = int(logits.argmax()) if greedy else sample(probabilities(torch.from_numpy(logits),
+                                                                              s.temperature, s.top_p), rng)
             yield token
             logits = self.session.eval([token], self.session.length)
 
@@ -422,7 +426,10 @@ def _against_baseline(ok: list[dict], base_ok: list[dict], same_by: str) -> dict
             "identical": all(r[same_by] == b[same_by] for r, b in pairs) if pairs else None}
 
 
-def format_summary(summary: dict, verify_cost: dict | None = None) -> str:
+def format_summary(summary: dict, verify_cost: dict | None = None, temperature: float = 0.0) -> str:
+    """The table of one temperature's summary. "same" (the output equals the baseline's token for
+    token) is shown at temperature 0 only: above it, outputs differ run to run by design and what a
+    lossless method preserves is the distribution (``specplay audit`` tests that)."""
     groups = [g for g in next(iter(summary.values())) if g != "overall"] + ["overall"]
     head = (f"{'method':18s}" + "".join(f"{g[:12]:>13s}" for g in groups)
             + f"{'tok/s':>9s}{'TTFT s':>8s}{'τ':>7s}{'accept':>8s}  same")
@@ -435,7 +442,7 @@ def format_summary(summary: dict, verify_cost: dict | None = None) -> str:
         ttft = f"{o['time_to_first_token']:8.2f}" if o.get("time_to_first_token") is not None else f"{'-':>8s}"
         tau = f"{o['mean_accepted']:7.2f}" if o.get("mean_accepted") is not None else f"{'-':>7s}"
         acc = f"{o['acceptance_rate']:8.0%}" if o.get("acceptance_rate") is not None else f"{'-':>8s}"
-        same = {True: "✓", False: "✗", None: "-"}[o.get("identical")]
+        same = {True: "✓", False: "✗", None: "-"}[o.get("identical") if temperature == 0 else None]
         lines.append(f"{method:18s}{cells}{speed}{ttft}{tau}{acc}  {same}")
     for method, per in summary.items():
         o = per["overall"]
@@ -444,6 +451,26 @@ def format_summary(summary: dict, verify_cost: dict | None = None) -> str:
     if verify_cost:
         lines.append(f"target verify cost T(8)/T(1) = {verify_cost['ratio']:.2f} "
                      f"({verify_cost['t1_ms']:.1f} ms -> {verify_cost['t8_ms']:.1f} ms at {verify_cost['context']} tokens of context)")
+    return "\n".join(lines)
+
+
+def format_sweep(by_temperature: dict[float, dict]) -> str:
+    """Speedup, τ and acceptance rate per method and category (rows) at each temperature (columns)."""
+    temps = list(by_temperature)
+    head = f"{'method':18s}{'category':14s}" + "".join(f"{'T=' + format(t, 'g') + ': speedup':>18s}{'τ':>7s}{'accept':>8s}"
+                                                      for t in temps)
+    lines = ["by temperature:", head, "-" * len(head)]
+    first = by_temperature[temps[0]]
+    for method, per in first.items():
+        for k, group in enumerate(per):
+            cells = ""
+            for t in temps:
+                e = by_temperature[t].get(method, {}).get(group, {})
+                speedup, tau, acc = e.get("speedup"), e.get("mean_accepted"), e.get("acceptance_rate")
+                cells += (f"{speedup:17.2f}x" if speedup is not None else f"{'-':>18s}") + \
+                         (f"{tau:7.2f}" if tau is not None else f"{'-':>7s}") + \
+                         (f"{acc:8.0%}" if acc is not None else f"{'-':>8s}")
+            lines.append(f"{method if k == 0 else '':18s}{group[:13]:14s}{cells}")
     return "\n".join(lines)
 
 
@@ -469,21 +496,29 @@ class BenchSpec:
     warmup: int = 1
     repeats: int = 1
     chat_template: bool = True
+    #: A sweep: every method runs at each of these temperatures in turn (empty: ``temperature`` alone).
+    temperatures: tuple[float, ...] = ()
+
+    def sweep(self) -> tuple[float, ...]:
+        return tuple(self.temperatures) or (self.temperature,)
 
 
 def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir: Path,
               log: Callable[[str], None] = print) -> dict:
     """Run every method on every question, appending each answer to its method's file in ``out_dir``
     as it finishes, then write ``summary.json``. Answers already there under the same settings are
-    read back, not run again (see :func:`_resume`)."""
+    read back, not run again (see :func:`_resume`).
+
+    A temperature sweep (``spec.temperatures``) runs every question at each temperature in turn;
+    each method's answers at temperature T go to ``<method>-T<T>.jsonl``. The result's and
+    ``summary.json``'s ``summary`` is then the first temperature's, and ``by_temperature`` has
+    every temperature's (keyed ``"0"``, ``"1"``, ...): a single temperature writes what it always did.
+    """
     from core.text import encode_messages, encode_prompt
-    from core.types import GenerationConfig, SamplingConfig
 
     if "autoregressive" not in spec.methods:
         spec.methods.insert(0, "autoregressive")
     out_dir.mkdir(parents=True, exist_ok=True)
-    gen = GenerationConfig(max_new_tokens=spec.max_new_tokens,
-                           sampling=SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed))
     runners, load_errors = _load_runners(spec, target, draft, log)
     verify_cost = measure_verify_cost(target.model)
     log(f"target verify cost T(8)/T(1) = {verify_cost['ratio']:.2f}")
@@ -494,13 +529,37 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
             return encode_messages(tok, history)
         return encode_prompt(tok, history[-1]["content"], chat_template=False)
 
-    files = {name: out_dir / f"{stem}.jsonl" for name, stem in file_stems(spec.methods).items()}
-    settings = _settings(spec, target, draft)
+    temperatures = spec.sweep()
     params = {name: _plain(runner.params()) for name, runner in runners.items()}
+    warm: set[str] = set()
+    by_temperature, files = {}, {}
+    for temperature in temperatures:
+        at = replace(spec, temperature=temperature, temperatures=())
+        suffix = f"-T{temperature:g}" if len(temperatures) > 1 else ""
+        files[temperature] = {name: out_dir / f"{stem}{suffix}.jsonl" for name, stem in file_stems(spec.methods).items()}
+        where = f" at temperature {temperature:g}" if len(temperatures) > 1 else ""
+        answers = _run_questions(runners, questions, at, target, draft, files[temperature], params, prompt_ids, warm,
+                                 lambda m: log(m + where))
+        for name, error in load_errors.items():
+            answers[name] = [_record(q, rep, [TurnResult([], "", 0.0, None, error=error)])
+                             for rep in range(spec.repeats) for q in questions]
+        by_temperature[temperature] = summarize(answers, questions, by_text=set(spec.endpoints))
+    env = _write_summary(out_dir, by_temperature, verify_cost, target, draft, spec, params, files)
+    return {"summary": by_temperature[temperatures[0]], "verify_cost": verify_cost, "environment": env,
+            "by_temperature": by_temperature}
+
+
+def _run_questions(runners: dict, questions: list[Question], spec: BenchSpec, target, draft, files: dict[str, Path],
+                   params: dict, prompt_ids: Callable, warm: set[str], log: Callable[[str], None]) -> dict:
+    """Every runner's answer to every question at ``spec.temperature``: read back, or run and appended."""
+    from core.types import GenerationConfig, SamplingConfig
+
+    gen = GenerationConfig(max_new_tokens=spec.max_new_tokens,
+                           sampling=SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed))
+    settings = _settings(spec, target, draft)
     wanted = {(rep, q.question_id): list(q.turns) for rep in range(spec.repeats) for q in questions}
     done = {name: _resume(files[name], name, settings, params[name], wanted, log) for name in runners}
     answers: dict[str, list[dict]] = {name: [] for name in spec.methods}
-    warm: set[str] = set()
     started = time.perf_counter()
     # Methods interleave per question, so slow drifts of a shared machine hit all of them alike.
     for rep in range(spec.repeats):
@@ -520,12 +579,7 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
             done_count = rep * len(questions) + qi + 1
             log(f"[{done_count}/{spec.repeats * len(questions)}] question {q.question_id} "
                 f"({time.perf_counter() - started:.0f}s)")
-    for name, error in load_errors.items():
-        answers[name] = [_record(q, rep, [TurnResult([], "", 0.0, None, error=error)])
-                         for rep in range(spec.repeats) for q in questions]
-    summary = summarize(answers, questions, by_text=set(spec.endpoints))
-    env = _write_summary(out_dir, summary, verify_cost, target, draft, spec, params, files)
-    return {"summary": summary, "verify_cost": verify_cost, "environment": env}
+    return answers
 
 
 def _load_runners(spec: BenchSpec, target, draft, log: Callable[[str], None]) -> tuple[dict, dict[str, str]]:
@@ -721,18 +775,24 @@ def _resume(path: Path, name: str, settings: dict, params: dict, wanted: dict, l
     return reused
 
 
-def _write_summary(out_dir: Path, summary: dict, verify_cost: dict, target, draft, spec: BenchSpec, params: dict,
-                   files: dict[str, Path]) -> dict:
-    """Write ``summary.json``; return its environment card."""
+def _write_summary(out_dir: Path, by_temperature: dict[float, dict], verify_cost: dict, target, draft,
+                   spec: BenchSpec, params: dict, files: dict[float, dict[str, Path]]) -> dict:
+    """Write ``summary.json`` (a sweep adds every temperature's summary and files); return its environment card."""
     from core.environment import environment
 
-    doc = {"summary": summary, "verify_cost": verify_cost, "baseline": "autoregressive",
+    first = spec.sweep()[0]
+    doc = {"summary": by_temperature[first], "verify_cost": verify_cost, "baseline": "autoregressive",
            "target": target.spec, "draft": draft.spec if draft else None,
            "settings": {"methods": spec.methods, "max_new_tokens": spec.max_new_tokens,
-                        "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
+                        "temperature": first, "top_p": spec.top_p, "seed": spec.seed,
                         "warmup": spec.warmup, "repeats": spec.repeats, "chat_template": spec.chat_template},
-           "params": params, "answer_files": {name: files[name].name for name in params},
+           "params": params, "answer_files": {name: files[first][name].name for name in params},
            "environment": environment(target, draft, measure=True)}
+    if len(by_temperature) > 1:
+        doc["settings"]["temperatures"] = list(by_temperature)
+        doc["by_temperature"] = {f"{t:g}": s for t, s in by_temperature.items()}
+        doc["answer_files_by_temperature"] = {f"{t:g}": {name: files[t][name].name for name in params}
+                                              for t in by_temperature}
     write_text_atomic(out_dir / "summary.json", json.dumps(doc, indent=2, default=str) + "\n")
     return doc["environment"]
 
