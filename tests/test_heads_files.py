@@ -1,11 +1,13 @@
-"""Heads files: a draft vocabulary that does not name distinct target tokens is refused, naming the file."""
+"""Heads files: a draft vocabulary that is missing or does not name distinct target tokens is refused,
+naming the file."""
 
 import pytest
 import torch
 
 from core.errors import ModelError
-from core.heads import MedusaHeads, save_heads
+from core.heads import EagleHead, MedusaHeads, head_config, save_heads
 from core.methods import build_method
+from core.methods.eagle import EagleConfig
 from core.methods.medusa import MedusaConfig
 from tiny import loaded, native_from_hf, tiny_hf_model
 
@@ -34,6 +36,24 @@ def test_a_draft_vocabulary_of_anything_but_distinct_target_ids_is_refused(tmp_p
     path = heads_file(tmp_path / "bad-heads.safetensors", vocab_ids)
     with pytest.raises(ModelError, match=r"bad-heads\.safetensors: .*draft vocabulary"):
         build_method("medusa", MedusaConfig(heads=str(path)), target)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_heads_file_without_a_draft_vocabulary_is_refused_naming_the_file(tmp_path, target, kind):
+    """It was a KeyError 'vocab_ids' that named neither the file nor what is wrong with it."""
+    path = tmp_path / "no-vocab.safetensors"
+    if kind == "medusa":
+        save_heads(path, dict(MedusaHeads(32, 2).state_dict()),
+                   {"kind": "medusa", "target": "tiny", "hidden_size": 32, "vocab_size": VOCAB, "num_heads": 2,
+                    "accuracy": [[0.5, 0.1], [0.3, 0.1]]})
+        config = MedusaConfig(heads=str(path))
+    else:
+        save_heads(path, dict(EagleHead(head_config(target.model.cfg, 48)).state_dict()),
+                   {"kind": "eagle", "target": "tiny", "hidden_size": 32, "vocab_size": VOCAB,
+                    "intermediate_size": 48})
+        config = EagleConfig(head=str(path))
+    with pytest.raises(ModelError, match=r"no-vocab\.safetensors has no draft vocabulary"):
+        build_method(kind, config, target)
 
 
 def test_a_draft_vocabulary_of_distinct_target_ids_in_any_order_loads(tmp_path, target):

@@ -201,15 +201,15 @@ def test_heads_files_store_matrices_in_int8_with_row_scales(tmp_path):
     w = torch.randn(48, 32, generator=g) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scale
     bias = torch.randn(48, generator=g)
     path = tmp_path / "h.safetensors"
-    save_heads(path, {"w": w, "b": bias, "ids": torch.arange(5)},
+    save_heads(path, {"w": w, "b": bias, "vocab_ids": torch.arange(5)},
                {"kind": "medusa", "target": "tiny", "hidden_size": 32, "vocab_size": 64})
     info = type("Info", (), {"hidden_size": 32, "vocab_size": 64, "name": "tiny"})
     loaded_tensors, _ = load_heads(path, "medusa", type("T", (), {"info": info})())
     step = w.abs().amax(dim=1, keepdim=True) / 127
     assert ((loaded_tensors["w"] - w).abs() <= step * 0.5 + step * 1e-3).all()
     assert torch.equal(loaded_tensors["b"], bias.half().float())
-    assert torch.equal(loaded_tensors["ids"], torch.arange(5))
-    assert set(loaded_tensors) == {"w", "b", "ids"}
+    assert torch.equal(loaded_tensors["vocab_ids"], torch.arange(5))
+    assert set(loaded_tensors) == {"w", "b", "vocab_ids"}
 
 
 def test_top_k_limits_the_candidates_each_head_contributes_to_the_tree(target, tmp_path):

@@ -74,6 +74,9 @@ def load_heads(path: Path, kind: str, target) -> tuple[dict[str, torch.Tensor], 
     if manifest.get("vocab_size") != info.vocab_size:
         raise ModelError(f"{path} was trained for a {manifest.get('vocab_size')}-token vocabulary "
                          f"({manifest.get('target')}), but the target '{info.name}' has {info.vocab_size}")
+    if "vocab_ids" not in tensors:  # the methods draft over it: without it the file is of no use
+        raise ModelError(f"{path} has no draft vocabulary (vocab_ids); is it a complete {kind} heads file "
+                         f"trained by SpecPlay?")
     weights = {}
     for k, v in tensors.items():
         if k.endswith(_SCALE):
