@@ -234,10 +234,39 @@ def test_draft_vocabulary_coverage_is_measured_on_held_out_sequences(target, tmp
     data.labels[train_pos] = torch.randint(3, 30, (train_pos.numel(),), generator=g)
     data.labels[eval_pos] = torch.where(torch.arange(eval_pos.numel()) % 2 == 0, 10, 50)  # 50: never trained on
     monkeypatch.setattr(pipeline, "prepare_data", lambda *a: (data, {}))
+    monkeypatch.setattr(pipeline, "target_key", lambda *a: "tiny")  # the tiny target is in memory, not a folder
 
     _, manifest = train_heads("medusa", target, DataSettings(), settings, num_heads=2, workdir=tmp_path,
                               out=tmp_path / "heads.safetensors")
     assert manifest["draft_vocab_coverage"] == pytest.approx(0.5)
+
+
+def test_resume_continues_only_a_checkpoint_of_the_same_target(target, tmp_path, monkeypatch, caplog):
+    """Two targets training in one work folder: --resume does not continue the other target's
+    checkpoint (it starts from step 0, with a warning), and does continue its own."""
+    import core.training.pipeline as pipeline
+    from core.training.pipeline import DataSettings, train_heads
+
+    g = torch.Generator().manual_seed(0)
+    data = target_features(target.model, [torch.randint(3, 64, (24,), generator=g).tolist() for _ in range(10)])
+    monkeypatch.setattr(pipeline, "prepare_data", lambda *a: (data, {}))
+    settings = TrainSettings(steps=6, batch_size=8, eval_every=6, warmup=1, checkpoint_every=1)
+    seen = []
+
+    def steps_trained(key, **kw):
+        seen.clear()
+        monkeypatch.setattr(pipeline, "target_key", lambda *a: key)
+        train_heads("medusa", target, DataSettings(), settings, num_heads=2, workdir=tmp_path,
+                    out=tmp_path / f"{key}.safetensors", resume=True, on_step=seen.append, **kw)
+        return [p.step for p in seen]
+
+    with pytest.raises(Cancelled):
+        steps_trained("target-a", should_cancel=lambda: len(seen) == 3)
+    with pytest.raises(Cancelled):
+        steps_trained("target-b", should_cancel=lambda: len(seen) == 2)
+    assert [p.step for p in seen] == [1, 2]
+    assert "made with another target" in caplog.text
+    assert steps_trained("target-b") == [3, 4, 5, 6]
 
 
 def test_the_dynamic_tree_follows_the_heads_confidence_and_the_verify_cost(target, tmp_path):

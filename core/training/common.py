@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
 import time
@@ -14,6 +15,8 @@ import torch
 from core.atomic import replacing
 from core.errors import Cancelled, ConfigError, SpecPlayError
 from core.training.data import FeatureSet
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,15 +85,20 @@ class Checkpoint:
 
     The file holds only tensors, dicts, lists and numbers, so it loads with
     ``weights_only=True``: a checkpoint planted in the work folder cannot run code on resume.
+
+    ``identity`` (strings and numbers) says which training it is: the target's weights, the data,
+    the heads' shape. It is saved with the state, and a checkpoint of another training is not
+    resumed, since a work folder may be shared by the trainings of several targets.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, identity: dict | None = None):
         self.path = Path(path)
+        self.identity = dict(identity or {})
 
     def save(self, module: torch.nn.Module, optimizer, step: int, extra: dict[str, float]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "step": int(step),
-                 "rng": torch.get_rng_state(), **{k: float(v) for k, v in extra.items()}}
+                 "rng": torch.get_rng_state(), "identity": self.identity, **{k: float(v) for k, v in extra.items()}}
         with replacing(self.path) as tmp:
             torch.save(state, tmp)
 
@@ -102,6 +110,15 @@ class Checkpoint:
         except pickle.UnpicklingError:
             raise SpecPlayError(f"{self.path} holds more than tensors and numbers, so it is not loaded; "
                               "delete it to train from the start") from None
+        saved = state.pop("identity", None)
+        if saved != self.identity:
+            if saved is None:  # from before checkpoints recorded their training: whose it is cannot be told
+                why = "it does not record which training it belongs to"
+            else:
+                why = "made with another " + ", ".join(sorted(k for k in saved.keys() | self.identity.keys()
+                                                             if saved.get(k) != self.identity.get(k)))
+            log.warning("%s is not resumed (%s): training starts from step 0 and will replace it", self.path, why)
+            return 0, {}
         module.load_state_dict(state.pop("model"))
         optimizer.load_state_dict(state.pop("optimizer"))
         torch.set_rng_state(state.pop("rng"))

@@ -69,8 +69,10 @@ class MedusaObjective:
 
 def train_medusa(data: FeatureSet, lm_rows: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, num_heads: int,
                  settings: TrainSettings, workdir: Path | None = None, progress: ProgressFn | None = None,
-                 should_cancel: Callable[[], bool] = lambda: False, resume: bool = False):
-    """Train ``num_heads`` heads; return (heads, accuracy table on held-out sequences, steps)."""
+                 should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None):
+    """Train ``num_heads`` heads; return (heads, accuracy table on held-out sequences, steps).
+
+    ``identity``: which training a checkpoint must belong to to be resumed (:class:`Checkpoint`)."""
     heads = MedusaHeads(data.features.shape[1], num_heads)
     objective = MedusaObjective(heads, data, lm_rows.float(), vocab_ids, vocab_size)
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
@@ -80,7 +82,7 @@ def train_medusa(data: FeatureSet, lm_rows: torch.Tensor, vocab_ids: torch.Tenso
         acc = objective.accuracy(eval_pos)
         return {"top1": [a[0] for a in acc], "top5": [sum(a[:5]) for a in acc], "accuracy": acc}
 
-    checkpoint = Checkpoint(workdir / "medusa-checkpoint.pt") if workdir else None
+    checkpoint = Checkpoint(workdir / "medusa-checkpoint.pt", identity) if workdir else None
     steps, last = run_loop(heads, objective.loss, evaluate, train_pos, settings, checkpoint, progress, should_cancel,
                            resume)
     return heads, last.get("accuracy") or objective.accuracy(eval_pos), steps

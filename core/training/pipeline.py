@@ -175,12 +175,19 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
                 "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
                 "draft_vocab_coverage": round(coverage, 4), "command": command, "data": stats,
                 "settings": settings.to_dict(), "feature_dtype": model.info.dtype}
+    # Which training a checkpoint in the work folder must belong to to be resumed: these weights,
+    # this data and vocabulary, heads of this shape (the folder may hold another target's training).
+    # How long and how fast to train may change between sessions.
+    identity = {"kind": kind, "target": target_key(target.path, progress), "code_tokens": data.code_tokens,
+              "answers": data.answers, "answer_tokens": data.answer_tokens, "seq_len": data.seq_len,
+              "data_seed": data.seed, "draft_vocab": draft_vocab, "eval_fraction": settings.eval_fraction}
     progress(f"Training {kind} on {features.num_tokens:,} tokens", None)
     if kind == "medusa":
         from core.training.medusa import train_medusa
 
         heads, accuracy, steps = train_medusa(features, lm_rows, vocab_ids, model.info.vocab_size, num_heads, settings,
-                                              workdir, step_done, should_cancel, resume)
+                                              workdir, step_done, should_cancel, resume,
+                                              identity={**identity, "num_heads": num_heads})
         tensors = dict(heads.state_dict())
         manifest.update(num_heads=num_heads, accuracy=[[round(a, 4) for a in row] for row in accuracy],
                         top1=[round(row[0], 4) for row in accuracy], top5=[round(sum(row[:5]), 4) for row in accuracy])
@@ -195,7 +202,9 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
             init_from_target_layer(head, model.layers[-1])
         accuracy, steps = train_eagle(features, head, model.embed, lm_rows, vocab_ids, model.info.vocab_size, settings,
                                       window=window, unroll=unroll, workdir=workdir, progress=step_done,
-                                      should_cancel=should_cancel, resume=resume)
+                                      should_cancel=should_cancel, resume=resume,
+                                      identity={**identity, "intermediate_size": cfg.intermediate_size,
+                                                "window": window, "unroll": unroll})
         tensors = dict(head.state_dict())
         manifest.update(intermediate_size=cfg.intermediate_size, window=window, unroll=unroll, init=init,
                         accuracy={k: [round(a, 4) for a in v] if isinstance(v, list) else round(v, 4)
