@@ -181,6 +181,27 @@ def test_prune_keeps_the_work_folder_of_a_running_conversion_and_removes_abandon
     assert [p.name for p in root.iterdir() if p.name != ".lock"] == ["tiny"]  # its own work folder removed at the end
 
 
+def test_prune_keeps_the_gguf_folder_while_a_catalog_gguf_is_assembled_into_it(tmp_path, monkeypatch):
+    """A `models prune` (here or in another process) while a catalog model's GGUF is being assembled
+    leaves the gguf folder, so that the assembly completes; once it is done, prune frees the folder."""
+    root = tmp_path / "models"
+    monkeypatch.setattr(convert, "models_root", lambda: root)
+    part = tmp_path / "part.bin"
+    part.write_bytes(b"gguf bytes")
+    entry = CatalogEntry("tiny", "Tiny", "qwen2", (Part("x", "x"),), hashlib.sha256(b"gguf bytes").hexdigest(),
+                         len(b"gguf bytes"), "pip install x")
+    monkeypatch.setattr(CatalogEntry, "part_files", lambda self: [part])
+    other = root / "gguf" / "other.gguf"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"another model")
+    freed_meanwhile = []
+
+    gguf = convert.catalog_gguf(entry, lambda stage, fraction: freed_meanwhile.append(convert.prune([])))
+    assert freed_meanwhile == [0] and other.is_file()
+    assert gguf.read_bytes() == b"gguf bytes"
+    assert convert.prune([]) == len(b"gguf bytes") + len(b"another model") and not (root / "gguf").exists()
+
+
 class InlineChild:
     """The conversion child, run in this process: a spawned child would not see a test's patches."""
 

