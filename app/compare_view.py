@@ -123,9 +123,11 @@ class CompareView(QWidget):
                                                "http://127.0.0.1:8000/v1,name=plain; http://127.0.0.1:8001/v1,name=eagle")
         self.endpoints_edit.setToolTip(
             "Remote engines (vLLM, SGLang, llama.cpp's server, …) to run on the same prompt after the checked methods, "
-            "separated by ';'. Options after a comma: model=NAME, name=LABEL, key-env=VAR, timeout=SECONDS. The API "
-            "key is read from $OPENAI_API_KEY (or key-env) or the OS keyring, never saved. Endpoints are compared with "
-            "the first endpoint; speculation metrics appear where the engine exposes them.")
+            "separated by ';'. Options after a comma: model=NAME, name=LABEL, key-env=VAR, timeout=SECONDS, "
+            "deadline=SECONDS. An API key is sent only to an endpoint with one of its own: the variable its key-env= "
+            "names, else the OS keyring entry for its exact URL; never over plain http:// to another machine (use "
+            "https:// or a loopback address), and never saved. Endpoints are compared with the first endpoint; "
+            "speculation metrics appear where the engine exposes them.")
         endpoints_row = QHBoxLayout()
         endpoints_row.addWidget(QLabel("Endpoints:"))
         endpoints_row.addWidget(self.endpoints_edit, 1)

@@ -697,6 +697,19 @@ def test_compare_table_marks_a_differing_output():
     assert identical_text(recs[1]["identical_to_baseline"]) == "–"
 
 
+def test_the_endpoints_tooltip_says_when_an_api_key_is_sent(qtbot):
+    """It said every endpoint got $OPENAI_API_KEY; a key goes only to an endpoint that names its
+    variable (key-env=) or has a keyring entry, and never over plain http:// to another machine."""
+    from app.compare_view import CompareView
+
+    view = CompareView()
+    qtbot.addWidget(view)
+    tip = view.endpoints_edit.toolTip()
+    assert "$OPENAI_API_KEY" not in tip
+    for rule in ("the variable its key-env= names", "keyring entry for its exact URL", "never over plain http://"):
+        assert rule in tip
+
+
 def test_compare_at_temperature_above_zero_does_not_claim_identity(window, qtbot):
     window.prompt_panel.temperature.setValue(0.8)
     records = run(qtbot, window.run_compare(["autoregressive", "speculative"]), timeout=60_000)
