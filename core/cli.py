@@ -365,7 +365,7 @@ def _print_engines() -> None:
 
 
 def cmd_bench(args) -> int:
-    from core.bench import PEERS, BenchSpec, check_methods, format_summary, load_questions, run_bench
+    from core.bench import PEERS, BenchSpec, check_methods, format_summary, format_sweep, load_questions, run_bench
     from core.methods import get_spec
 
     from core.remote import Endpoint
@@ -376,18 +376,65 @@ def cmd_bench(args) -> int:
     questions = load_questions(args.prompts, args.categories, args.limit, args.per_category)
     configs = {n: config_for(n, args) for n in names if n not in PEERS}
     need_draft = any(n == "hf_assisted" or (n not in PEERS and get_spec(n).needs_draft) for n in names)
+    temperatures = _temperatures(args.temperatures) if args.temperatures else ()
     target, draft = _load_models(args, need_draft)
     spec = BenchSpec(methods=names + list(endpoints), endpoints=endpoints, configs=configs,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_p=args.top_p, seed=args.seed, warmup=args.warmup, repeats=args.repeats,
-                     chat_template=not args.no_chat_template)
+                     chat_template=not args.no_chat_template, temperatures=temperatures)
     result = run_bench(target, draft, questions, spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
     from core.environment import format_card
 
     print(format_card(result["environment"]))
-    print(format_summary(result["summary"], result["verify_cost"]))
+    for temperature, summary in result["by_temperature"].items():
+        if len(temperatures) > 1:
+            print(f"\ntemperature {temperature:g}:")
+        print(format_summary(summary, result["verify_cost"], temperature))
+    if len(temperatures) > 1:
+        print()
+        print(format_sweep(result["by_temperature"]))
     print(f"answers and summary.json in {args.out}", file=sys.stderr)
     return 0
+
+
+def cmd_audit(args) -> int:
+    from core.audit import DEFAULT_PROMPT, AuditConfig, audit_record, format_audit, run_audit
+    from core.methods import get_spec
+    from core.runlog import dumps
+    from core.text import encode_prompt
+    from core.types import SamplingConfig
+
+    spec = get_spec(args.method)
+    method_config = config_for(args.method, args)
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    config = AuditConfig(samples=args.samples, depth=args.tokens, min_expected=args.min_expected, alpha=args.alpha)
+    prompt = DEFAULT_PROMPT if args.prompt is None and args.prompt_file is None else _prompt_text(args)
+    if not prompt.strip():
+        raise SpecPlayError("the prompt is empty")
+    target, draft = _load_models(args, spec.needs_draft)
+    ids = encode_prompt(target.tokenizer, prompt, chat_template=not args.no_chat_template)
+    result = run_audit(target, draft, args.method, method_config, ids, sampling, config, progress=_Progress())
+    record = audit_record(result, target=target, draft=draft, prompt=prompt)
+    print(dumps(record) if args.json else format_audit(record))
+    if args.log:
+        _write_log(args.log, [record])
+    if result.error:
+        raise SpecPlayError(result.error)
+    return 0
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    from core.types import SamplingConfig
+
+    try:
+        values = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise SpecPlayError(f"--temperatures takes numbers separated by commas, e.g. 0,1 (got {text!r})") from None
+    for t in values:
+        SamplingConfig(temperature=t)  # the same check every run applies
+    if not values or len(set(values)) < len(values):
+        raise SpecPlayError(f"--temperatures needs distinct temperatures, e.g. 0,1 (got {text!r})")
+    return values
 
 
 def cmd_train(args) -> int:
@@ -442,6 +489,7 @@ def cmd_train(args) -> int:
 
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from core.audit import DEFAULT_DEPTH as AUDIT_DEPTH, DEFAULT_SAMPLES as AUDIT_SAMPLES
     from core.compare import WARMUP_TOKENS
     from core.methods import METHODS
 
@@ -490,6 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also benchmark an OpenAI-compatible endpoint on the same prompts (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperatures", metavar="T1,T2", help="a sweep: every method at each temperature in turn "
+                   "(e.g. 0,1: τ, acceptance and speedup per temperature; replaces --temperature)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question per method")
@@ -499,6 +549,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     add_method_options(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("audit", help="test a method's samples against the target's exact distribution (chi-square)")
+    p.add_argument("--method", default="speculative", choices=list(METHODS))
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the prompt text (default: a short code request)")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
+    p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    p.add_argument("--samples", type=int, default=AUDIT_SAMPLES, help="independent samples N (each its own seed)")
+    p.add_argument("--tokens", type=int, default=AUDIT_DEPTH, help="new tokens per sample K (the depth audited)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sample i decodes with seed + 2i")
+    p.add_argument("--min-expected", type=float, default=5.0, help="bins under this expected count are merged")
+    p.add_argument("--alpha", type=float, default=0.01, help="family-wise level of the joint and per-position tests")
+    p.add_argument("--json", action="store_true", help="print one JSON record instead of the text report")
+    p.add_argument("--log", type=Path, help="append the audit record as a JSON line to this file")
+    _add_model_args(p)
+    add_method_options(p)
+    p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("train", help="train Medusa heads or an EAGLE head for a target, on CPU")
     p.add_argument("kind", choices=["medusa", "eagle"])

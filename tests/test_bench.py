@@ -394,3 +394,52 @@ def test_an_endpoint_is_identical_when_its_text_is_the_baselines(tmp_path, monke
     assert same["turns"] == base["turns"] and same["token_ids"] != base["token_ids"]
     assert s["remote:same"]["overall"]["identical"] is True
     assert s["remote:off"]["overall"]["identical"] is False
+
+
+def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_what_it_did(tmp_path):
+    import torch
+
+    from core.bench import format_sweep
+    from core.cli import _temperatures
+    from core.errors import SpecPlayError
+
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
+    questions = [Question(7, "code", ("ab cd ab",)), Question(8, "qa", ("ab ab cd",))]
+    settings = dict(methods=["prompt_lookup"], max_new_tokens=12, chat_template=False, warmup=0)
+    sweep = run_bench(target, None, questions, BenchSpec(**settings, temperatures=(0.0, 1.0)), tmp_path / "sweep",
+                      log=lambda m: None)
+    assert list(sweep["by_temperature"]) == [0.0, 1.0] and sweep["summary"] == sweep["by_temperature"][0.0]
+    for summary in sweep["by_temperature"].values():
+        for group in ("code", "qa", "overall"):
+            entry = summary["prompt_lookup"][group]
+            assert {"speedup", "mean_accepted", "acceptance_rate"} <= set(entry) and entry["speedup"] is not None
+    doc = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert doc["settings"]["temperatures"] == [0.0, 1.0] and list(doc["by_temperature"]) == ["0", "1"]
+    assert doc["summary"] == doc["by_temperature"]["0"]
+    assert doc["answer_files_by_temperature"]["1"]["prompt_lookup"] == "prompt_lookup-T1.jsonl"
+    table = format_sweep(sweep["by_temperature"])
+    assert "T=0: speedup" in table and "T=1: speedup" in table
+    assert [line.split()[:2] for line in table.splitlines() if line.startswith("prompt_lookup")] == [
+        ["prompt_lookup", "code"]]
+    # at T > 0 outputs are not expected to equal the baseline's, and the table does not judge them by it
+    last = format_summary(sweep["by_temperature"][1.0], temperature=1.0).splitlines()[-1]
+    assert last.startswith("prompt_lookup") and last.endswith("  -")
+
+    # A single temperature writes summary.json and the answer files as before a sweep existed,
+    # and its answers are the sweep's at that temperature (same seed, same settings; compared on the
+    # baseline, whose steps never depend on timing as a drafting method's may, see core/standdown.py).
+    single = run_bench(target, None, questions, BenchSpec(**settings, temperature=1.0), tmp_path / "single",
+                       log=lambda m: None)
+    doc = json.loads((tmp_path / "single" / "summary.json").read_text())
+    assert "by_temperature" not in doc and doc["settings"]["temperature"] == 1.0
+    assert doc["answer_files"]["prompt_lookup"] == "prompt_lookup.jsonl"
+
+    def token_ids(path):
+        return [json.loads(x)["choices"][0]["token_ids"] for x in path.read_text().splitlines()]
+
+    assert token_ids(tmp_path / "single" / "autoregressive.jsonl") == token_ids(
+        tmp_path / "sweep" / "autoregressive-T1.jsonl") != token_ids(tmp_path / "sweep" / "autoregressive-T0.jsonl")
+    assert _temperatures("0, 1") == (0.0, 1.0)
+    for bad in ("0,x", "0,0", "-1"):
+        with pytest.raises(SpecPlayError):
+            _temperatures(bad)
