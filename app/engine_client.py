@@ -13,7 +13,8 @@ import logging
 
 from PySide6.QtCore import QObject, QThread, Signal
 
-from app.worker import EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
+from app.worker import AuditRequest, EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
+from core.audit import AuditResult
 from core.remote import RemoteRun
 from core.types import RunResult
 
@@ -35,6 +36,7 @@ class EngineClient(QObject):
     sig_load = Signal(object)
     sig_generate = Signal(object)
     sig_generate_remote = Signal(object)
+    sig_audit = Signal(object)
     sig_error = Signal(str)
 
     def __init__(self, parent=None):
@@ -48,8 +50,10 @@ class EngineClient(QObject):
         self.sig_load.connect(self.worker.load)
         self.sig_generate.connect(self.worker.generate)
         self.sig_generate_remote.connect(self.worker.generate_remote)
+        self.sig_audit.connect(self.worker.audit)
         self.worker.sig_models_loaded.connect(self._resolve)
         self.worker.sig_run_finished.connect(self._resolve)
+        self.worker.sig_audit_finished.connect(self._resolve)
         self.worker.sig_failed.connect(self._on_failed)
         self.thread.start()
 
@@ -64,6 +68,10 @@ class EngineClient(QObject):
     async def generate_remote(self, request: RemoteRequest, stop_first: bool = False) -> RemoteRun:
         """Stream one completion from a remote endpoint (its failures come back in the ``RemoteRun``)."""
         return await self._submit(self.sig_generate_remote, request, stop_first)
+
+    async def audit(self, request: AuditRequest, stop_first: bool = False) -> AuditResult:
+        """Run one losslessness audit (stopped, it tests the samples drawn so far)."""
+        return await self._submit(self.sig_audit, request, stop_first)
 
     async def _submit(self, signal, request, stop_first: bool = False):
         self.job += 1

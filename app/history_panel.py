@@ -87,9 +87,13 @@ class HistoryPanel(QWidget):
         if r.get("lossy"):
             title += " (LOSSY)"
         prompt = (r.get("prompt") or "").replace("\n", " ")
+        stop = str(r.get("stop_reason", ""))
+        if r.get("kind") == "audit":  # a losslessness audit (core/audit.py): its verdict stands for a stop reason
+            title = f"Audit: {title}"
+            stop = str(r.get("verdict", "")) + ("" if r.get("p_value") is None else f" (p = {r['p_value']:.2g})")
         values = (_when(r.get("tstamp")), title, str(r.get("model_id") or ""), str(r.get("new_tokens", "")),
                   _num(r.get("tokens_per_s")), _num(r.get("mean_accepted")), _num(r.get("temperature")),
-                  str(r.get("stop_reason", "")), prompt[:80])
+                  stop, prompt[:80])
         for col, v in enumerate(values):
             item = QTableWidgetItem(v)
             if col in (3, 4, 5, 6):

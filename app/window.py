@@ -19,6 +19,7 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QSizePolicy, QStyle,
                                QTabWidget, QWidget)
 
+from app.audit_view import AuditView
 from app.charts import ChartsPanel, configure_pyqtgraph
 from app.compare_view import CompareView
 from app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
@@ -31,7 +32,7 @@ from app.tokenview import TokenView
 from app.whyspeed_view import WhySpeedView
 from app.engine_client import EngineClient, EngineFailed
 from app.live_view import LiveView
-from app.worker import LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
+from app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
 from app.xray import XRayPanel
 from core.compare import WARMUP_TOKENS, annotate
 from core.remote import annotate_remote
@@ -90,6 +91,8 @@ class MainWindow(QMainWindow):
         self.compare.rejected_inline.toggled.connect(self.live.rejected_inline.setChecked)
         self.why = WhySpeedView()
         self.tabs.addTab(self.why, "Why this speed")
+        self.audit_view = AuditView()
+        self.tabs.addTab(self.audit_view, "Audit")
         self.setCentralWidget(self.tabs)
         self.models_panel = ModelsPanel()
         self.prompt_panel = PromptPanel()
@@ -134,6 +137,7 @@ class MainWindow(QMainWindow):
         self.models_panel.sig_load_requested.connect(lambda: self.spawn(self.load_models()))
         self.models_panel.sig_cancel_requested.connect(self.stop)
         self.compare.sig_run_requested.connect(lambda names: self.spawn(self.run_compare(names)))
+        self.audit_view.sig_run_requested.connect(lambda n, k: self.spawn(self.run_audit(n, k)))
         self.history_panel.sig_open_requested.connect(self.open_record)
         self.history_panel.sig_export_requested.connect(self._export_dialog)
         self.history_panel.sig_reload_requested.connect(lambda: self.spawn(self.reload_history()))
@@ -279,6 +283,7 @@ class MainWindow(QMainWindow):
         self.run_action.setEnabled(what is None and loaded)
         self.compare_action.setEnabled(what is None and loaded)
         self.compare.run_button.setEnabled(what is None and loaded)
+        self.audit_view.run_button.setEnabled(what is None and loaded)
         self.stop_action.setEnabled(what is not None)
         self.models_panel.set_loading(what == "load")
         if what is None and self.models_panel.progress.maximum() == 0:
@@ -373,6 +378,8 @@ class MainWindow(QMainWindow):
     def _on_progress(self, stage: str, fraction: float) -> None:
         if self._busy == "load":  # the models panel's bar is for loading; other stages go to the status bar
             self.models_panel.set_progress(stage, fraction)
+        elif self._busy == "audit":
+            self.audit_view.set_progress(stage, fraction)
         self.set_status(stage + ("" if fraction < 0 else f" {fraction:.0%}"))
 
     def _token_text(self, token_id: int) -> str:
@@ -634,6 +641,42 @@ class MainWindow(QMainWindow):
         self.compare.set_records(records)
         return not run.cancelled
 
+    async def run_audit(self, samples: int, depth: int) -> dict | None:
+        """Audit the Method panel's method on the Prompt panel's prompt and sampling (:mod:`core.audit`);
+        the record goes into the history like a run's."""
+        from core.audit import audit_record
+
+        if self.busy or self.models is None:
+            return None
+        method = self.methods_panel.method()
+        try:
+            request = AuditRequest(run=self._request(method), samples=samples, depth=depth)
+        except ConfigError as exc:
+            self.show_error(str(exc))
+            return None
+        self._set_busy("audit")
+        self._stop_requested = False
+        self.live.clear_error()
+        self.tabs.setCurrentWidget(self.audit_view)
+        self.audit_view.begin(METHODS[method].title)
+        self.set_status(f"Auditing {METHODS[method].title}: {samples} samples of {depth} tokens…")
+        try:
+            result = await self.engine.audit(request, stop_first=self._stop_requested)
+        except EngineFailed as exc:
+            self.show_error(f"Audit of {METHODS[method].title}: {exc}")
+            return None
+        finally:
+            self._set_busy(None)
+        draft = self.models.draft if METHODS[method].needs_draft else None
+        record = audit_record(result, target=self.models.target, draft=draft, prompt=request.run.prompt,
+                              extra={"chat_template": request.run.chat_template})
+        self._save_to_history(record)
+        self.audit_view.show_record(record, METHODS[method].title)
+        self.set_status(("Audit stopped: " if result.cancelled else "Audit: ") + record["text"])
+        if result.error:
+            self.show_error(f"The audit of {METHODS[method].title} stopped early: {result.error}")
+        return record
+
     # ------------------------------------------------------------------------ history
     async def reload_history(self) -> list[dict]:
         loop = asyncio.get_event_loop()
@@ -650,6 +693,12 @@ class MainWindow(QMainWindow):
         from core.runlog import event_from_dict
 
         method = record.get("method", "?")
+        if record.get("kind") == "audit":
+            self.tabs.setCurrentWidget(self.audit_view)
+            self.audit_view.show_record(record, f"{METHODS[method].title if method in METHODS else method} "
+                                                "(from the history)")
+            self.set_status(f"Showing a saved audit: {method}, {record.get('samples')} samples.")
+            return
         events: list[StepEvent] = []
         total = 0
         try:

@@ -73,6 +73,16 @@ class RunRequest:
     job: int = 0
 
 
+@dataclass
+class AuditRequest:
+    """A losslessness audit (:mod:`core.audit`) of ``run``'s method on its prompt and sampling settings."""
+
+    run: RunRequest
+    samples: int
+    depth: int
+    job: int = 0
+
+
 class EngineWorker(QObject):
     """Loads models and runs generations; lives in its own ``QThread``.
 
@@ -83,6 +93,7 @@ class EngineWorker(QObject):
         sig_run_finished(object): the ``RunResult`` (finished or cancelled).
         sig_failed(str): a message for the user (the job ended without a result).
         sig_cost_curve(object): the target's verification ``CostCurve``, measured before its first run.
+        sig_audit_finished(object): the ``AuditResult`` of an audit (finished or stopped).
     """
 
     sig_progress = Signal(str, float)
@@ -91,6 +102,7 @@ class EngineWorker(QObject):
     sig_run_finished = Signal(object)
     sig_failed = Signal(str)
     sig_cost_curve = Signal(object)
+    sig_audit_finished = Signal(object)
 
     def __init__(self):
         super().__init__()
@@ -172,23 +184,29 @@ class EngineWorker(QObject):
         except Exception as exc:  # the worker must survive any failure
             self._fail(exc)
 
+    def _prompt_ids(self, request: RunRequest) -> list[int]:
+        """The request's prompt as token ids, once the target's verification cost is known."""
+        from core import costmodel
+        from core.text import encode_prompt
+
+        if self.target is None:
+            raise SpecPlayError("load a target model first")
+        ids = encode_prompt(self.target.tokenizer, request.prompt, request.chat_template)
+        if not costmodel.is_measured(self.target.model):
+            # Once per loaded target: several methods size their drafts by it, and "Why this speed" shows it.
+            self.sig_progress.emit(CALIBRATION_MESSAGE, -1.0)
+            self.sig_cost_curve.emit(costmodel.cost_curve(self.target.model))
+        return ids
+
     @Slot(object)
     def generate(self, request: RunRequest) -> None:
-        from core import compare, costmodel
+        from core import compare
         from core.engine import drain, generate
         from core.methods import build_method
 
         should_stop = self._stopper(request.job)
         try:
-            if self.target is None:
-                raise SpecPlayError("load a target model first")
-            from core.text import encode_prompt
-
-            ids = encode_prompt(self.target.tokenizer, request.prompt, request.chat_template)
-            if not costmodel.is_measured(self.target.model):
-                # Once per loaded target: several methods size their drafts by it, and "Why this speed" shows it.
-                self.sig_progress.emit(CALIBRATION_MESSAGE, -1.0)
-                self.sig_cost_curve.emit(costmodel.cost_curve(self.target.model))
+            ids = self._prompt_ids(request)
             key = (request.method, request.method_config)
             method = self._methods.get(key)
             if method is None:
@@ -202,6 +220,25 @@ class EngineWorker(QObject):
         except Exception as exc:
             self._fail(exc)
 
+    @Slot(object)
+    def audit(self, request: AuditRequest) -> None:
+        from core.audit import AuditConfig, run_audit
+
+        should_stop = self._stopper(request.job)
+        try:
+            config = AuditConfig(samples=request.samples, depth=request.depth)
+            run = request.run
+            ids = self._prompt_ids(run)
+
+            def progress(stage, fraction):
+                self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
+
+            # The audit builds its own method, over models that read the prompt once (core.audit.ReusedPrompt).
+            result = run_audit(self.target, self.draft, run.method, run.method_config, ids, run.config.sampling,
+                               config, should_stop, progress)
+            self.sig_audit_finished.emit(result)
+        except Exception as exc:
+            self._fail(exc)
 
     @Slot(object)
     def generate_remote(self, request: RemoteRequest) -> None:
