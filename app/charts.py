@@ -3,7 +3,8 @@
 * tokens/s over the run, one curve per method (the latest run of each);
 * accepted length per step: tokens added per step, grouped bars per method;
 * acceptance by draft position: the share of steps whose draft reached depth k and had it accepted;
-* time split: draft / verify / other seconds per method (stacked bars).
+* time split: draft / verify / other seconds per method, and the plain steps taken while drafting
+  stood down (stacked bars).
 
 While a run streams, only the tokens/s curve is redrawn, once a second (:data:`REDRAW_MS`); the
 other three charts are drawn when the run ends (or a run is shown whole). Redrawing plots with
@@ -27,7 +28,7 @@ from core.tree import depths
 from core.types import StepEvent
 
 REDRAW_MS = 1000
-SPLIT_COLOURS = {"draft": "#E69F00", "verify": "#56B4E9", "other": "#BBBBBB"}
+SPLIT_COLOURS = {"draft": "#E69F00", "verify": "#56B4E9", "other": "#BBBBBB", "stood down": "#F0E442"}
 
 
 def configure_pyqtgraph() -> None:
@@ -43,7 +44,8 @@ class Series:
     accept_lengths: list[int] = field(default_factory=list)
     pos_tried: list[int] = field(default_factory=list)
     pos_hit: list[int] = field(default_factory=list)
-    split: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    split: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    stood: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # draft/verify/other of stood-down steps
     final_positions: list[float] | None = None  # from RunMetrics once the run ends
 
     def add(self, e: StepEvent) -> None:
@@ -59,9 +61,12 @@ class Series:
             self.pos_tried[k] += 1
             if k < e.num_accepted:
                 self.pos_hit[k] += 1
-        self.split[0] += e.timing.draft_s
-        self.split[1] += e.timing.verify_s
-        self.split[2] += e.timing.other_s
+        parts = (e.timing.draft_s, e.timing.verify_s, e.timing.other_s)
+        if e.stood_down:
+            self.stood = [a + b for a, b in zip(self.stood, parts)]
+            self.split[3] += sum(parts)
+        else:
+            self.split = [a + b for a, b in zip(self.split, parts)] + [self.split[3]]
 
     def positions(self) -> list[float]:
         if self.final_positions is not None:
@@ -161,7 +166,8 @@ class ChartsPanel(QWidget):
         if metrics.get("acceptance_by_position") is not None:
             s.final_positions = list(metrics["acceptance_by_position"])
         if all(k in metrics for k in ("draft_s", "verify_s", "other_s")):
-            s.split = [metrics["draft_s"], metrics["verify_s"], metrics["other_s"]]
+            # The run's totals hold its stood-down steps too: those are shown apart.
+            s.split = [metrics[k] - t for k, t in zip(("draft_s", "verify_s", "other_s"), s.stood)] + [sum(s.stood)]
         self._dirty = True
         self.refresh()
 
@@ -221,7 +227,7 @@ class ChartsPanel(QWidget):
                                            width=width * 0.95)
             pos = s.positions()
             self.pos_curves[method].setData(np.arange(1, len(pos) + 1, dtype=float), pos)
-        splits = np.array([self.series[m].split for m in shown], dtype=float).reshape(-1, 3)
+        splits = np.array([self.series[m].split for m in shown], dtype=float).reshape(-1, len(SPLIT_COLOURS))
         ys = np.arange(len(shown), dtype=float)
         left = np.zeros(len(shown))
         for i, part in enumerate(SPLIT_COLOURS):

@@ -283,6 +283,11 @@ class PromptPanel(QWidget):
         self.top_p.setValue(1.0)
         self.seed = QSpinBox()
         self.seed.setRange(0, 2**31 - 1)
+        self.stand_down = QCheckBox("plain steps where drafting does not pay")
+        self.stand_down.setChecked(True)
+        self.stand_down.setToolTip("Stand down: while a method's drafting steps run slower than plain decoding, take "
+                                   "plain steps and probe again later (backed off). Turn off to study a method as "
+                                   "it drafts.")
         for box in (self.max_new_tokens, self.temperature, self.top_p, self.seed):
             box.setMinimumWidth(64)
         grid = QGridLayout()
@@ -294,6 +299,7 @@ class PromptPanel(QWidget):
         grid.addWidget(self.temperature, 1, 1)
         grid.addWidget(QLabel("Top-p"), 1, 2)
         grid.addWidget(self.top_p, 1, 3)
+        grid.addWidget(self.stand_down, 2, 0, 1, 4)
         top = QHBoxLayout()
         top.addWidget(self.preset, 1)
         top.addWidget(self.chat_template)
@@ -314,7 +320,7 @@ class PromptPanel(QWidget):
     def generation_config(self):
         from core.types import GenerationConfig, SamplingConfig
 
-        return GenerationConfig(max_new_tokens=self.max_new_tokens.value(),
+        return GenerationConfig(max_new_tokens=self.max_new_tokens.value(), stand_down=self.stand_down.isChecked(),
                                 sampling=SamplingConfig(temperature=self.temperature.value(), top_p=self.top_p.value(),
                                                         seed=self.seed.value()))
 

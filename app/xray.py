@@ -79,10 +79,14 @@ def tooltip_html(token: TokenEvent, step: StepEvent | None) -> str:
             ("fate", f"<b style='color:{style.colour}'>{style.label}</b>"),
             ("step", str(step.step) if step is not None else "–"),
             ("depth", depth_text(token)),
+            ("offered by", html.escape(token.source or "–")),
             ("p (target)", fmt_prob(token.p)), ("q (draft)", fmt_prob(token.q)), ("u (draw)", fmt_prob(token.u)),
             ("accept prob", fmt_prob(token.accept_prob))]
     body = "".join(f"<tr><td style='color:#555;padding-right:8px'>{k}</td><td>{v}</td></tr>" for k, v in rows)
-    return f"<table>{body}</table><p style='max-width:320px'>{html.escape(explain(token))}</p>"
+    why = explain(token)
+    if step is not None and step.stood_down:
+        why += f" This step was plain: {step.stood_down}."
+    return f"<table>{body}</table><p style='max-width:320px'>{html.escape(why)}</p>"
 
 
 class AcceptBar(QWidget):

@@ -17,10 +17,12 @@ from typing import Callable, Generator
 
 import torch
 
+from core.costmodel import cost_curve, is_measured
 from core.errors import ConfigError, is_out_of_memory
 from core.methods.base import Method, RunContext, StepOutcome
 from core.metrics import MetricsRecorder
 from core.models.base import CausalLM
+from core.standdown import GateState, StandDownGate
 from core.text import Detokenizer
 from core.tree import ancestor_mask
 from core.types import (Draft, Fate, GenerationConfig, RunResult, StepEvent, StepTiming, StopReason, TokenEvent,
@@ -45,8 +47,11 @@ def _forward_inputs(draft: Draft, root: int, base: int):
 
 
 def _token_events(draft: Draft, verdict: Verdict, committed: list[int], pieces: list[str],
-                  detok: Detokenizer) -> list[TokenEvent]:
-    """Committed tokens in order, with the rejected candidates tried at a position placed before it."""
+                  detok: Detokenizer, source: str = "") -> list[TokenEvent]:
+    """Committed tokens in order, with the rejected candidates tried at a position placed before it.
+
+    ``source`` names the proposer of the draft's nodes (``{depth}`` filled in per node); the
+    target's own token is the ``bonus`` after a fully accepted draft, else the ``target``'s."""
     depths = draft.depths()
     q_tok = draft.q_token or [None] * len(draft)
     path = verdict.accepted
@@ -58,7 +63,7 @@ def _token_events(draft: Draft, verdict: Verdict, committed: list[int], pieces: 
     def node_event(i: int, text: str) -> TokenEvent:
         return TokenEvent(token_id=draft.tokens[i], text=text, fate=verdict.fates[i], depth=depths[i], node=i,
                           p=verdict.p[i], q=q_tok[i], u=verdict.u[i], accept_prob=verdict.accept_prob[i],
-                          rule=verdict.rule[i])
+                          rule=verdict.rule[i], source=source.format(depth=depths[i]) if source else None)
 
     events = []
     for k, tok in enumerate(committed):
@@ -68,7 +73,7 @@ def _token_events(draft: Draft, verdict: Verdict, committed: list[int], pieces: 
         for i in tried_at_end:
             events.append(node_event(i, detok.piece(draft.tokens[i])))
         events.append(TokenEvent(token_id=tok, text=pieces[k], fate=verdict.next_fate, depth=0, node=-1,
-                                 p=verdict.next_p))
+                                 p=verdict.next_p, source="bonus" if verdict.next_fate is Fate.BONUS else "target"))
     return events
 
 
@@ -119,6 +124,13 @@ def _cut_at_stop_string(new: list[int], pieces: list[str], text: str,
     return new[: end_token + 1], pieces, "".join(pieces)[: max(0, end_char - len(text))], text[:end_char], True
 
 
+def _stood_down_note(state: GateState) -> str:
+    """Why this step was plain: the drafting rate it fell below, for the X-ray and the run log."""
+    fmt = lambda r: "?" if r is None else f"{r:.1f}"  # noqa: E731
+    return (f"drafting stood down: {fmt(state.draft_rate)} tokens/s drafting against {fmt(state.plain_rate)} "
+            f"plain; {state.standing_down_for} plain steps before the next probe")
+
+
 def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int], config: GenerationConfig,
              should_stop: Callable[[], bool] | None = None) -> Generator[StepEvent, None, RunResult]:
     """Decode ``prompt_ids`` with ``method``; yield one event per step, return the run."""
@@ -144,8 +156,10 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         """One propose -> verify -> commit -> observe step; sets ``stop`` when the run must end."""
         nonlocal stop, text
         remaining = config.max_new_tokens - ctx.new_tokens
+        gate_state = gate.state()
         t0 = time.perf_counter()
-        draft = method.propose(ctx, remaining - 1)  # propose: any number of draft nodes, as a tree
+        # propose: any number of draft nodes, as a tree; nothing while the gate stands down
+        draft = method.propose(ctx, remaining - 1 if gate_state.drafting else 0)
         t1 = time.perf_counter()
         # verify: one target pass over the root and the draft; only the verifier accepts tokens
         tokens, positions, mask = _forward_inputs(draft, ctx.tokens[-1], target.cache_len)
@@ -177,17 +191,24 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
 
         accepted_len = min(len(verdict.accepted), len(new))
         timing = StepTiming(draft_s=(t1 - t0) + (t4 - t3), verify_s=t2 - t1, other_s=t3 - t2)
+        drafted = len(draft) > 0 or bool(draft.aux_tokens)
+        rows = len(tokens)
+        gate.record(drafted, len(new), t4 - t0, verify_s=t2 - t1,
+                    plain_estimate=lambda: (t2 - t1) / cost_curve(target)(rows) if is_measured(target) else None)
         depth = max(draft.depths(), default=0)
         metrics.add_step(len(new), len(draft), accepted_len, depth, timing.draft_s, timing.verify_s, timing.other_s)
         return StepEvent(
-            step=step, tokens=_token_events(draft, verdict, new, pieces, detok), committed=new, text=step_text,
+            step=step, tokens=_token_events(draft, verdict, new, pieces, detok, draft.source or method.draft_source),
+            committed=new, text=step_text,
             num_drafted=len(draft), num_accepted=accepted_len, timing=timing,
             elapsed_s=time.perf_counter() - t_start, total_new_tokens=ctx.new_tokens,
             tree={"tokens": draft.tokens, "parents": draft.parents, "fates": [f.value for f in verdict.fates],
                   "accepted": verdict.accepted} if len(draft) else {},
             internals={**draft.info, **notes} if notes else draft.info,
+            stood_down=None if gate_state.drafting else _stood_down_note(gate_state),
         )
 
+    gate = StandDownGate(enabled=config.stand_down and method.name != "autoregressive")
     t_start = time.perf_counter()
     stop: StopReason | None = None
     error: str | None = None
@@ -225,7 +246,8 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
     return RunResult(
         method=method.name, method_params=method.describe(), lossy=method.lossy, prompt_ids=list(prompt_ids),
         token_ids=ctx.tokens[ctx.prompt_len:], text=text, stop_reason=stop,
-        metrics=metrics.finish(wall, prefill_time, events[0].elapsed_s if events else None), config=config,
+        metrics=metrics.finish(wall, prefill_time, events[0].elapsed_s if events else None, gate.stood_down_steps),
+        config=config,
         events=events, error=error,
     )
 

@@ -32,6 +32,12 @@ class RunMetrics:
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
+    #: Steps that drafted, and for each draft position how many of them had it accepted (vLLM's
+    #: ``num_drafts`` and ``num_accepted_tokens_per_pos``).
+    num_drafts: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    #: Plain steps taken because drafting did not pay (core/standdown.py).
+    stood_down_steps: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,6 +60,12 @@ class MetricsRecorder:
         m.draft_s += draft_s
         m.verify_s += verify_s
         m.other_s += other_s
+        if drafted:
+            m.num_drafts += 1
+            while len(m.accepted_per_position) < accepted:
+                m.accepted_per_position.append(0)
+            for k in range(accepted):
+                m.accepted_per_position[k] += 1
         while len(self._pos_tried) < draft_depth:
             self._pos_tried.append(0)
             self._pos_hit.append(0)
@@ -62,8 +74,10 @@ class MetricsRecorder:
             if k < accepted:
                 self._pos_hit[k] += 1
 
-    def finish(self, wall_time: float, prefill_time: float, time_to_first_token: float | None = None) -> RunMetrics:
+    def finish(self, wall_time: float, prefill_time: float, time_to_first_token: float | None = None,
+               stood_down_steps: int = 0) -> RunMetrics:
         m = self.m
+        m.stood_down_steps = stood_down_steps
         m.wall_time = wall_time
         m.prefill_time = prefill_time
         m.time_to_first_token = time_to_first_token

@@ -35,23 +35,24 @@ def event_to_dict(e: StepEvent) -> dict:
     return {
         "step": e.step,
         "tokens": [[t.token_id, t.text, t.fate.value, t.depth, t.node, t.p, t.q, t.u, t.accept_prob,
-                    None if t.rule is None else t.rule.value] for t in e.tokens],
+                    None if t.rule is None else t.rule.value, t.source] for t in e.tokens],
         "committed": e.committed, "drafted": e.num_drafted, "accepted": e.num_accepted,
         "timing": [e.timing.draft_s, e.timing.verify_s, e.timing.other_s], "elapsed": e.elapsed_s,
-        "tree": e.tree, "internals": e.internals,
+        "tree": e.tree, "internals": e.internals, "stood_down": e.stood_down,
     }
 
 
 def event_from_dict(d: dict, total_before: int = 0) -> StepEvent:
-    # Logs written before the rule was recorded have nine fields a token.
+    # Logs written before the rule (and the source) were recorded have nine (ten) fields a token.
     tokens = [TokenEvent(token_id=t[0], text=t[1], fate=Fate(t[2]), depth=t[3], node=t[4], p=t[5], q=t[6], u=t[7],
-                         accept_prob=t[8], rule=Rule(t[9]) if len(t) > 9 and t[9] else None) for t in d["tokens"]]
+                         accept_prob=t[8], rule=Rule(t[9]) if len(t) > 9 and t[9] else None,
+                         source=t[10] if len(t) > 10 else None) for t in d["tokens"]]
     committed = list(d["committed"])
     return StepEvent(step=d["step"], tokens=tokens, committed=committed,
                      text="".join(t.text for t in tokens if t.fate is not Fate.REJECTED),
                      num_drafted=d["drafted"], num_accepted=d["accepted"], timing=StepTiming(*d["timing"]),
                      elapsed_s=d["elapsed"], total_new_tokens=total_before + len(committed), tree=d.get("tree", {}),
-                     internals=d.get("internals", {}))
+                     internals=d.get("internals", {}), stood_down=d.get("stood_down"))
 
 
 def stats_line(record: dict) -> str:
@@ -64,10 +65,20 @@ def stats_line(record: dict) -> str:
         parts.append(f"τ {record['mean_accepted']:.2f}")
     if acc is not None:
         parts.append(f"acceptance {acc:.0%}")
+    if record.get("stood_down_steps"):
+        parts.append(f"drafting stood down for {record['stood_down_steps']} steps")
+    if record.get("tokens_by_source"):
+        parts.append("offered by " + ", ".join(f"{k} {v}" for k, v in record["tokens_by_source"].items()))
     parts.append(f"stop: {record['stop_reason']}")
     if record.get("lossy"):
         parts.append("LOSSY")
     return " · ".join(parts)
+
+
+def tokens_by_source(events) -> dict[str, int]:
+    """How many output tokens each proposer offered (``draft model``, ``Medusa head 1``, ``bonus``, ...)."""
+    counts = Counter(t.source for e in events for t in e.tokens if t.fate is not Fate.REJECTED and t.source)
+    return dict(counts.most_common())
 
 
 def run_record(result: RunResult, *, target, draft=None, prompt: str | None = None, question_id=None,
@@ -105,13 +116,21 @@ def run_record(result: RunResult, *, target, draft=None, prompt: str | None = No
         "prefill_time": m.prefill_time,
         "time_to_first_token": m.time_to_first_token,
         "mean_accepted": m.mean_accepted,
-        "mean_acceptance_length": m.mean_accepted,
+        # vLLM's: 1 + accepted draft tokens per draft (plain steps left out, unlike τ above).
+        "mean_acceptance_length": 1 + m.accepted / m.num_drafts if m.num_drafts else None,
         "acceptance_rate": m.acceptance_rate,
         "draft_acceptance_rate": m.acceptance_rate,
         "drafted": m.drafted,
         "accepted": m.accepted,
         "acceptance_by_position": m.acceptance_by_position,
         "acceptance_histogram": {str(k): v for k, v in sorted(Counter(m.accept_lengths).items())},
+        # The names vLLM's speculative-decoding metrics use (llama.cpp's server reads the same):
+        "num_drafts": m.num_drafts,
+        "num_draft_tokens": m.drafted,
+        "num_accepted_tokens": m.accepted,
+        "acceptance_rate_per_position": [a / m.num_drafts for a in m.accepted_per_position] if m.num_drafts else [],
+        "stood_down_steps": m.stood_down_steps,
+        "tokens_by_source": tokens_by_source(result.events),
         "time_split": {"draft": m.draft_s, "verify": m.verify_s, "other": m.other_s},
         "environment": environment(target, draft),
     }

@@ -66,6 +66,8 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
     stop_at_eos: bool = True
+    #: Take plain steps while drafting runs slower than plain decoding (core/standdown.py); off for study.
+    stand_down: bool = True
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -105,6 +107,8 @@ class Draft:
     aux_mask: torch.Tensor | None = None
     aux_logit_rows: list[int] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: Who proposed the nodes, ``{depth}`` filled in per node; empty: the method's ``draft_source``.
+    source: str = ""
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -167,12 +171,15 @@ class TokenEvent:
     u: float | None = None
     accept_prob: float | None = None
     rule: Rule | None = None  # how accept_prob was decided (draft tokens the verifier evaluated)
+    #: Who offered the token: a proposer (``draft model``, ``copy``, ``Medusa head 2``, ``EAGLE level 1``,
+    #: ``lookahead pool``) for draft tokens, ``bonus`` or ``target`` for the target's own token.
+    source: str | None = None
 
     def to_dict(self) -> dict:
         return {
             "token_id": self.token_id, "text": self.text, "fate": self.fate.value, "depth": self.depth,
             "node": self.node, "p": self.p, "q": self.q, "u": self.u, "accept_prob": self.accept_prob,
-            "rule": None if self.rule is None else self.rule.value,
+            "rule": None if self.rule is None else self.rule.value, "source": self.source,
         }
 
 
@@ -203,6 +210,8 @@ class StepEvent:
     total_new_tokens: int
     tree: dict[str, Any] = field(default_factory=dict)
     internals: dict[str, Any] = field(default_factory=dict)
+    #: Why the step was plain although the method drafts (the gate stood down), else None.
+    stood_down: str | None = None
 
 
 class StopReason(str, Enum):

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from core.engine import drain, generate  # noqa: E402
 from core.heads import save_heads  # noqa: E402
 from core.methods import build_method  # noqa: E402
+from core.runlog import tokens_by_source  # noqa: E402
 from core.heads import EagleHead, MedusaHeads, head_config  # noqa: E402
 from core.methods.eagle import EagleConfig  # noqa: E402
 from core.methods.lookahead import LookaheadConfig  # noqa: E402
@@ -183,7 +184,8 @@ def run_methods(target: LoadedModel, draft: LoadedModel, heads: tuple[Path, Path
     methods = [("autoregressive", None), ("speculative", SpeculativeConfig(gamma=5)), ("prompt_lookup", None),
                ("lookahead", LookaheadConfig()), ("medusa", MedusaConfig(heads=str(medusa_path), tree="small")),
                ("eagle", EagleConfig(head=str(eagle_path)))]
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
+    # Every method drafts in every step: the check is about its accepted paths, not about when drafting pays.
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False, stand_down=False)
     rows, baseline = [], None
     for name, config in methods:
         method = build_method(name, config, target, draft)
@@ -194,6 +196,8 @@ def run_methods(target: LoadedModel, draft: LoadedModel, heads: tuple[Path, Path
                      "first_difference": first_difference(result.token_ids, baseline),
                      "tau": round(result.metrics.mean_accepted, 3), "drafted": result.metrics.drafted,
                      "accepted": result.metrics.accepted, "tokens_per_s": round(result.metrics.tokens_per_s, 2),
+                     "sources": tokens_by_source(result.events),
+                     "unsourced": sum(t.source is None for e in result.events for t in e.tokens),
                      "error": result.error})
     return rows
 

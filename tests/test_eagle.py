@@ -36,7 +36,7 @@ def target():
 
 
 def _run(target, name, config=None, n=50, prompt=PROMPT):
-    gen = GenerationConfig(max_new_tokens=n, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=n, stop_at_eos=False, stand_down=False)
     return drain(generate(target.model, target.tokenizer, build_method(name, config, target), prompt, gen))
 
 
@@ -56,7 +56,7 @@ def test_draft_cache_rolls_back_to_the_accepted_path(target, tmp_path):
     """After each step the head's cache holds exactly the pairs of committed tokens with true features."""
     head = make_head_file(tmp_path / "eagle.safetensors", target.model)
     method = build_method("eagle", EagleConfig(head=str(head), tree="dynamic"), target)
-    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False)
     accepted_some = 0
     for event in generate(target.model, target.tokenizer, method, PROMPT, gen):
         # Pairs (f_i, x_{i+1}) exist only for true features; no draft-time entry survives a step.
@@ -127,7 +127,7 @@ def test_auto_size_grows_only_levels_that_can_pay(target, tmp_path, monkeypatch)
         method.cost = curve
         if not prune:
             monkeypatch.setattr(method, "_worth_adding", lambda values: 0.0)
-        gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+        gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False)
         events = list(generate(target.model, target.tokenizer, method, PROMPT, gen))
         drafted = [(e.tree, e.internals) for e in events if "levels_grown" in e.internals]
         assert len(drafted) > len(events) // 2

@@ -105,3 +105,17 @@ def test_a_run_cut_short_is_reported_where_it_ends(monkeypatch):
     row = next(m for m in report["methods"] if m["method"] == "medusa")
     assert not row["identical"] and row["first_difference"] == broken["at"]
     assert "out of memory" in row["error"]
+
+
+def test_every_token_of_every_method_names_its_proposer(steady_sizes):
+    report = gpu_check.main(TINY_FLOAT32)
+    rows = {m["method"]: m for m in report["methods"]}
+    assert all(m["unsourced"] == 0 for m in rows.values()), rows
+    drafters = {"speculative": "draft model", "prompt_lookup": "copy", "lookahead": "lookahead pool",
+                "medusa": "Medusa head 1", "eagle": "EAGLE level 1"}
+    assert set(rows["autoregressive"]["sources"]) == {"target"}
+    for name, first in drafters.items():
+        sources = rows[name]["sources"]
+        assert sum(sources.values()) == 24 and first in sources, (name, sources)
+        drafted = {s for s in sources if s not in ("target", "bonus")}
+        assert sum(sources[s] for s in drafted) == rows[name]["accepted"], (name, sources)

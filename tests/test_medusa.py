@@ -76,7 +76,7 @@ def test_choose_tree_takes_the_most_probable_paths():
 @pytest.mark.parametrize("tree", ["auto", "dynamic", "chain", "small", "large"])
 def test_medusa_greedy_equals_autoregressive(target, tmp_path, tree):
     heads = make_heads_file(tmp_path / "heads.safetensors")
-    gen = GenerationConfig(max_new_tokens=50, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=50, stop_at_eos=False, stand_down=False)
     base = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), PROMPT, gen))
     method = build_method("medusa", MedusaConfig(heads=str(heads), tree=tree), target)
     res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
@@ -95,7 +95,7 @@ def test_medusa_with_heads_that_know_the_answer_accepts_deep(target, tmp_path):
     for s in range(12):
         prompt = [(7 * s + i) % 60 + 3 for i in range(6)]
         r = drain(generate(model, target.tokenizer, build_method("autoregressive", None, target), prompt,
-                           GenerationConfig(max_new_tokens=40, stop_at_eos=False)))
+                           GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)))
         seqs.append(prompt + r.token_ids)
     data = target_features(model, seqs)
     heads, acc, _ = train_medusa(data, model.lm_head_weight(), torch.arange(64), 64, 3,
@@ -105,7 +105,7 @@ def test_medusa_with_heads_that_know_the_answer_accepts_deep(target, tmp_path):
     tensors["vocab_ids"] = torch.arange(64)
     save_heads(path, tensors, {"kind": "medusa", "target": "tiny", "hidden_size": 32, "vocab_size": 64,
                                "num_heads": 3, "accuracy": acc})
-    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
     res = drain(generate(model, target.tokenizer, build_method("medusa", MedusaConfig(heads=str(path), tree="large"), target),
                          seqs[0][:6], gen))
     assert res.token_ids == seqs[0][6:]
@@ -137,7 +137,7 @@ def test_typical_acceptance_is_labelled_lossy(target, tmp_path):
     heads = make_heads_file(tmp_path / "heads.safetensors")
     method = build_method("medusa", MedusaConfig(heads=str(heads), typical=True), target)
     assert method.lossy
-    gen = GenerationConfig(max_new_tokens=20, stop_at_eos=False, sampling=SamplingConfig(temperature=0.7, seed=1))
+    gen = GenerationConfig(max_new_tokens=20, stop_at_eos=False, stand_down=False, sampling=SamplingConfig(temperature=0.7, seed=1))
     res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
     assert res.lossy and len(res.token_ids) == 20
 

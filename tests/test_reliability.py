@@ -37,7 +37,7 @@ def test_out_of_memory_while_generating_ends_the_run_with_what_it_made(target, m
 
     monkeypatch.setattr(model, "forward", flaky)
     res = drain(generate(model, target.tokenizer, build_method("autoregressive", None, target), PROMPT,
-                         GenerationConfig(max_new_tokens=20, stop_at_eos=False)))
+                         GenerationConfig(max_new_tokens=20, stop_at_eos=False, stand_down=False)))
     assert res.stop_reason is StopReason.ERROR and "out of memory" in res.error
     assert len(res.token_ids) == 4  # prefill was call 1, then four steps succeeded
     record = run_record(res, target=target)

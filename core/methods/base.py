@@ -136,6 +136,8 @@ class MethodConfig:
 
 class Method(ABC):
     name: ClassVar[str]
+    #: Who proposes the draft's nodes, for each token's provenance; ``{depth}`` is filled in per node.
+    draft_source: ClassVar[str] = ""
     #: Ask the target for final hidden states in every step (feature-level drafters).
     needs_hidden: ClassVar[bool] = False
     #: Largest number of draft nodes a step may propose (sizes the KV cache).

@@ -117,6 +117,7 @@ class EagleConfig(MethodConfig):
 
 class Eagle(Method):
     name = "eagle"
+    draft_source = "EAGLE level {depth}"
     needs_hidden = True
 
     def __init__(self, config: EagleConfig, target, target_spec: str):

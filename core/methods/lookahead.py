@@ -79,6 +79,7 @@ class NgramPool:
 
 class Lookahead(Method):
     name = "lookahead"
+    draft_source = "lookahead pool"
 
     def __init__(self, config: LookaheadConfig):
         super().__init__(config)
@@ -123,6 +124,8 @@ class Lookahead(Method):
         return mask
 
     def propose(self, ctx: RunContext, budget: int) -> Draft:
+        if budget <= 0:  # a plain step (the run's last token, or drafting stood down): no window either
+            return Draft()
         c = self.config
         root = ctx.tokens[-1]
         depth = min(c.ngram - 1, budget)
@@ -140,9 +143,11 @@ class Lookahead(Method):
                   "candidates": [list(g) for g in cands], "won": None, "hits": self.hits},
         )
 
-    def observe(self, ctx: RunContext, outcome: StepOutcome) -> dict:
+    def observe(self, ctx: RunContext, outcome: StepOutcome) -> dict | None:
         c = self.config
         draft = outcome.draft
+        if not draft.aux_tokens:  # a plain step: the window waits where it was
+            return None
         n_verify = len(draft) + 1
         new_level = outcome.target_out.logits[n_verify:n_verify + c.window].argmax(-1).tolist()
         if len(self.levels) == self.levels_needed:

@@ -95,6 +95,7 @@ def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top
 
 class Medusa(Method):
     name = "medusa"
+    draft_source = "Medusa head {depth}"
     needs_hidden = True
 
     def __init__(self, config: MedusaConfig, target, target_spec: str):

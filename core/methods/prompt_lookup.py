@@ -62,6 +62,7 @@ class NgramIndex:
 
 class PromptLookup(Method):
     name = "prompt_lookup"
+    draft_source = "copy"
 
     def __init__(self, config: PromptLookupConfig, target=None):
         super().__init__(config)

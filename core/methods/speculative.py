@@ -73,6 +73,7 @@ class SpeculativeConfig(MethodConfig):
 
 class Speculative(Method):
     name = "speculative"
+    draft_source = "draft model"
 
     def __init__(self, config: SpeculativeConfig, draft_model: CausalLM, target: CausalLM | None = None):
         super().__init__(config)
@@ -134,7 +135,7 @@ class Speculative(Method):
         if self.lookup is not None:
             copy = self.lookup.propose(ctx, budget)
             if len(copy):
-                copy.info["source"] = "copy"
+                copy.info["source"] = copy.source = "copy"
                 return copy
         dm = self.draft_model
         sampling = ctx.config.sampling

@@ -1,0 +1,97 @@
+"""Standing down: plain steps while drafting does not pay, probed again later.
+
+Speculation pays only when the tokens a drafting step adds outrun its cost; where acceptance is
+low (a draft model off its home ground, an n-gram pool that never hits) a drafting method runs
+slower than plain decoding. The gate measures the run itself: the rate of its recent drafting
+steps (tokens per second, newer steps weighing more) against the time of a plain step (measured
+on the run's own plain steps, or estimated from the verification passes and the cost curve
+before there is one). When plain steps are faster it stands down for a while, then lets one
+drafting step probe again; each stand-down that the probe confirms lasts twice as long as the
+last, so a run that never gains from drafting spends a vanishing share of its steps probing, and
+a run that drafts well never stands down. Pure arithmetic on measured durations: the engine
+feeds it, a test can feed it a deterministic cost model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+#: Drafting steps measured before the gate may first stand down.
+FIRST_DECISION = 2
+#: Plain steps of the first stand-down; each one a probe confirms lasts twice as long, up to the cap.
+FIRST_BACKOFF, MAX_BACKOFF = 8, 256
+#: Weight of a drafting step's measurement after each newer drafting step.
+DECAY = 0.5
+
+
+@dataclass
+class GateState:
+    """What the X-ray and the run log show of the gate at one step."""
+
+    drafting: bool
+    draft_rate: float | None  # tokens/s of recent drafting steps
+    plain_rate: float | None  # tokens/s of a plain step
+    standing_down_for: int  # plain steps left before the next probe
+
+
+class StandDownGate:
+    """Decides before each step whether the method drafts or a plain step runs."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._tokens = 0.0  # decayed sums over drafting steps
+        self._seconds = 0.0
+        self._drafting_steps = 0
+        self._plain_s: float | None = None  # a plain step's time: measured, else estimated
+        self._plain_measured = False
+        self._left = 0  # plain steps still to take
+        self._backoff = FIRST_BACKOFF
+        self.stood_down_steps = 0
+
+    def drafting(self) -> bool:
+        """Whether this step drafts (False: the method is asked for nothing, a plain step runs)."""
+        return self._left <= 0
+
+    def record(self, drafted: bool, new_tokens: int, seconds: float, verify_s: float | None = None,
+               plain_estimate: Callable[[], float | None] | None = None) -> None:
+        """One finished step: whether it drafted, the tokens it added, its time and its verification
+        pass's time. A plain step costs at most that pass, so a drafting rate above one token per
+        pass settles the question; otherwise ``plain_estimate()`` (the pass over the cost curve) says
+        what a plain step would cost, until the run has timed one of its own."""
+        if not drafted:
+            self._plain_step(seconds)
+            return
+        self._tokens = self._tokens * DECAY + new_tokens
+        self._seconds = self._seconds * DECAY + seconds
+        self._drafting_steps += 1
+        if not self.enabled or self._drafting_steps < FIRST_DECISION:
+            return
+        rate = self._tokens / self._seconds
+        if verify_s and rate >= 1.0 / verify_s:
+            self._backoff = FIRST_BACKOFF  # faster than plain steps could possibly be
+            return
+        if not self._plain_measured and plain_estimate is not None:
+            self._plain_s = plain_estimate() or self._plain_s
+        if self._plain_s is None:  # nothing to compare with: time one plain step
+            self._left = 1
+            return
+        if rate < 1.0 / self._plain_s:
+            self._left = self._backoff
+            self._backoff = min(2 * self._backoff, MAX_BACKOFF)
+        else:
+            self._backoff = FIRST_BACKOFF
+
+    def _plain_step(self, seconds: float) -> None:
+        if self._left > 0:
+            self._left -= 1
+            self.stood_down_steps += 1
+        # The newest plain steps count most: a run's plain step slows as its context grows.
+        self._plain_s = seconds if not self._plain_measured else 0.5 * (self._plain_s + seconds)
+        self._plain_measured = True
+
+    def state(self) -> GateState:
+        return GateState(drafting=self.drafting(),
+                         draft_rate=self._tokens / self._seconds if self._seconds else None,
+                         plain_rate=1.0 / self._plain_s if self._plain_s else None,
+                         standing_down_for=self._left)

@@ -1,0 +1,68 @@
+"""The stand-down gate against a deterministic cost model: it never loses more than 2% to plain
+decoding where drafts are never accepted, and never stands down where drafting pays."""
+
+import pytest
+
+from core.standdown import StandDownGate
+
+T1 = 1.0  # a plain step
+GAMMA, C = 5, 0.2  # draft tokens a step, a draft token's cost in plain steps
+VERIFY = 1.3  # T(1 + γ) / T(1)
+
+
+def simulate(gate: StandDownGate, tokens: int, accepted: int, estimate: bool = True) -> float:
+    """Time to emit ``tokens`` when each drafting step has ``accepted`` of its γ drafts accepted."""
+    clock, out = 0.0, 0
+    while out < tokens:
+        if gate.drafting():
+            seconds, new = GAMMA * C * T1 + VERIFY * T1, accepted + 1
+            gate.record(True, new, seconds, verify_s=VERIFY * T1, plain_estimate=(lambda: T1) if estimate else None)
+        else:
+            seconds, new = T1, 1
+            gate.record(False, 1, seconds)
+        clock += seconds
+        out += new
+    return clock
+
+
+@pytest.mark.parametrize("estimate", [True, False])
+def test_a_draft_that_is_never_accepted_runs_at_98_percent_of_plain_steps_or_better(estimate):
+    tokens = 1000
+    gated = simulate(StandDownGate(), tokens, accepted=0, estimate=estimate)
+    plain = tokens * T1
+    assert plain / gated >= 0.98, plain / gated
+    ungated = simulate(StandDownGate(enabled=False), tokens, accepted=0)
+    assert plain / ungated < 0.5  # what the gate saves: drafting at γ 5 with nothing accepted
+
+
+def test_a_draft_that_pays_never_stands_down():
+    gate = StandDownGate()
+    simulate(gate, 1000, accepted=3)  # 4 tokens per 2.3 plain steps
+    assert gate.stood_down_steps == 0
+
+
+def test_the_gate_drafts_again_when_acceptance_comes_back():
+    gate = StandDownGate()
+    simulate(gate, 200, accepted=0)
+    assert gate.stood_down_steps > 0
+    simulate(gate, 2000, accepted=4)  # probes find the drafts paying again: drafting resumes
+    stood = gate.stood_down_steps
+    simulate(gate, 500, accepted=4)
+    assert gate.stood_down_steps == stood and gate.drafting()
+
+
+def test_turned_off_it_always_drafts():
+    gate = StandDownGate(enabled=False)
+    simulate(gate, 300, accepted=0)
+    assert gate.stood_down_steps == 0 and gate.drafting()
+
+
+def test_the_curve_is_asked_only_when_the_drafting_rate_could_lose():
+    asked = []
+    gate = StandDownGate()
+    for _ in range(20):  # 4 tokens per 2.3 plain steps: more than one token per verification pass
+        gate.record(True, 4, 2.3, verify_s=1.3, plain_estimate=lambda: asked.append(1) or 1.0)
+    assert not asked
+    gate.record(True, 1, 2.3, verify_s=1.3, plain_estimate=lambda: asked.append(1) or 1.0)
+    gate.record(True, 1, 2.3, verify_s=1.3, plain_estimate=lambda: asked.append(1) or 1.0)
+    assert asked
