@@ -496,6 +496,8 @@ class BenchSpec:
     warmup: int = 1
     repeats: int = 1
     chat_template: bool = True
+    #: Methods take plain steps where drafting does not pay (core/standdown.py).
+    stand_down: bool = True
     #: A sweep: every method runs at each of these temperatures in turn (empty: ``temperature`` alone).
     temperatures: tuple[float, ...] = ()
 
@@ -554,7 +556,7 @@ def _run_questions(runners: dict, questions: list[Question], spec: BenchSpec, ta
     """Every runner's answer to every question at ``spec.temperature``: read back, or run and appended."""
     from core.types import GenerationConfig, SamplingConfig
 
-    gen = GenerationConfig(max_new_tokens=spec.max_new_tokens,
+    gen = GenerationConfig(max_new_tokens=spec.max_new_tokens, stand_down=spec.stand_down,
                            sampling=SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed))
     settings = _settings(spec, target, draft)
     wanted = {(rep, q.question_id): list(q.turns) for rep in range(spec.repeats) for q in questions}
@@ -663,7 +665,7 @@ def _settings(spec: BenchSpec, target, draft) -> dict:
     """What shapes an answer besides the method's own parameters: answers are reused only under the same."""
     return {"target": target.spec, "draft": draft.spec if draft else None, "max_new_tokens": spec.max_new_tokens,
             "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
-            "chat_template": spec.chat_template}
+            "chat_template": spec.chat_template, "stand_down": spec.stand_down}
 
 
 def _plain(value):

@@ -113,6 +113,8 @@ def _add_generation_args(p: argparse.ArgumentParser, prompt_required: bool = Tru
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--no-stand-down", action="store_true",
+                   help="draft in every step, even where plain steps are faster (to study a method as it drafts)")
     g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--log", type=Path, help="append the run record(s) as JSON lines to this file")
@@ -133,6 +135,7 @@ def _generation_config(args):
     from core.types import GenerationConfig, SamplingConfig
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
+                            stand_down=not args.no_stand_down,
                             sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed))
 
 
@@ -381,7 +384,8 @@ def cmd_bench(args) -> int:
     spec = BenchSpec(methods=names + list(endpoints), endpoints=endpoints, configs=configs,
                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_p=args.top_p, seed=args.seed, warmup=args.warmup, repeats=args.repeats,
-                     chat_template=not args.no_chat_template, temperatures=temperatures)
+                     chat_template=not args.no_chat_template, temperatures=temperatures,
+                     stand_down=not args.no_stand_down)
     result = run_bench(target, draft, questions, spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
     from core.environment import format_card
 
@@ -545,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of the first question per method")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--no-stand-down", action="store_true",
+                   help="every method drafts in every step, even where plain steps are faster")
     p.add_argument("--out", type=Path, required=True, help="folder for answer files and summary.json")
     _add_model_args(p)
     add_method_options(p)
