@@ -53,12 +53,11 @@ class StandDownGate:
         """Whether this step drafts (False: the method is asked for nothing, a plain step runs)."""
         return self._left <= 0
 
-    def record(self, drafted: bool, new_tokens: int, seconds: float, verify_s: float | None = None,
+    def record(self, drafted: bool, new_tokens: int, seconds: float,
                plain_estimate: Callable[[], float | None] | None = None) -> None:
-        """One finished step: whether it drafted, the tokens it added, its time and its verification
-        pass's time. A plain step costs at most that pass, so a drafting rate above one token per
-        pass settles the question; otherwise ``plain_estimate()`` (the pass over the cost curve) says
-        what a plain step would cost, until the run has timed one of its own."""
+        """One finished step: whether it drafted, the tokens it added and its time. For a drafting
+        step, ``plain_estimate()`` says what a plain step would have cost (its verification pass over
+        the cost curve), used until the run has timed a plain step of its own."""
         if not drafted:
             self._plain_step(seconds)
             return
@@ -68,9 +67,6 @@ class StandDownGate:
         if not self.enabled or self._drafting_steps < FIRST_DECISION:
             return
         rate = self._tokens / self._seconds
-        if verify_s and rate >= 1.0 / verify_s:
-            self._backoff = FIRST_BACKOFF  # faster than plain steps could possibly be
-            return
         if not self._plain_measured and plain_estimate is not None:
             self._plain_s = plain_estimate() or self._plain_s
         if self._plain_s is None:  # nothing to compare with: time one plain step

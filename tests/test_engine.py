@@ -455,7 +455,6 @@ def test_a_draft_that_is_never_accepted_stands_down_and_stays_exact(models, monk
     # A flat cost curve: a plain step costs a drafting step's verification pass alone, so a step that
     # adds one token always loses to it, whatever the machine's timings.
     monkeypatch.setattr(core.engine, "cost_curve", lambda model: CostCurve.linear(0.0))
-    monkeypatch.setattr(core.engine, "is_measured", lambda model: True)
     gen = GenerationConfig(max_new_tokens=60, stop_at_eos=False)
     base = run(target, "autoregressive", gen=gen)
     res = run(target, "speculative", SpeculativeConfig(gamma=4), draft, gen=gen)
