@@ -42,6 +42,7 @@ class AppSettings:
     recent_models: list[str] = field(default_factory=list)
     prompt: str = DEFAULT_PROMPT
     chat_template: bool = True
+    stand_down: bool = True
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0

@@ -23,6 +23,7 @@ def apply_to_window(window, s: AppSettings) -> None:
     pp = window.prompt_panel
     pp.editor.setPlainText(s.prompt)
     pp.chat_template.setChecked(s.chat_template)
+    pp.stand_down.setChecked(s.stand_down)
     pp.max_new_tokens.setValue(s.max_new_tokens)
     pp.temperature.setValue(s.temperature)
     pp.top_p.setValue(s.top_p)
@@ -48,6 +49,7 @@ def collect_from_window(window) -> AppSettings:
     s.draft_engine = mp.draft_engine.currentText()
     s.prompt = pp.prompt()
     s.chat_template = pp.chat_template.isChecked()
+    s.stand_down = pp.stand_down.isChecked()
     s.max_new_tokens = pp.max_new_tokens.value()
     s.temperature = pp.temperature.value()
     s.top_p = pp.top_p.value()

@@ -807,6 +807,7 @@ def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
     w.models_panel.dtype.setCurrentText("float32")
     w.prompt_panel.editor.setPlainText("line one\nline, two = \"quoted\"")
     w.prompt_panel.chat_template.setChecked(False)
+    w.prompt_panel.stand_down.setChecked(False)  # not the default
     w.prompt_panel.max_new_tokens.setValue(77)
     w.prompt_panel.temperature.setValue(0.7)
     w.prompt_panel.top_p.setValue(0.9)
@@ -821,7 +822,7 @@ def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
 
     s = AppSettings.load(open_settings())
     assert (s.target, s.draft, s.device, s.dtype) == (str(model_dirs["target"]), "", "cpu", "float32")
-    assert s.prompt == "line one\nline, two = \"quoted\"" and s.chat_template is False
+    assert s.prompt == "line one\nline, two = \"quoted\"" and s.chat_template is False and s.stand_down is False
     assert (s.max_new_tokens, s.temperature, s.top_p, s.seed) == (77, 0.7, 0.9, 1234)
     assert s.method == "prompt_lookup" and s.method_values["prompt_lookup"]["num_tokens"] == 21
     assert s.method_values["speculative"]["adaptive"] is True
@@ -832,6 +833,8 @@ def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
     assert w2.models_panel.target.spec() == str(model_dirs["target"]) and w2.models_panel.draft.spec() == ""
     assert w2.prompt_panel.prompt() == "line one\nline, two = \"quoted\""
     assert w2.prompt_panel.max_new_tokens.value() == 77 and w2.prompt_panel.seed.value() == 1234
+    assert not w2.prompt_panel.stand_down.isChecked()
+    assert w2.prompt_panel.generation_config().stand_down is False
     assert w2.methods_panel.method() == "prompt_lookup"
     assert w2.methods_panel.forms["prompt_lookup"].config().num_tokens == 21
     assert w2.compare.selected() == ["autoregressive", "prompt_lookup"]
