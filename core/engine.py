@@ -124,6 +124,18 @@ def _cut_at_stop_string(new: list[int], pieces: list[str], text: str,
     return new[: end_token + 1], pieces, "".join(pieces)[: max(0, end_char - len(text))], text[:end_char], True
 
 
+def _unrepeatable(method: Method, config: GenerationConfig) -> str | None:
+    """Why the seed would not repeat a sampled run: it fixes the draws, not where drafts end; when
+    timings move those ends (or the gate's plain steps), the same draws meet other decisions."""
+    if config.sampling.greedy:
+        return None
+    if method.timing_sized:
+        return method.timing_sized
+    if config.stand_down and method.name != "autoregressive":
+        return "plain steps follow timings where drafting stands down (--no-stand-down repeats it)"
+    return None
+
+
 def _stood_down_note(state: GateState) -> str:
     """Why this step was plain: the drafting rate it fell below, for the X-ray and the run log."""
     fmt = lambda r: "?" if r is None else f"{r:.1f}"  # noqa: E731
@@ -250,7 +262,7 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         token_ids=ctx.tokens[ctx.prompt_len:], text=text, stop_reason=stop,
         metrics=metrics.finish(wall, prefill_time, events[0].elapsed_s if events else None, gate.stood_down_steps),
         config=config,
-        events=events, error=error,
+        events=events, error=error, unrepeatable=_unrepeatable(method, config),
     )
 
 

@@ -130,6 +130,8 @@ def run_record(result: RunResult, *, target, draft=None, prompt: str | None = No
         "num_accepted_tokens": m.accepted,
         "acceptance_rate_per_position": [a / m.num_drafts for a in m.accepted_per_position] if m.num_drafts else [],
         "stood_down_steps": m.stood_down_steps,
+        "repeatable": result.unrepeatable is None,
+        "unrepeatable_because": result.unrepeatable,
         "tokens_by_source": tokens_by_source(result.events),
         "time_split": {"draft": m.draft_s, "verify": m.verify_s, "other": m.other_s},
         "environment": environment(target, draft),

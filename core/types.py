@@ -237,6 +237,8 @@ class RunResult:
     config: GenerationConfig
     events: list[StepEvent] = field(default_factory=list)
     error: str | None = None  # why a run stopped with StopReason.ERROR
+    #: Why the seed would not repeat this sampled run (draft sizes or plain steps that follow timings).
+    unrepeatable: str | None = None
 
     @property
     def cancelled(self) -> bool:

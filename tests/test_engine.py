@@ -481,3 +481,21 @@ def test_every_token_names_who_offered_it(models):
                 assert t.source == ("copy" if e.internals.get("source") == "copy" else "draft model")
             else:
                 assert t.source == ("bonus" if t.fate is Fate.BONUS else "target")
+
+
+def test_the_record_says_when_a_seed_would_not_repeat_a_sampled_run(models):
+    from core.runlog import run_record
+
+    target, draft = models[0], models[1]
+
+    def record(config, temperature, stand_down):
+        gen = GenerationConfig(max_new_tokens=8, stop_at_eos=False, stand_down=stand_down,
+                               sampling=SamplingConfig(temperature=temperature, seed=3))
+        return run_record(run(target, "speculative", config, draft, gen=gen), target=target, draft=draft)
+
+    assert record(SpeculativeConfig(gamma=3), 0.0, True)["repeatable"] is True  # greedy: always
+    fixed = record(SpeculativeConfig(gamma=3), 1.0, False)
+    assert fixed["repeatable"] is True and fixed["unrepeatable_because"] is None
+    assert "stands down" in record(SpeculativeConfig(gamma=3), 1.0, True)["unrepeatable_because"]
+    sized = record(SpeculativeConfig(gamma=3, cost_sized=True), 1.0, False)
+    assert sized["repeatable"] is False and "timings" in sized["unrepeatable_because"]

@@ -144,6 +144,9 @@ class Method(ABC):
     max_draft_nodes: int = 0
     #: (threshold, alpha) of Medusa's typical acceptance, or None for exact verification.
     typical: tuple[float, float] | None = None
+    #: Which draft sizes follow measured times, or None. At temperature > 0 the seed then does not
+    #: repeat the run: the same draws meet other accept/reject decisions (docs/seeds.md).
+    timing_sized: str | None = None
 
     @property
     def lossy(self) -> bool:

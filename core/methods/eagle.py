@@ -139,6 +139,8 @@ class Eagle(Method):
         c = config
         self.max_draft_nodes = c.depth if c.tree == "chain" else c.total_tokens
         self.cost = cost_curve(target) if (c.auto_size and c.tree == "dynamic") else None
+        if self.cost is not None:
+            self.timing_sized = "the tree's size follows the measured verification cost"
         self.features = torch.zeros(0, target.info.hidden_size, device=target.info.device)
         self.n_features = 0
 

@@ -119,6 +119,8 @@ class Medusa(Method):
         if config.tree == "dynamic":
             self.cost = cost_curve(target)
             self.max_draft_nodes = _AUTO_MAX
+        if config.tree in ("auto", "dynamic"):
+            self.timing_sized = "the tree's size follows the measured verification cost"
         if config.typical:
             self.typical = (config.posterior_threshold, config.posterior_alpha)
         self._by_depth = [sum(1 for d in self.tree.depth_of if d <= k) for k in range(self.tree.max_depth + 1)]

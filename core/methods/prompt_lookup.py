@@ -68,6 +68,8 @@ class PromptLookup(Method):
         super().__init__(config)
         self.max_draft_nodes = config.num_tokens
         self.cost = cost_curve(target) if (config.adaptive and target is not None) else None
+        if self.cost is not None:
+            self.timing_sized = "proposal lengths follow the measured verification cost"
 
     def start(self, ctx: RunContext) -> None:
         self.index = NgramIndex(self.config.max_ngram)

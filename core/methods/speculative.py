@@ -90,6 +90,10 @@ class Speculative(Method):
             n = config.lookup_ngram
             self.lookup = PromptLookup(PromptLookupConfig(min_ngram=n, max_ngram=max(n, 3)), target)
             self.max_draft_nodes = max(self.max_draft_nodes, self.lookup.max_draft_nodes)
+        if self.cost is not None:
+            self.timing_sized = "γ follows this run's timings"
+        elif self.lookup is not None and self.lookup.timing_sized:
+            self.timing_sized = "copy lengths follow the measured verification cost"
 
     @staticmethod
     def _reduced_head(draft_model: CausalLM, size: int):
