@@ -179,7 +179,8 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         if draft.aux_tokens and draft.aux_logit_rows is not None:
             n_verify = len(draft) + 1
             logit_rows = list(range(n_verify)) + [n_verify + a for a in draft.aux_logit_rows]
-        out = target.forward(tokens, positions, mask, hidden=method.needs_hidden, logit_rows=logit_rows)
+        out = target.forward(tokens, positions, mask, hidden=method.needs_hidden, layers=method.feature_layers,
+                             logit_rows=logit_rows)
         verdict = verify(draft, out.logits, config.sampling, verify_gen, typical=method.typical)
         t2 = time.perf_counter()
 
@@ -233,8 +234,8 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
         target.reset()
         if len(prompt_ids) > 1:
             # Every prompt row's logits would go unread: the last token is the next step's root.
-            ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden, logit_rows=[],
-                                               prefill=True)
+            ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden,
+                                               layers=method.feature_layers, logit_rows=[], prefill=True)
         method.start(ctx)
         prefill_time = time.perf_counter() - t_start
     except Exception as exc:

@@ -35,7 +35,7 @@ class RunContext:
     draft_generator: torch.Generator
     eos_token_ids: tuple[int, ...] = ()
     #: The target's output over the prompt (all tokens but the last); hidden states included
-    #: when the method ``needs_hidden``. None for a one-token prompt.
+    #: when the method ``needs_hidden``, and its ``feature_layers``. None for a one-token prompt.
     prefill: ForwardOutput | None = None
 
     @property
@@ -140,6 +140,8 @@ class Method(ABC):
     draft_source: ClassVar[str] = ""
     #: Ask the target for final hidden states in every step (feature-level drafters).
     needs_hidden: ClassVar[bool] = False
+    #: Intermediate layer outputs the method reads from every target pass (an EAGLE-3 head's fused layers).
+    feature_layers: tuple[int, ...] = ()
     #: Largest number of draft nodes a step may propose (sizes the KV cache).
     max_draft_nodes: int = 0
     #: (threshold, alpha) of Medusa's typical acceptance, or None for exact verification.

@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from core.costmodel import best_size, cost_curve
+from core.costmodel import CostCurve, best_size, cost_curve
 from core.errors import ModelError
 from core.heads import draft_lm_rows, head_config, load_heads, resolve_heads_path
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.models.linear import make_linear, storage_of
-from core.models.native import DecoderConfig, LayerWeights, layer_forward, rope_tables
+from core.models.native import DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
 from core.types import Draft
 
 
@@ -98,6 +99,81 @@ class EagleDrafter:
         self.len = min(self.len, length)
 
 
+def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.Tensor], vocab_ids: torch.Tensor,
+              feat: torch.Tensor, root: int, depth: int, total: int, top_k: int, cost: CostCurve | None = None,
+              worth_adding: Callable[[list[float]], float] | None = None) -> Draft:
+    """EAGLE-2's dynamic tree from the head's prediction ``feat`` at ``root`` (the drafter's cache
+    holds the true pairs before it): drafting uses it, and so does training's simulated τ
+    (:mod:`core.training.tau`). ``cost`` sizes the kept draft and, with ``worth_adding`` (the
+    least chance one more node must have to pay), stops growing levels that cannot pay."""
+    k = top_k
+    d = drafter
+    # Nodes: token, parent node (-1 root), cumulative log-prob, draft probability.
+    tok: list[int] = []
+    par: list[int] = []
+    score: list[float] = []
+    prob: list[float] = []
+    slot: dict[int, int] = {}  # node -> its entry in the drafter cache, once expanded
+
+    def add_children(parent: int, logp: torch.Tensor, base: float) -> list[int]:
+        top = logp.topk(k)
+        made = []
+        for lp, idx in zip(top.values.tolist(), top.indices.tolist()):
+            tok.append(int(vocab_ids[idx]))
+            par.append(parent)
+            score.append(base + lp)
+            prob.append(float(torch.tensor(lp).exp()))
+            made.append(len(tok) - 1)
+        return made
+
+    frontier = add_children(-1, log_probs(feat[None])[0], 0.0)
+    parent_feat = {n: feat for n in frontier}
+    levels = 1
+    for level in range(1, depth):
+        expand = sorted(frontier, key=lambda n: -score[n])[:k]
+        if cost is not None:
+            # A child is never likelier than its parent: where a parent's chance is below what one
+            # more node must add to pay for its verification, its subtree would be grown for nothing.
+            floor = worth_adding(sorted((math.exp(x) for x in score), reverse=True)[:total])
+            expand = [n for n in expand if math.exp(score[n]) > floor]
+            if not expand:
+                break
+        levels += 1
+        base_len = d.len
+        mask = torch.zeros(len(expand), base_len + len(expand), dtype=torch.bool)
+        mask[:, :root] = True  # the true pairs
+        for row, node in enumerate(expand):
+            mask[row, base_len + row] = True
+            a = par[node]
+            while a >= 0:
+                mask[row, slot[a]] = True
+                a = par[a]
+        feats = torch.stack([parent_feat[n] for n in expand])
+        outs = d.run(feats, [tok[n] for n in expand], torch.full((len(expand),), root + level - 1), mask)
+        for row, node in enumerate(expand):
+            slot[node] = base_len + row
+        logps = log_probs(outs)
+        frontier = []
+        for row, node in enumerate(expand):
+            kids = add_children(node, logps[row], score[node])
+            for kid in kids:
+                parent_feat[kid] = outs[row]
+            frontier += kids
+    # Keep the best nodes overall; a child never outscores its parent, and ties go to the
+    # earlier (parent) node, so any top-ranked prefix is closed under parents.
+    ranked = sorted(range(len(tok)), key=lambda n: (-score[n], n))[:total]
+    if cost is not None:
+        # The draft's cumulative probability estimates each node's chance of acceptance.
+        size = best_size([math.exp(score[n]) for n in ranked], cost)
+        ranked = ranked[:max(1, size)]
+    keep = sorted(ranked)
+    new_index = {old: i for i, old in enumerate(keep)}
+    parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
+    return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],
+                 info={"shape": "dynamic", "depth": depth, "levels_grown": levels, "nodes_grown": len(tok),
+                       "kept": len(keep)})
+
+
 # ---------------------------------------------------------------------------------- method
 @dataclass(frozen=True)
 class EagleConfig(MethodConfig):
@@ -136,6 +212,8 @@ class Eagle(Method):
             raise ModelError(f"{path}: weights do not fit an EAGLE head for '{target_spec}': {exc}") from None
         self.vocab_ids = tensors["vocab_ids"].to(target.info.device)
         self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
+        self.fuse, self.out_norm, self.feature_layers = self._eagle3_parts(tensors, manifest, target, path)
+        self.eps = target.cfg.rms_norm_eps
         c = config
         self.max_draft_nodes = c.depth if c.tree == "chain" else c.total_tokens
         self.cost = cost_curve(target) if (c.auto_size and c.tree == "dynamic") else None
@@ -144,7 +222,31 @@ class Eagle(Method):
         self.features = torch.zeros(0, target.info.hidden_size, device=target.info.device)
         self.n_features = 0
 
+    @staticmethod
+    def _eagle3_parts(tensors: dict, manifest: dict, target, path):
+        """An EAGLE-3 head (:mod:`core.heads.eagle3`) reads the target's fused layers, not its final
+        hidden state, and puts its states through its own norm before the LM head rows."""
+        if manifest.get("recipe") != "eagle3":
+            return None, None, ()
+        layers = tuple(int(i) for i in manifest.get("layers", ()))
+        if "fuse.weight" not in tensors or "out_norm" not in tensors or not layers \
+                or any(not 0 <= i < target.info.num_layers for i in layers):
+            raise ModelError(f"{path}: an EAGLE-3 head needs fuse.weight, out_norm and the layers it fuses "
+                             f"(within the target's {target.info.num_layers})")
+        device = target.info.device
+        # In float whatever the target's storage: the int8 kernel quantizes each input row as a whole,
+        # and the residual stream's few huge activations (thousands, against units) would flatten the rest.
+        fuse = make_linear(tensors["fuse.weight"].float().to(device), None, "float")
+        return fuse, tensors["out_norm"].float().to(device), layers
+
     # ------------------------------------------------------------------ feature bookkeeping
+    def _features_of(self, out, rows=None) -> torch.Tensor:
+        """The head's first-level input features at a target pass's ``rows`` (all when None)."""
+        if self.fuse is None:
+            return out.hidden if rows is None else out.hidden[rows]
+        stacked = torch.cat([out.layers[i] if rows is None else out.layers[i][rows] for i in self.feature_layers], -1)
+        return self.fuse(stacked.float())
+
     def _add_features(self, feats: torch.Tensor) -> None:
         need = self.n_features + feats.shape[0]
         if need > self.features.shape[0]:
@@ -158,13 +260,15 @@ class Eagle(Method):
         self.drafter.crop(0)
         self.n_features = 0
         if ctx.prefill is not None:
-            self._add_features(ctx.prefill.hidden)
+            self._add_features(self._features_of(ctx.prefill))
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
-        self._add_features(outcome.target_out.hidden[outcome.kept_rows])
+        self._add_features(self._features_of(outcome.target_out, outcome.kept_rows))
 
     # --------------------------------------------------------------------------- drafting
     def _log_probs(self, feats: torch.Tensor) -> torch.Tensor:
+        if self.out_norm is not None:
+            feats = rms_norm(feats.float(), self.out_norm, self.eps)
         return torch.log_softmax(self.lm_rows(feats).float(), dim=-1)
 
     @torch.inference_mode()
@@ -197,72 +301,8 @@ class Eagle(Method):
         return Draft.chain(tokens, q_token=q, info={"shape": "chain", "depth": depth})
 
     def _dynamic(self, feat: torch.Tensor, root: int, depth: int, total: int) -> Draft:
-        k = self.config.top_k
-        d = self.drafter
-        # Nodes: token, parent node (-1 root), cumulative log-prob, draft probability.
-        tok: list[int] = []
-        par: list[int] = []
-        score: list[float] = []
-        prob: list[float] = []
-        slot: dict[int, int] = {}  # node -> its entry in the drafter cache, once expanded
-
-        def add_children(parent: int, logp: torch.Tensor, base: float) -> list[int]:
-            top = logp.topk(k)
-            made = []
-            for lp, idx in zip(top.values.tolist(), top.indices.tolist()):
-                tok.append(int(self.vocab_ids[idx]))
-                par.append(parent)
-                score.append(base + lp)
-                prob.append(float(torch.tensor(lp).exp()))
-                made.append(len(tok) - 1)
-            return made
-
-        frontier = add_children(-1, self._log_probs(feat[None])[0], 0.0)
-        parent_feat = {n: feat for n in frontier}
-        levels = 1
-        for level in range(1, depth):
-            expand = sorted(frontier, key=lambda n: -score[n])[:k]
-            if self.cost is not None:
-                # A child is never likelier than its parent: where a parent's chance is below what one
-                # more node must add to pay for its verification, its subtree would be grown for nothing.
-                floor = self._worth_adding(sorted((math.exp(x) for x in score), reverse=True)[:total])
-                expand = [n for n in expand if math.exp(score[n]) > floor]
-                if not expand:
-                    break
-            levels += 1
-            base_len = d.len
-            mask = torch.zeros(len(expand), base_len + len(expand), dtype=torch.bool)
-            mask[:, :root] = True  # the true pairs
-            for row, node in enumerate(expand):
-                mask[row, base_len + row] = True
-                a = par[node]
-                while a >= 0:
-                    mask[row, slot[a]] = True
-                    a = par[a]
-            feats = torch.stack([parent_feat[n] for n in expand])
-            outs = d.run(feats, [tok[n] for n in expand], torch.full((len(expand),), root + level - 1), mask)
-            for row, node in enumerate(expand):
-                slot[node] = base_len + row
-            logps = self._log_probs(outs)
-            frontier = []
-            for row, node in enumerate(expand):
-                kids = add_children(node, logps[row], score[node])
-                for kid in kids:
-                    parent_feat[kid] = outs[row]
-                frontier += kids
-        # Keep the best nodes overall; a child never outscores its parent, and ties go to the
-        # earlier (parent) node, so any top-ranked prefix is closed under parents.
-        ranked = sorted(range(len(tok)), key=lambda n: (-score[n], n))[:total]
-        if self.cost is not None:
-            # The draft's cumulative probability estimates each node's chance of acceptance.
-            size = best_size([math.exp(score[n]) for n in ranked], self.cost)
-            ranked = ranked[:max(1, size)]
-        keep = sorted(ranked)
-        new_index = {old: i for i, old in enumerate(keep)}
-        parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
-        return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],
-                     info={"shape": "dynamic", "depth": depth, "levels_grown": levels, "nodes_grown": len(tok),
-                           "kept": len(keep)})
+        return grow_tree(self.drafter, self._log_probs, self.vocab_ids, feat, root, depth, total, self.config.top_k,
+                         self.cost, self._worth_adding if self.cost is not None else None)
 
     def _worth_adding(self, values: list[float]) -> float:
         """The least chance of acceptance v with which one more node pays for itself, given the nodes'

@@ -18,6 +18,10 @@ their verification on this machine (:mod:`core.costmodel`): a handful on a CPU, 
 a GPU. The target verifies the tree in one pass;
 candidates are deterministic, so verification is exact (and lossless at temperature > 0).
 Medusa's typical acceptance is available as an option and is labelled lossy.
+
+Heads trained with the Hydra recipe (``"recipe": "hydra"`` in their manifest,
+:mod:`core.heads.hydra`) read the tokens drafted before theirs: the tree's candidates are
+then drawn depth by depth along each path, each head fed its parent's state and token.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from core.errors import ConfigError, ModelError
 from core.costmodel import CostCurve, best_size, cost_curve
 from core.heads import MedusaHeads, draft_lm_rows, load_heads, resolve_heads_path
+from core.heads.hydra import HydraHeads
 from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from core.tree import TreeSpec, choose_tree
 from core.types import Draft
@@ -104,7 +109,12 @@ class Medusa(Method):
         tensors, manifest = load_heads(path, "medusa", target)
         self.manifest = manifest
         num_heads = manifest["num_heads"]
-        self.heads = MedusaHeads(target.info.hidden_size, num_heads)
+        self.hydra = manifest.get("recipe") == "hydra"
+        if self.hydra and config.tree == "dynamic":
+            raise ConfigError("the dynamic tree reads every head at once, which Hydra heads (each reading the token "
+                              "drafted before its own) cannot do; use a static tree")
+        self.heads = (HydraHeads if self.hydra else MedusaHeads)(target.info.hidden_size, num_heads)
+        self.embed = target.embed
         try:
             self.heads.load_state_dict({k: v for k, v in tensors.items() if k.startswith("blocks.")})
         except RuntimeError as exc:
@@ -134,6 +144,8 @@ class Medusa(Method):
         if self.last_hidden is None or budget <= 0:
             return Draft()
         depth = min(budget, self.tree.max_depth)
+        if self.hydra:
+            return self._hydra(ctx.tokens[-1], depth)
         states = self.heads(self.last_hidden.float()[None])[:, 0]  # [K, hidden]
         logits = self.lm_rows(states[:depth]).float()  # [depth, V']
         probs = torch.softmax(logits, dim=-1)
@@ -147,6 +159,21 @@ class Medusa(Method):
         q_token = [float(top_p[d - 1, r]) for d, r in zip(self.tree.depth_of[:n], self.tree.ranks[:n])]
         return Draft(tokens=tokens, parents=list(self.tree.parents[:n]), q_token=q_token,
                      info={"tree_nodes": n, "heads": self.heads.blocks.__len__()})
+
+    def _hydra(self, root: int, depth: int) -> Draft:
+        """The static tree's first nodes, down to ``depth``, drawn along each path (:meth:`HydraHeads.draft_tree`)."""
+        n = self._by_depth[depth]
+        t = self.tree
+        device = self.vocab_ids.device
+        index, prob = self.heads.draft_tree(
+            self.last_hidden.float()[None], self.embed(torch.tensor([root], device=device)).float(), t.parents[:n],
+            t.ranks[:n], t.depth_of[:n], self._logits, lambda i: self.embed(self.vocab_ids[i]))
+        return Draft(tokens=self.vocab_ids[index[0]].tolist(), parents=list(t.parents[:n]), q_token=prob[0].tolist(),
+                     info={"tree_nodes": n, "heads": len(self.heads.blocks), "recipe": "hydra"})
+
+    def _logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of states of any leading shape (the LM head rows take rows)."""
+        return self.lm_rows(states.reshape(-1, states.shape[-1])).float().reshape(*states.shape[:-1], -1)
 
     def _dynamic(self, probs: torch.Tensor) -> Draft:
         """This step's tree: the paths whose heads are most confident (the product of each rank's
