@@ -449,6 +449,11 @@ def cmd_train(args) -> int:
 
     if args.save_corpus and not args.data_only:
         raise SpecPlayError("--save-corpus goes with --data-only (make the data, keep its token ids, then train)")
+    from core.training.recipes import RECIPES
+
+    if args.recipe not in RECIPES[args.kind]:
+        raise SpecPlayError(f"the {args.recipe} recipe is not one for {args.kind} heads: use "
+                            f"{' or '.join(RECIPES[args.kind])}")
     defaults = {"medusa": (128, 1e-3), "eagle": (16, 3e-4)}[args.kind]
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size or defaults[0], lr=args.lr or defaults[1],
                              seed=args.seed, bf16=args.bf16 == "on" or (args.bf16 == "auto" and has_bf16_units()))
@@ -479,15 +484,19 @@ def cmd_train(args) -> int:
                 line += "  top-1 " + " ".join(f"{a:.1%}" for a in top1)
             if "top1_by_level" in m:
                 line += "  by level " + " ".join(f"{a:.1%}" for a in m["top1_by_level"])
+            if m.get("tau_sim") is not None:
+                line += f"  τ_sim {m['tau_sim']:.2f}"
             print(line, file=sys.stderr, flush=True)
 
     path, manifest = train_heads(args.kind, target, data, settings, num_heads=args.num_heads,
                                  draft_vocab=args.draft_vocab, intermediate=args.intermediate, window=args.window,
-                                 unroll=args.unroll, init=args.init, corpus=args.corpus,
+                                 unroll=args.unroll or (3 if args.recipe == "eagle3" else 1), init=args.init,
+                                 head_recipe=args.recipe, teacher_weight=args.teacher_weight, corpus=args.corpus,
                                  workdir=args.workdir, out=args.out, resume=args.resume,
                                  command="specplay " + " ".join(sys.argv[1:]), progress=progress, on_step=on_step)
     print(f"saved {path}")
-    print(json.dumps({k: manifest[k] for k in ("accuracy", "data", "steps", "train_seconds") if k in manifest}))
+    print(json.dumps({k: manifest[k] for k in ("accuracy", "tau_sim", "data", "steps", "train_seconds")
+                      if k in manifest}))
     return 0
 
 
@@ -601,8 +610,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab", type=int, default=32768, help="tokens the heads can draft")
     g.add_argument("--intermediate", type=int, default=None, help="eagle: MLP width of the head (default: the target's)")
     g.add_argument("--window", type=int, default=128, help="eagle: training window length")
-    g.add_argument("--unroll", type=int, default=1, help="eagle: also train on the head's own predicted features, "
-                   "this many drafting levels deep (costs about this many times the time per step)")
+    g.add_argument("--recipe", choices=["classic", "eagle3", "hydra"], default="classic",
+                   help="classic: the heads as shipped; eagle3 (eagle): fused low/middle/high target layers in, tokens "
+                   "out, trained on its own states; hydra (medusa): each head reads the token drafted before its own. "
+                   "Both new recipes learn the target's top-K distribution and read the target's layers once more")
+    g.add_argument("--teacher-weight", type=float, default=1.0, help="eagle3, hydra: share of the loss on the "
+                   "target's top-K distribution, the rest on its argmax")
+    g.add_argument("--unroll", type=int, default=None, help="eagle: also train on the head's own predicted features, "
+                   "this many drafting levels deep (costs about this many times the time per step; default 1, "
+                   "eagle3: 3)")
     g.add_argument("--init", choices=["target", "identity"], default="target",
                    help="eagle: start the head's layer from the target's last layer, or from a near-identity layer")
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the work folder")

@@ -92,10 +92,12 @@ class EagleObjective:
 def train_eagle(data: FeatureSet, head: EagleHead, embed, lm_rows: torch.Tensor, vocab_ids: torch.Tensor,
                 vocab_size: int, settings: TrainSettings, window: int = 128, noise: float = 0.1, unroll: int = 1,
                 workdir: Path | None = None, progress: ProgressFn | None = None,
-                should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None):
+                should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None,
+                tau_sim: Callable[[EagleHead], dict] | None = None):
     """Train ``head`` in place; return (held-out accuracy, steps).
 
-    ``identity``: which training a checkpoint must belong to to be resumed (:class:`Checkpoint`)."""
+    ``identity``: which training a checkpoint must belong to to be resumed (:class:`Checkpoint`);
+    ``tau_sim(head)`` (:func:`core.training.tau.eagle_tau`) adds to each evaluation."""
     objective = EagleObjective(head, data, embed, lm_rows.float(), vocab_ids, vocab_size, window, noise, unroll)
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
     cut = int(eval_pos[0])
@@ -103,6 +105,9 @@ def train_eagle(data: FeatureSet, head: EagleHead, embed, lm_rows: torch.Tensor,
     eval_starts = objective.window_starts[objective.window_starts >= cut]
     eval_starts = eval_starts[torch.randperm(eval_starts.numel(), generator=torch.Generator().manual_seed(0))[:64]]
     checkpoint = Checkpoint(workdir / "eagle-checkpoint.pt", identity) if workdir else None
-    steps, last = run_loop(head, objective.loss, lambda: objective.accuracy(eval_starts), train_starts, settings,
-                           checkpoint, progress, should_cancel, resume)
+    def evaluate() -> dict:
+        return {**objective.accuracy(eval_starts), **(tau_sim(head) if tau_sim else {})}
+
+    steps, last = run_loop(head, objective.loss, evaluate, train_starts, settings, checkpoint, progress,
+                           should_cancel, resume)
     return last or objective.accuracy(eval_starts), steps

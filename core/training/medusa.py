@@ -69,10 +69,12 @@ class MedusaObjective:
 
 def train_medusa(data: FeatureSet, lm_rows: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, num_heads: int,
                  settings: TrainSettings, workdir: Path | None = None, progress: ProgressFn | None = None,
-                 should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None):
+                 should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None,
+                 tau_sim: Callable[[MedusaHeads, list[list[float]]], dict] | None = None):
     """Train ``num_heads`` heads; return (heads, accuracy table on held-out sequences, steps).
 
-    ``identity``: which training a checkpoint must belong to to be resumed (:class:`Checkpoint`)."""
+    ``identity``: which training a checkpoint must belong to to be resumed (:class:`Checkpoint`);
+    ``tau_sim(heads, accuracy)`` (:func:`core.training.tau.medusa_tau`) adds to each evaluation."""
     heads = MedusaHeads(data.features.shape[1], num_heads)
     objective = MedusaObjective(heads, data, lm_rows.float(), vocab_ids, vocab_size)
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
@@ -80,7 +82,8 @@ def train_medusa(data: FeatureSet, lm_rows: torch.Tensor, vocab_ids: torch.Tenso
 
     def evaluate() -> dict:
         acc = objective.accuracy(eval_pos)
-        return {"top1": [a[0] for a in acc], "top5": [sum(a[:5]) for a in acc], "accuracy": acc}
+        result = {"top1": [a[0] for a in acc], "top5": [sum(a[:5]) for a in acc], "accuracy": acc}
+        return {**result, **(tau_sim(heads, acc) if tau_sim else {})}
 
     checkpoint = Checkpoint(workdir / "medusa-checkpoint.pt", identity) if workdir else None
     steps, last = run_loop(heads, objective.loss, evaluate, train_pos, settings, checkpoint, progress, should_cancel,

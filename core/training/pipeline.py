@@ -25,8 +25,8 @@ from core.models.convert import sha256_file
 from core.paths import assets_dir, cache_dir, data_dir
 from core.progress import Progress
 from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
-from core.training.data import (FeatureSet, code_sequences, draft_vocabulary, extract_features, generate_answers,
-                                instruction_prompts, load_corpus)
+from core.training.data import (FeatureSet, chat_prompt_ids, code_sequences, draft_vocabulary, extract_features,
+                                generate_answers, instruction_prompts, load_corpus)
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,8 @@ def held_out_vocabulary(features: FeatureSet, size: int, always: tuple[int, ...]
 
 def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, *, num_heads: int = 4,
                 draft_vocab: int = 32768, intermediate: int | None = None, window: int = 128, unroll: int = 1,
-                init: str = "target", corpus: Path | None = None,
+                init: str = "target", head_recipe: str = "classic", teacher_weight: float = 1.0,
+                corpus: Path | None = None,
                 workdir: Path | None = None, out: Path | None = None, resume: bool = False, command: str = "",
                 progress: Progress = lambda s, f: None, on_step: ProgressFn | None = None,
                 should_cancel: Callable[[], bool] = lambda: False) -> tuple[Path, dict]:
@@ -166,12 +167,19 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
 
     workdir = workdir or default_workdir(target.spec)
     out = out or default_output(kind, target.spec)
+    if head_recipe != "classic":  # EAGLE-3 and Hydra learn from the target's layers and distribution
+        from core.training.recipes import train_recipe
+
+        return train_recipe(kind, head_recipe, target, data, settings, num_heads=num_heads, draft_vocab=draft_vocab,
+                            window=window, unroll=unroll, init=init, teacher_weight=teacher_weight, corpus=corpus,
+                            workdir=workdir, out=out, resume=resume, command=command, progress=progress,
+                            on_step=on_step, should_cancel=should_cancel)
     features, stats = prepare_data(target, data, workdir, progress, should_cancel, corpus)
     model = target.model
     vocab_ids, coverage = held_out_vocabulary(features, draft_vocab, tuple(model.info.eos_token_ids),
                                               settings.eval_fraction)
     lm_rows = model.lm_head_weight()[vocab_ids]
-    manifest = {"kind": kind, "target": target.spec, "hidden_size": model.info.hidden_size,
+    manifest = {"kind": kind, "recipe": "classic", "target": target.spec, "hidden_size": model.info.hidden_size,
                 "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
                 "draft_vocab_coverage": round(coverage, 4), "command": command, "data": stats,
                 "settings": settings.to_dict(), "feature_dtype": model.info.dtype}
@@ -181,13 +189,28 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     identity = {"kind": kind, "target": target_key(target.path, progress), "code_tokens": data.code_tokens,
               "answers": data.answers, "answer_tokens": data.answer_tokens, "seq_len": data.seq_len,
               "data_seed": data.seed, "draft_vocab": draft_vocab, "eval_fraction": settings.eval_fraction}
+    # τ_sim on the held-out answers at each evaluation (core.training.tau); the last goes into the manifest
+    from core.training.recipes import classic_held_out, tau_fields
+    from core.training.tau import eagle_tau, medusa_tau
+
+    prompts = [chat_prompt_ids(target.tokenizer, p) for p in instruction_prompts(data.answers, data.seed)] \
+        if stats.get("answers") else []  # where each held-out answer begins: drafting starts there
+    held = classic_held_out(features, prompts, settings.eval_fraction)
+    last_tau: dict = {}
+
+    def tau(result: dict) -> dict:
+        last_tau.update(result)
+        return result
+
     progress(f"Training {kind} on {features.num_tokens:,} tokens", None)
     if kind == "medusa":
         from core.training.medusa import train_medusa
 
         heads, accuracy, steps = train_medusa(features, lm_rows, vocab_ids, model.info.vocab_size, num_heads, settings,
                                               workdir, step_done, should_cancel, resume,
-                                              identity={**identity, "num_heads": num_heads})
+                                              identity={**identity, "num_heads": num_heads},
+                                              tau_sim=lambda h, acc: tau(medusa_tau(h, acc, held, model.embed,
+                                                                                    lm_rows, vocab_ids)))
         tensors = dict(heads.state_dict())
         manifest.update(num_heads=num_heads, accuracy=[[round(a, 4) for a in row] for row in accuracy],
                         top1=[round(row[0], 4) for row in accuracy], top5=[round(sum(row[:5]), 4) for row in accuracy])
@@ -204,7 +227,9 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
                                       window=window, unroll=unroll, workdir=workdir, progress=step_done,
                                       should_cancel=should_cancel, resume=resume,
                                       identity={**identity, "intermediate_size": cfg.intermediate_size,
-                                                "window": window, "unroll": unroll})
+                                                "window": window, "unroll": unroll},
+                                      tau_sim=lambda h: tau(eagle_tau(h, held, model.embed, lm_rows, vocab_ids)))
+        accuracy = {k: v for k, v in accuracy.items() if k in ("top1", "top5", "top1_by_level")}
         tensors = dict(head.state_dict())
         manifest.update(intermediate_size=cfg.intermediate_size, window=window, unroll=unroll, init=init,
                         accuracy={k: [round(a, 4) for a in v] if isinstance(v, list) else round(v, 4)
@@ -212,7 +237,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     else:
         raise ValueError(f"unknown head kind {kind}")
     tensors["vocab_ids"] = vocab_ids
-    manifest.update(steps=steps, train_seconds=round(trained["seconds"], 1),
+    manifest.update(**tau_fields(last_tau), steps=steps, train_seconds=round(trained["seconds"], 1),
                     date=time.strftime("%Y-%m-%d"))
     save_heads(out, tensors, manifest)
     return out, manifest

@@ -1,0 +1,68 @@
+"""`specplay train --recipe eagle3|hydra`: data with the target's layers and distribution, τ_sim, manifests."""
+
+import json
+
+import torch
+
+from core.cli import main
+from core.methods.eagle import EagleConfig
+from test_eagle3 import _run
+
+
+def test_specplay_train_eagle3_prints_tau_sim_and_writes_a_head_the_method_runs(tmp_path, capsys):
+    """`specplay train eagle --recipe eagle3` end to end on a tiny target: the target's layers are
+    read, τ_sim is printed at each evaluation and kept in the manifest with the per-level
+    accuracy, and the head drafts exactly (greedy output unchanged)."""
+    from transformers import AutoTokenizer
+
+    from core.models import load_model
+    from tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "chat", seed=0, layers=3)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(folder)
+    out = tmp_path / "e3.safetensors"
+    args = ["train", "eagle", "--recipe", "eagle3", "--target", folder, "--answers", "6", "--answer-tokens", "8",
+            "--code-tokens", "20", "--steps", "4", "--batch-size", "2", "--window", "16", "--unroll", "2",
+            "--workdir", tmp_path / "w", "--out", out, "--corpus", tmp_path / "none.safetensors"]
+    assert main([str(a) for a in args]) == 0
+    printed, err = capsys.readouterr()
+    assert "τ_sim" in err and "by level" in err
+    manifest = json.loads(out.with_suffix(".json").read_text())
+    assert manifest["recipe"] == "eagle3" and manifest["layers"] == [1, 0, 1] and manifest["unroll"] == 2
+    assert 1.0 <= manifest["tau_sim"] <= 1 + 5 and manifest["tau_sim_roots"] > 0
+    assert len(manifest["accuracy"]["top1_by_level"]) == 3 and manifest["steps"] == 4
+    assert json.loads(printed.splitlines()[-1])["tau_sim"] == manifest["tau_sim"]
+
+    target = load_model(str(folder), device="cpu", dtype="float64")
+    prompt = [4, 5, 6, 3, 7, 8]
+    base = _run(target, "autoregressive", n=30, prompt=prompt)
+    assert _run(target, "eagle", EagleConfig(head=str(out)), n=30, prompt=prompt).token_ids == base.token_ids
+
+    assert main(["train", "medusa", "--recipe", "eagle3", "--target", str(folder)]) == 1
+    assert "not one for medusa heads" in capsys.readouterr().err
+
+
+def test_classic_and_hydra_medusa_heads_record_tau_sim(tmp_path, capsys):
+    """The classic recipes measure τ_sim too, on their own held-out answers; Hydra heads train
+    from the target's distribution and say so in their manifest."""
+    from transformers import AutoTokenizer
+
+    from tiny import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "chat", seed=0, layers=2)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(folder)
+    common = ["train", "medusa", "--target", folder, "--answers", "6", "--answer-tokens", "8", "--code-tokens", "20",
+              "--steps", "4", "--batch-size", "8", "--num-heads", "3", "--workdir", tmp_path / "w",
+              "--corpus", tmp_path / "none.safetensors"]
+    for recipe in ("classic", "hydra"):
+        out = tmp_path / f"{recipe}.safetensors"
+        assert main([str(a) for a in common + ["--recipe", recipe, "--out", out]]) == 0
+        assert "τ_sim" in capsys.readouterr().err
+        manifest = json.loads(out.with_suffix(".json").read_text())
+        assert manifest["recipe"] == recipe
+        assert 1.0 <= manifest["tau_sim"] <= 4.0 and manifest["tau_sim_roots"] > 0
+        assert manifest["tau_sim_tree"]["shape"] == "static" and len(manifest["top1"]) == 3
