@@ -65,7 +65,7 @@ def sample_sequences(target, method, length: int = LENGTH, trials: int = TRIALS)
     """``trials`` sampled continuations, and the deepest draft any step verified."""
     out, deepest = [], 0
     for seed in range(trials):
-        gen = GenerationConfig(max_new_tokens=length, stop_at_eos=False, sampling=SamplingConfig(seed=seed, **SAMPLING))
+        gen = GenerationConfig(max_new_tokens=length, stop_at_eos=False, stand_down=False, sampling=SamplingConfig(seed=seed, **SAMPLING))
         res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
         out.append(tuple(res.token_ids))
         deepest = max([deepest] + [max(Draft(e.tree["tokens"], e.tree["parents"]).depths())
@@ -135,7 +135,7 @@ def test_a_confidence_stop_keeps_a_confident_draft_lossless():
     method = build_method("speculative", SpeculativeConfig(gamma=3, confidence=0.5), target, draft)
     samples = []
     for seed in range(TRIALS):
-        gen = GenerationConfig(max_new_tokens=LENGTH, stop_at_eos=False, sampling=SamplingConfig(temperature=1.0, seed=seed))
+        gen = GenerationConfig(max_new_tokens=LENGTH, stop_at_eos=False, stand_down=False, sampling=SamplingConfig(temperature=1.0, seed=seed))
         samples.append(tuple(drain(generate(target.model, target.tokenizer, method, [3, 3], gen)).token_ids))
     exact = {seq: 0.5 ** LENGTH for seq in product([0, 1], repeat=LENGTH)}
     pvalue = chi_square_pvalue(samples, exact)

@@ -73,7 +73,7 @@ def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact(storage)
     draft_native = native_from_hf(perturbed_copy(base, 0.05), dtype=torch.float32, storage=storage)
     assert draft_native._kv.dtype == torch.float32
     draft = loaded(draft_native)
-    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
     prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
     want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
     method = build_method("speculative", SpeculativeConfig(gamma=4, draft_vocab=40), target, draft)
@@ -103,7 +103,7 @@ def test_an_int8_prompt_prefill_attends_in_float32_and_every_method_still_agrees
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7, 9, 10, 4, 5, 6]
-    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False)
     want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
     layers = target.model.cfg.num_layers
     assert seen[:layers] == [torch.float32] * layers and set(seen[layers:]) == {torch.float64}

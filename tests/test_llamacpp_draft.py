@@ -75,7 +75,7 @@ def test_speculation_with_the_llama_cpp_draft_emits_greedy_decodings_tokens(mode
     path = tmp_path / "near.gguf"
     write_tiny_gguf(perturbed_copy(model, 0.05), path)
     draft = loaded(LlamaCppDraft(path, "near", model.config, (2,), threads=1))
-    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
     prompt = [5, 9, 13, 4]
     plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
     spec = drain(generate(target.model, target.tokenizer,
@@ -87,7 +87,7 @@ def test_speculation_with_the_llama_cpp_draft_emits_greedy_decodings_tokens(mode
 def test_a_draft_window_lets_the_draft_read_only_the_prompts_tail(model, gguf):
     target = loaded(native_from_hf(model))
     draft = LlamaCppDraft(gguf, "tiny", model.config, (2,), threads=1)
-    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False)
     prompt = [5, 9, 13, 4, 22, 7, 30, 11, 40, 41]
     plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
     method = build_method("speculative", SpeculativeConfig(gamma=4, draft_window=3), target, loaded(draft))
