@@ -53,12 +53,22 @@ def _file():
     return cache_dir() / "engines.json"
 
 
-def _read() -> dict:
+def read_table(path) -> dict:
+    """A JSON object kept in the user cache; empty when missing or unreadable (then measured again)."""
     try:
-        data = json.loads(_file().read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def write_table(path, table: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(table, indent=1))
+
+
+def _read() -> dict:
+    return read_table(_file())
 
 
 def has_measured(key: str) -> bool:
@@ -71,8 +81,7 @@ def measured(key: str, measure: Callable[[], dict]) -> dict:
     table = _read()
     if key not in table:
         table[key] = measure()
-        _file().parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(_file(), json.dumps(table, indent=1))
+        write_table(_file(), table)
     return table[key]
 
 

@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.atomic import write_text_atomic
 from core.errors import ModelError
-from core.models.engines import machine_key
+from core.models.engines import machine_key, read_table, write_table
 from core.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -250,11 +249,7 @@ def _probe_file() -> Path:
 
 
 def _read_verdicts() -> dict:
-    try:
-        data = json.loads(_probe_file().read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return read_table(_probe_file())
 
 
 def build_key() -> str:
@@ -297,8 +292,7 @@ def usable_settings(gguf: Path, threads: int, progress=None) -> tuple[LlamaSetti
         if not result.ok:
             log.warning("llama.cpp %s with %s: %s", Path(gguf).name, settings.label, result.reason)
         verdicts[key] = result.to_json()
-        _probe_file().parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(_probe_file(), json.dumps(verdicts, indent=1))
+        write_table(_probe_file(), verdicts)
         results.append(result)
     ok = [r for r in results if r.ok]
     return (min(ok, key=lambda r: r.ms_per_token).settings if ok else None), results
