@@ -1,1 +1,1 @@
-"""SpecPlay's desktop app (PySide6 + pyqtgraph + qasync) over :mod:`core`."""
+"""SpecPlay's desktop app (PySide6 + pyqtgraph + qasync) over :mod:`specplay.core`."""

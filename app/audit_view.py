@@ -1,4 +1,4 @@
-"""Audit: does the selected method sample the target's exact distribution? (:mod:`core.audit`)
+"""Audit: does the selected method sample the target's exact distribution? (:mod:`specplay.core.audit`)
 
 The method and its settings come from the Method panel, the prompt, temperature, top-p and
 seed from the Prompt panel; here only the number of samples N and of tokens K are chosen. The
@@ -18,8 +18,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QProgressBar, QPushButton, QSpinBox, QSplitter,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from app.compare_view import results_table
-from core.audit import DEFAULT_DEPTH, DEFAULT_SAMPLES, largest_bins
+from specplay.app.compare_view import results_table
+from specplay.core.audit import DEFAULT_DEPTH, DEFAULT_SAMPLES, largest_bins
 
 TEST_COLUMNS = ("Test", "p-value", "χ²", "df", "Bins", "Outside support")
 TEST_TIPS = ("The joint distribution of the K tokens, or one position given the sample's own earlier tokens",
@@ -142,7 +142,7 @@ class AuditView(QWidget):
         self.progress.setFormat(stage if fraction < 0 else f"{stage} %p%")
 
     def show_record(self, record: dict, title: str) -> None:
-        """Show an audit record (:func:`core.audit.audit_record`)."""
+        """Show an audit record (:func:`specplay.core.audit.audit_record`)."""
         self.record = record
         self.progress.setRange(0, 1000)
         self.progress.setValue(1000 if not record.get("cancelled") else self.progress.value())

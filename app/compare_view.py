@@ -9,9 +9,9 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QGridLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPushButton,
                                QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from app.palette import method_colour
-from app.tokenview import REJECTED_INLINE_TIP, TokenView
-from core.methods import METHODS
+from specplay.app.palette import method_colour
+from specplay.app.tokenview import REJECTED_INLINE_TIP, TokenView
+from specplay.core.methods import METHODS
 
 TABLE_COLUMNS = ("Method", "Same", "tok/s", "TTFT", "Speedup", "τ", "Accept", "Tokens", "Steps", "Notes")
 COLUMN_TIPS = ("", "Identical: token for token the same output as autoregressive (checked at temperature 0; "

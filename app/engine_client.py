@@ -1,6 +1,6 @@
 """The window's side of the engine: requests out as queued signals, results back as futures.
 
-All model work runs in one :class:`~app.worker.EngineWorker` thread. A coroutine sends a
+All model work runs in one :class:`~specplay.app.worker.EngineWorker` thread. A coroutine sends a
 request and awaits its future; the worker's result signal (or its failure) resolves it. One
 request is awaited at a time, and each carries a job number, so a Stop pressed while a job
 is still queued reaches it (:meth:`EngineWorker.cancel`).
@@ -13,10 +13,10 @@ import logging
 
 from PySide6.QtCore import QObject, QThread, Signal
 
-from app.worker import AuditRequest, EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
-from core.audit import AuditResult
-from core.remote import RemoteRun
-from core.types import RunResult
+from specplay.app.worker import AuditRequest, EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
+from specplay.core.audit import AuditResult
+from specplay.core.remote import RemoteRun
+from specplay.core.types import RunResult
 
 log = logging.getLogger(__name__)
 

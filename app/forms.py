@@ -1,9 +1,9 @@
 """Forms built from a method's typed configuration dataclass, so new methods need no GUI code.
 
-Each field's metadata (see :func:`core.methods.base.param`) gives its label, help, range,
+Each field's metadata (see :func:`specplay.core.methods.base.param`) gives its label, help, range,
 choices, whether it is lossy and whether it names a file; the field's type (int, float,
 bool, str, possibly Optional) picks the editor. The dataclass validates itself on
-construction; its :class:`~core.errors.ConfigError` message is shown under the form.
+construction; its :class:`~specplay.core.errors.ConfigError` message is shown under the form.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel,
                                QLineEdit, QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
-from core.errors import ConfigError
-from core.methods.base import field_type
+from specplay.core.errors import ConfigError
+from specplay.core.methods.base import field_type
 
 _INT_LIMIT = 2**31 - 1
 LOSSY_CSS = "QLabel { color: white; background: #D55E00; border-radius: 3px; padding: 0 4px; font-weight: bold; }"

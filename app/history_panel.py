@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from core.methods import METHODS
+from specplay.core.methods import METHODS
 
 COLUMNS = ("When", "Method", "Target", "Tokens", "tok/s", "τ", "Temp.", "Stop", "Prompt")
 

@@ -13,9 +13,9 @@ from PySide6.QtGui import QColor, QFont, QFontMetrics, QPainter, QPen
 from PySide6.QtWidgets import (QCheckBox, QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QSpinBox, QVBoxLayout,
                                QWidget)
 
-from app.palette import FATE_STYLES, tint
-from app.xray import visible
-from core.types import Fate, StepEvent
+from specplay.app.palette import FATE_STYLES, tint
+from specplay.app.xray import visible
+from specplay.core.types import Fate, StepEvent
 
 TokenText = Callable[[int], str]
 

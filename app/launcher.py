@@ -15,17 +15,17 @@ def main(argv: list[str] | None = None) -> int:
 
     multiprocessing.freeze_support()
     argv = sys.argv[1:] if argv is None else argv
-    from core.models.llamacpp import PROBE_ARGUMENT
+    from specplay.core.models.llamacpp import PROBE_ARGUMENT
 
     if argv and argv[0] == PROBE_ARGUMENT:  # the frozen app as a child trying llama.cpp (core.models.llamacpp)
-        from core.models.llamacpp import probe_child
+        from specplay.core.models.llamacpp import probe_child
 
         return probe_child(argv[1:])
     if argv and argv[0] not in ("--gui",):
-        from core.cli import main as cli_main
+        from specplay.core.cli import main as cli_main
 
         return cli_main(argv)
-    from app.main import run_app
+    from specplay.app.main import run_app
 
     return run_app(argv[1:] if argv else [])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QStyle, QToolButton, QVBoxLayout, QWidget
 
-from app.tokenview import REJECTED_INLINE_TIP, FateLegend, TokenView
+from specplay.app.tokenview import REJECTED_INLINE_TIP, FateLegend, TokenView
 
 
 class LiveView(QWidget):

@@ -13,7 +13,7 @@ def run_app(argv: list[str]) -> int:
     from PySide6.QtWidgets import QApplication  # noqa: I001  (PySide6 before qasync)
     import qasync
 
-    from app.window import MainWindow
+    from specplay.app.window import MainWindow
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     app = QApplication.instance() or QApplication([sys.argv[0], *argv])
@@ -23,7 +23,7 @@ def run_app(argv: list[str]) -> int:
     app.setDesktopFileName("specplay")  # matches packaging/specplay.desktop (Wayland uses it for the icon)
     from PySide6.QtGui import QIcon
 
-    from core.paths import assets_dir
+    from specplay.core.paths import assets_dir
 
     icons = assets_dir() / "icons"
     icon = QIcon()

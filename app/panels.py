@@ -11,13 +11,13 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox,
                                QStackedWidget, QStyle, QToolButton, QVBoxLayout, QWidget)
 
-from app.forms import ConfigForm
-from core.errors import ConfigError
-from core.memory import memory_text
-from core.methods import METHODS
-from core.models.catalog import CATALOG
-from core.models.convert import catalog_status
-from core.models.loader import DEVICES, DTYPES
+from specplay.app.forms import ConfigForm
+from specplay.core.errors import ConfigError
+from specplay.core.memory import memory_text
+from specplay.core.methods import METHODS
+from specplay.core.models.catalog import CATALOG
+from specplay.core.models.convert import catalog_status
+from specplay.core.models.loader import DEVICES, DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class ModelsPanel(QWidget):
             self.progress.setValue(int(fraction * 1000))
 
     def set_loaded(self, loaded) -> None:
-        """Show a :class:`app.worker.ModelsLoaded`."""
+        """Show a :class:`specplay.app.worker.ModelsLoaded`."""
         self.progress.setRange(0, 1000)
         self.progress.setValue(1000)
         self.stage.setText("Ready.")
@@ -231,7 +231,7 @@ class ModelsPanel(QWidget):
 def assets_path(*parts: str) -> Path:
     """A shipped asset; falls back to the source tree when ``assets`` is not an installed package."""
     try:
-        from core.paths import assets_dir
+        from specplay.core.paths import assets_dir
 
         return assets_dir().joinpath(*parts)
     except ImportError:
@@ -318,7 +318,7 @@ class PromptPanel(QWidget):
         return self.editor.toPlainText()
 
     def generation_config(self):
-        from core.types import GenerationConfig, SamplingConfig
+        from specplay.core.types import GenerationConfig, SamplingConfig
 
         return GenerationConfig(max_new_tokens=self.max_new_tokens.value(), stand_down=self.stand_down.isChecked(),
                                 sampling=SamplingConfig(temperature=self.temperature.value(), top_p=self.top_p.value(),

@@ -1,9 +1,9 @@
 """Why this speed: this machine's verification cost curve, each method's step cost, and where
 speculation pays (the break-even draft cost against acceptance).
 
-Everything shown is measured here: the curve T(n)/T(1) by :mod:`core.costmodel` on the loaded
+Everything shown is measured here: the curve T(n)/T(1) by :mod:`specplay.core.costmodel` on the loaded
 target, the methods' step costs and acceptance from the last comparison's run records, read
-through :func:`core.whyspeed.explain` (the same numbers ``specplay compare --why`` prints).
+through :func:`specplay.core.whyspeed.explain` (the same numbers ``specplay compare --why`` prints).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QLabel, QSplitter, QTableWidgetItem, QVBoxLayout, QWidget
 
-from app.compare_view import place_labels, results_table
-from app.palette import method_colour
-from core.costmodel import CostCurve
-from core.methods import METHODS
-from core.whyspeed import SpeedExplanation, break_even_cost, explain
+from specplay.app.compare_view import place_labels, results_table
+from specplay.app.palette import method_colour
+from specplay.core.costmodel import CostCurve
+from specplay.core.methods import METHODS
+from specplay.core.whyspeed import SpeedExplanation, break_even_cost, explain
 
 WHY_COLUMNS = ("Method", "τ", "Nodes/step", "Draft", "Verify", "Other", "Predicted", "Measured", "Draft/token")
 WHY_TIPS = ("", "Mean tokens added per step", "Draft nodes the target verifies per step",

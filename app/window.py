@@ -3,7 +3,7 @@ around a live token view and a compare view.
 
 Orchestration (load, run, compare sequences, exports) is written as coroutines on the qasync
 loop; every model call happens in the engine thread, reached through
-:class:`~app.engine_client.EngineClient`. Nothing here calls torch.
+:class:`~specplay.app.engine_client.EngineClient`. Nothing here calls torch.
 """
 
 from __future__ import annotations
@@ -19,29 +19,29 @@ from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QSizePolicy, QStyle,
                                QTabWidget, QWidget)
 
-from app.audit_view import AuditView
-from app.charts import ChartsPanel, configure_pyqtgraph
-from app.compare_view import CompareView
-from app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
-from app.history_panel import HistoryPanel
-from app.internals import InternalsPanel
-from app.panels import MethodsPanel, ModelsPanel, PromptPanel
-from app.settings import AppSettings, open_settings
-from app.window_settings import apply_to_window, collect_from_window
-from app.tokenview import TokenView
-from app.whyspeed_view import WhySpeedView
-from app.engine_client import EngineClient, EngineFailed
-from app.live_view import LiveView
-from app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
-from app.xray import XRayPanel
-from core.compare import WARMUP_TOKENS, annotate
-from core.remote import annotate_remote
-from core.errors import ConfigError
-from core.history import History
-from core.memory import memory_text
-from core.methods import METHODS
-from core.runlog import stats_line
-from core.types import RunResult, StepEvent
+from specplay.app.audit_view import AuditView
+from specplay.app.charts import ChartsPanel, configure_pyqtgraph
+from specplay.app.compare_view import CompareView
+from specplay.app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
+from specplay.app.history_panel import HistoryPanel
+from specplay.app.internals import InternalsPanel
+from specplay.app.panels import MethodsPanel, ModelsPanel, PromptPanel
+from specplay.app.settings import AppSettings, open_settings
+from specplay.app.window_settings import apply_to_window, collect_from_window
+from specplay.app.tokenview import TokenView
+from specplay.app.whyspeed_view import WhySpeedView
+from specplay.app.engine_client import EngineClient, EngineFailed
+from specplay.app.live_view import LiveView
+from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
+from specplay.app.xray import XRayPanel
+from specplay.core.compare import WARMUP_TOKENS, annotate
+from specplay.core.remote import annotate_remote
+from specplay.core.errors import ConfigError
+from specplay.core.history import History
+from specplay.core.memory import memory_text
+from specplay.core.methods import METHODS
+from specplay.core.runlog import stats_line
+from specplay.core.types import RunResult, StepEvent
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +442,7 @@ class MainWindow(QMainWindow):
                 self._token_texts[t.token_id] = t.text
 
     def _record(self, result: RunResult, prompt: str, chat_template: bool) -> dict:
-        from core.runlog import run_record
+        from specplay.core.runlog import run_record
 
         draft = self.models.draft if METHODS.get(result.method) and METHODS[result.method].needs_draft else None
         return run_record(result, target=self.models.target, draft=draft, prompt=prompt, include_events=True,
@@ -513,7 +513,7 @@ class MainWindow(QMainWindow):
     async def run_compare(self, names: list[str], endpoints: list[str] | None = None) -> list[dict] | None:
         """Run ``names`` one after another on the same prompt, seed and settings, then the remote
         ``endpoints`` (specs as ``core.remote.Endpoint.parse`` reads them); fill the table."""
-        from core.remote import Endpoint
+        from specplay.core.remote import Endpoint
 
         if self.busy or self.models is None:
             return None
@@ -609,7 +609,7 @@ class MainWindow(QMainWindow):
                               where: str) -> bool:
         """One endpoint's run in a comparison: streamed into its column, recorded, annotated.
         Returns False when the comparison should stop (cancelled, or the engine thread failed)."""
-        from core.remote import remote_record
+        from specplay.core.remote import remote_record
 
         col = self.compare.column(name)
         self.charts.begin_run(name)
@@ -642,9 +642,9 @@ class MainWindow(QMainWindow):
         return not run.cancelled
 
     async def run_audit(self, samples: int, depth: int) -> dict | None:
-        """Audit the Method panel's method on the Prompt panel's prompt and sampling (:mod:`core.audit`);
+        """Audit the Method panel's method on the Prompt panel's prompt and sampling (:mod:`specplay.core.audit`);
         the record goes into the history like a run's."""
-        from core.audit import audit_record
+        from specplay.core.audit import audit_record
 
         if self.busy or self.models is None:
             return None
@@ -690,7 +690,7 @@ class MainWindow(QMainWindow):
 
     def open_record(self, record: dict) -> None:
         """Show a saved run again: tokens, X-ray, internals and charts."""
-        from core.runlog import event_from_dict
+        from specplay.core.runlog import event_from_dict
 
         method = record.get("method", "?")
         if record.get("kind") == "audit":
@@ -788,7 +788,7 @@ class MainWindow(QMainWindow):
         self.internals.select_step(step)
 
     def _explain_colours(self) -> None:
-        from app.palette import FATE_STYLES
+        from specplay.app.palette import FATE_STYLES
 
         lines = [f"<p><b style='color:{s.colour}'>{s.label}</b>: {s.description}</p>" for s in FATE_STYLES.values()]
         box = QMessageBox(QMessageBox.Icon.Information, "Colours and marks",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QByteArray
 
-from app.settings import AppSettings
+from specplay.app.settings import AppSettings
 
 
 def apply_to_window(window, s: AppSettings) -> None:

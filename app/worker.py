@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from core.errors import SpecPlayError, TokenizerMismatchError
+from specplay.core.errors import SpecPlayError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class ModelsLoaded:
 
 @dataclass
 class RemoteRequest:
-    """One streamed completion from an OpenAI-compatible endpoint (a :class:`core.remote.Endpoint`)."""
+    """One streamed completion from an OpenAI-compatible endpoint (a :class:`specplay.core.remote.Endpoint`)."""
 
     endpoint: object
     prompt: str
@@ -75,7 +75,7 @@ class RunRequest:
 
 @dataclass
 class AuditRequest:
-    """A losslessness audit (:mod:`core.audit`) of ``run``'s method on its prompt and sampling settings."""
+    """A losslessness audit (:mod:`specplay.core.audit`) of ``run``'s method on its prompt and sampling settings."""
 
     run: RunRequest
     samples: int
@@ -139,7 +139,7 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def load(self, request: LoadRequest) -> None:
-        from core.models import check_draft_compatible, load_model
+        from specplay.core.models import check_draft_compatible, load_model
 
         should_cancel = self._stopper(request.job)
         try:
@@ -177,7 +177,7 @@ class EngineWorker(QObject):
                 except SpecPlayError as exc:  # the target is fine; report the draft's problem (or its cancel)
                     draft, draft_error = None, str(exc)
             self.draft = draft
-            from core import costmodel
+            from specplay.core import costmodel
 
             curve = costmodel.cost_curve(target.model) if costmodel.is_measured(target.model) else None
             self.sig_models_loaded.emit(ModelsLoaded(target, draft, warnings, draft_error, request.job, curve))
@@ -186,8 +186,8 @@ class EngineWorker(QObject):
 
     def _prompt_ids(self, request: RunRequest) -> list[int]:
         """The request's prompt as token ids, once the target's verification cost is known."""
-        from core import costmodel
-        from core.text import encode_prompt
+        from specplay.core import costmodel
+        from specplay.core.text import encode_prompt
 
         if self.target is None:
             raise SpecPlayError("load a target model first")
@@ -200,9 +200,9 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def generate(self, request: RunRequest) -> None:
-        from core import compare
-        from core.engine import drain, generate
-        from core.methods import build_method
+        from specplay.core import compare
+        from specplay.core.engine import drain, generate
+        from specplay.core.methods import build_method
 
         should_stop = self._stopper(request.job)
         try:
@@ -222,7 +222,7 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def audit(self, request: AuditRequest) -> None:
-        from core.audit import AuditConfig, run_audit
+        from specplay.core.audit import AuditConfig, run_audit
 
         should_stop = self._stopper(request.job)
         try:
@@ -243,7 +243,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def generate_remote(self, request: RemoteRequest) -> None:
         """Stream from a remote endpoint: each chunk is a step event; the result is a ``RemoteRun``."""
-        from core.remote import chunk_event, stream_completion
+        from specplay.core.remote import chunk_event, stream_completion
 
         should_stop = self._stopper(request.job)
         try:

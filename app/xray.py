@@ -8,8 +8,8 @@ from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import QFormLayout, QFrame, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from app.palette import FATE_STYLES, tint
-from core.types import Fate, Rule, StepEvent, TokenEvent
+from specplay.app.palette import FATE_STYLES, tint
+from specplay.core.types import Fate, Rule, StepEvent, TokenEvent
 
 
 def fmt_prob(x: float | None) -> str:

@@ -42,12 +42,12 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from core.errors import ConfigError
-from core.models.base import CausalLM, ForwardOutput
-from core.progress import Progress
-from core.sampling import probabilities
-from core.tree import ancestor_mask
-from core.types import GenerationConfig, SamplingConfig, StopReason
+from specplay.core.errors import ConfigError
+from specplay.core.models.base import CausalLM, ForwardOutput
+from specplay.core.progress import Progress
+from specplay.core.sampling import probabilities
+from specplay.core.tree import ancestor_mask
+from specplay.core.types import GenerationConfig, SamplingConfig, StopReason
 
 #: A prompt whose first answer tokens are spread over a few dozen likely openings at T = 1.
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -414,12 +414,12 @@ def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[i
               progress: Progress | None = None) -> AuditResult:
     """Draw ``config.samples`` samples of ``config.depth`` tokens with the method and test them.
 
-    ``target`` and ``draft`` are loaded models (:class:`~core.models.loader.LoadedModel`); the
+    ``target`` and ``draft`` are loaded models (:class:`~specplay.core.models.loader.LoadedModel`); the
     method is built here, over models that read the prompt once (:class:`ReusedPrompt`).
     Cancelled (``should_stop``), the samples drawn so far are tested.
     """
-    from core.engine import drain, generate
-    from core.methods import build_method
+    from specplay.core.engine import drain, generate
+    from specplay.core.methods import build_method
 
     stop = should_stop or (lambda: False)
     reused_draft = None if draft is None else replace(draft, model=ReusedPrompt(draft.model))
@@ -496,8 +496,8 @@ def audit_record(result: AuditResult, *, target, draft=None, prompt: str | None 
     Run-record fields keep their meaning where they have one (``new_tokens`` are all the
     samples' tokens, ``max_new_tokens`` is K), so run tables and CSV exports read it too.
     """
-    from core.environment import environment
-    from core.runlog import _model_entry
+    from specplay.core.environment import environment
+    from specplay.core.runlog import _model_entry
 
     s, c = result.sampling, result.config
     new_tokens = result.samples * c.depth

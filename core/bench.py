@@ -39,10 +39,10 @@ from typing import Callable
 
 import torch
 
-from core.atomic import write_text_atomic
-from core.errors import ConfigError, ModelError, SpecPlayError, is_out_of_memory
-from core.paths import assets_dir
-from core.runlog import dumps, write_jsonl_atomic
+from specplay.core.atomic import write_text_atomic
+from specplay.core.errors import ConfigError, ModelError, SpecPlayError, is_out_of_memory
+from specplay.core.paths import assets_dir
+from specplay.core.runlog import dumps, write_jsonl_atomic
 
 HF_PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
 LLAMACPP_PEERS = ("llamacpp_generate", "llamacpp_prompt_lookup")
@@ -128,7 +128,7 @@ class OurMethod:
     """One of SpecPlay's methods, through the engine."""
 
     def __init__(self, name: str, config, target, draft):
-        from core.methods import build_method
+        from specplay.core.methods import build_method
 
         self.name = name
         self.target = target
@@ -138,8 +138,8 @@ class OurMethod:
         return self.method.describe()
 
     def run(self, prompt_ids: list[int], gen) -> TurnResult:
-        from core.engine import drain, generate
-        from core.types import StopReason
+        from specplay.core.engine import drain, generate
+        from specplay.core.types import StopReason
 
         r = drain(generate(self.target.model, self.target.tokenizer, self.method, prompt_ids, gen))
         m = r.metrics
@@ -216,13 +216,13 @@ class LlamaCppPeer:
     not batch-invariant, so it is a peer to measure against, not an exact verifier. It gets
     the same prompt tokens (chat template applied by SpecPlay), the same threads and the
     same sampling settings. It opens the file only with settings a child process survived on
-    this machine (:mod:`core.models.llamacpp`): plain decoding runs on SpecPlay's thin layer
+    this machine (:mod:`specplay.core.models.llamacpp`): plain decoding runs on SpecPlay's thin layer
     over llama.cpp's C API, which takes them; the prompt-lookup peer needs ``llama_cpp.Llama``,
     which always uses llama.cpp's extra buffers, so it runs only where those are safe.
     """
 
     def __init__(self, name: str, target):
-        from core.models.llamacpp import LlamaCppSession, available, describe, usable_settings
+        from specplay.core.models.llamacpp import LlamaCppSession, available, describe, usable_settings
 
         why = available()
         if why:
@@ -267,7 +267,7 @@ class LlamaCppPeer:
         return TurnResult(new, text, wall, None, time_to_first_token=first)
 
     def _tokens(self, prompt_ids: list[int], gen):
-        from core.sampling import probabilities, sample
+        from specplay.core.sampling import probabilities, sample
 
         s = gen.sampling
         if self.session is None:
@@ -289,7 +289,7 @@ class LlamaCppPeer:
 
 
 class RemotePeer:
-    """An OpenAI-compatible endpoint (:mod:`core.remote`) answering the same prompts.
+    """An OpenAI-compatible endpoint (:mod:`specplay.core.remote`) answering the same prompts.
 
     It gets the prompt as SpecPlay formats it (chat template applied, as text, through the
     completions API), so a server of the same model family sees what the local methods see;
@@ -305,7 +305,7 @@ class RemotePeer:
         return {"endpoint": self.endpoint.describe()}
 
     def run(self, prompt_ids: list[int], gen) -> TurnResult:
-        from core.remote import stream_completion
+        from specplay.core.remote import stream_completion
 
         s = gen.sampling
         tok = self.target.tokenizer
@@ -319,8 +319,8 @@ class RemotePeer:
 
 def gguf_file(target) -> Path:
     """The GGUF file a target was loaded from: a ``.gguf`` path, or a catalog model's assembled file."""
-    from core.models.catalog import CATALOG
-    from core.models.convert import catalog_gguf
+    from specplay.core.models.catalog import CATALOG
+    from specplay.core.models.convert import catalog_gguf
 
     if target.spec in CATALOG:
         return catalog_gguf(CATALOG[target.spec])
@@ -334,7 +334,7 @@ def _hf_model(loaded, cache: dict):
     """The transformers model for a LoadedModel, with the same weights and storage."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from core.models.loader import float_weights_dir, quantize_hf_linears
+    from specplay.core.models.loader import float_weights_dir, quantize_hf_linears
 
     key = str(float_weights_dir(loaded.spec, loaded.path))
     if key not in cache:
@@ -476,8 +476,8 @@ def format_sweep(by_temperature: dict[float, dict]) -> str:
 
 def measure_verify_cost(model, context: int = 200, repeats: int = 7) -> dict:
     """The fastest of ``repeats`` forward passes of 1 and of 8 new tokens after ``context`` cached
-    tokens, taking turns (see :func:`core.costmodel.time_passes`)."""
-    from core.costmodel import time_passes
+    tokens, taking turns (see :func:`specplay.core.costmodel.time_passes`)."""
+    from specplay.core.costmodel import time_passes
 
     t1, t8 = time_passes(model, (1, 8), context, repeats)
     return {"t1_ms": t1 * 1e3, "t8_ms": t8 * 1e3, "ratio": t8 / t1, "context": context}
@@ -516,7 +516,7 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
     ``summary.json``'s ``summary`` is then the first temperature's, and ``by_temperature`` has
     every temperature's (keyed ``"0"``, ``"1"``, ...): a single temperature writes what it always did.
     """
-    from core.text import encode_messages, encode_prompt
+    from specplay.core.text import encode_messages, encode_prompt
 
     if "autoregressive" not in spec.methods:
         spec.methods.insert(0, "autoregressive")
@@ -554,7 +554,7 @@ def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir
 def _run_questions(runners: dict, questions: list[Question], spec: BenchSpec, target, draft, files: dict[str, Path],
                    params: dict, prompt_ids: Callable, warm: set[str], log: Callable[[str], None]) -> dict:
     """Every runner's answer to every question at ``spec.temperature``: read back, or run and appended."""
-    from core.types import GenerationConfig, SamplingConfig
+    from specplay.core.types import GenerationConfig, SamplingConfig
 
     gen = GenerationConfig(max_new_tokens=spec.max_new_tokens, stand_down=spec.stand_down,
                            sampling=SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed))
@@ -780,7 +780,7 @@ def _resume(path: Path, name: str, settings: dict, params: dict, wanted: dict, l
 def _write_summary(out_dir: Path, by_temperature: dict[float, dict], verify_cost: dict, target, draft,
                    spec: BenchSpec, params: dict, files: dict[float, dict[str, Path]]) -> dict:
     """Write ``summary.json`` (a sweep adds every temperature's summary and files); return its environment card."""
-    from core.environment import environment
+    from specplay.core.environment import environment
 
     first = spec.sweep()[0]
     doc = {"summary": by_temperature[first], "verify_cost": verify_cost, "baseline": "autoregressive",
@@ -800,7 +800,7 @@ def _write_summary(out_dir: Path, by_temperature: dict[float, dict], verify_cost
 
 
 def check_methods(names: list[str]) -> None:
-    from core.methods import METHODS
+    from specplay.core.methods import METHODS
 
     for n in names:
         if n not in METHODS and n not in PEERS:

@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from core.errors import SpecPlayError
+from specplay.core.errors import SpecPlayError
 
 log = logging.getLogger("specplay")
 
@@ -45,8 +45,8 @@ class _Progress:
 
 def method_options() -> dict[str, dict]:
     """Every method option across methods: flag -> {dest, type, help, fields: [(method, field)]}."""
-    from core.methods import METHODS
-    from core.methods.base import field_type
+    from specplay.core.methods import METHODS
+    from specplay.core.methods.base import field_type
 
     opts: dict[str, dict] = {}
     for spec in METHODS.values():
@@ -77,7 +77,7 @@ def add_method_options(parser: argparse.ArgumentParser) -> None:
 
 def config_for(method: str, args: argparse.Namespace):
     """Build ``method``'s typed configuration from the command-line options that apply to it."""
-    from core.methods import get_spec
+    from specplay.core.methods import get_spec
 
     spec = get_spec(method)
     values = {}
@@ -90,7 +90,7 @@ def config_for(method: str, args: argparse.Namespace):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
     g = p.add_argument_group("models")
     g.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog id, folder, .gguf file or cached hub id (default {DEFAULT_TARGET})")
@@ -132,7 +132,7 @@ def _prompt_text(args) -> str:
 
 
 def _generation_config(args):
-    from core.types import GenerationConfig, SamplingConfig
+    from specplay.core.types import GenerationConfig, SamplingConfig
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
                             stand_down=not args.no_stand_down,
@@ -140,7 +140,7 @@ def _generation_config(args):
 
 
 def _load_models(args, need_draft: bool):
-    from core.models.loader import check_draft_compatible, load_model
+    from specplay.core.models.loader import check_draft_compatible, load_model
 
     progress = _Progress()
     target = load_model(args.target, args.device, args.dtype, backend=args.backend, progress=progress)
@@ -158,7 +158,7 @@ def _load_models(args, need_draft: bool):
 
 
 def _methods_from(text: str) -> list[str]:
-    from core.methods import get_spec
+    from specplay.core.methods import get_spec
 
     names = [m.strip() for m in text.split(",") if m.strip()]
     if not names:
@@ -170,10 +170,10 @@ def _methods_from(text: str) -> list[str]:
 
 # --------------------------------------------------------------------------- commands
 def cmd_run(args) -> int:
-    from core.engine import drain, generate
-    from core.methods import build_method, get_spec
-    from core.runlog import dumps, run_record, stats_line
-    from core.text import encode_prompt
+    from specplay.core.engine import drain, generate
+    from specplay.core.methods import build_method, get_spec
+    from specplay.core.runlog import dumps, run_record, stats_line
+    from specplay.core.text import encode_prompt
 
     if args.engine:
         return _run_remote(args)
@@ -207,7 +207,7 @@ def cmd_run(args) -> int:
 
 
 def _write_log(path: Path, records: list[dict]) -> None:
-    from core.runlog import append_jsonl
+    from specplay.core.runlog import append_jsonl
 
     try:
         append_jsonl(path, records)
@@ -216,10 +216,10 @@ def _write_log(path: Path, records: list[dict]) -> None:
 
 
 def cmd_compare(args) -> int:
-    from core.compare import compare_methods, format_table
-    from core.methods import get_spec
-    from core.runlog import dumps
-    from core.text import encode_prompt
+    from specplay.core.compare import compare_methods, format_table
+    from specplay.core.methods import get_spec
+    from specplay.core.runlog import dumps
+    from specplay.core.text import encode_prompt
 
     if args.engine:
         return _compare_remote(args)
@@ -245,8 +245,8 @@ def cmd_compare(args) -> int:
     doc = {"runs": comparison.records, "baseline": "autoregressive"}
     why = None
     if args.why and not any(r.error or r.cancelled for r in comparison.results.values()):
-        from core.costmodel import cost_curve
-        from core.whyspeed import explain, format_explanation
+        from specplay.core.costmodel import cost_curve
+        from specplay.core.whyspeed import explain, format_explanation
 
         curve = cost_curve(target.model)
         why = explain(comparison.records, curve)
@@ -267,8 +267,8 @@ def cmd_compare(args) -> int:
 
 
 def _compare_remote(args) -> int:
-    from core.remote import Endpoint, compare_endpoints, format_remote_table
-    from core.runlog import dumps
+    from specplay.core.remote import Endpoint, compare_endpoints, format_remote_table
+    from specplay.core.runlog import dumps
 
     if args.methods:
         raise SpecPlayError("compare either local methods (--methods) or endpoints (--engine), not both in one run")
@@ -296,8 +296,8 @@ def _compare_remote(args) -> int:
 
 
 def _run_remote(args) -> int:
-    from core.remote import Endpoint, remote_record, stream_completion
-    from core.runlog import dumps, stats_line
+    from specplay.core.remote import Endpoint, remote_record, stream_completion
+    from specplay.core.runlog import dumps, stats_line
 
     endpoint = Endpoint.parse(args.engine)
     prompt = _prompt_text(args)
@@ -325,8 +325,8 @@ def _run_remote(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from core.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
-    from core.models.convert import cached_entries, catalog_status, models_root, prepare_catalog_model, prune
+    from specplay.core.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
+    from specplay.core.models.convert import cached_entries, catalog_status, models_root, prepare_catalog_model, prune
 
     if args.models_command == "list":
         sizes = cached_entries()
@@ -354,8 +354,8 @@ def cmd_models(args) -> int:
 
 def _print_engines() -> None:
     """What was measured and chosen on this machine: the int8 kernel, llama.cpp's probes."""
-    from core.models.engines import cpu_name, describe_quant_engine, has_measured
-    from core.models.llamacpp import available, known_verdicts
+    from specplay.core.models.engines import cpu_name, describe_quant_engine, has_measured
+    from specplay.core.models.llamacpp import available, known_verdicts
 
     print(f"this machine: {cpu_name() or 'unknown CPU'}")
     print("  " + (describe_quant_engine() if has_measured("quantized engine")
@@ -368,10 +368,10 @@ def _print_engines() -> None:
 
 
 def cmd_bench(args) -> int:
-    from core.bench import PEERS, BenchSpec, check_methods, format_summary, format_sweep, load_questions, run_bench
-    from core.methods import get_spec
+    from specplay.core.bench import PEERS, BenchSpec, check_methods, format_summary, format_sweep, load_questions, run_bench
+    from specplay.core.methods import get_spec
 
-    from core.remote import Endpoint
+    from specplay.core.remote import Endpoint
 
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_methods(names)
@@ -387,7 +387,7 @@ def cmd_bench(args) -> int:
                      chat_template=not args.no_chat_template, temperatures=temperatures,
                      stand_down=not args.no_stand_down)
     result = run_bench(target, draft, questions, spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
-    from core.environment import format_card
+    from specplay.core.environment import format_card
 
     print(format_card(result["environment"]))
     for temperature, summary in result["by_temperature"].items():
@@ -402,11 +402,11 @@ def cmd_bench(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from core.audit import DEFAULT_PROMPT, AuditConfig, audit_record, format_audit, run_audit
-    from core.methods import get_spec
-    from core.runlog import dumps
-    from core.text import encode_prompt
-    from core.types import SamplingConfig
+    from specplay.core.audit import DEFAULT_PROMPT, AuditConfig, audit_record, format_audit, run_audit
+    from specplay.core.methods import get_spec
+    from specplay.core.runlog import dumps
+    from specplay.core.text import encode_prompt
+    from specplay.core.types import SamplingConfig
 
     spec = get_spec(args.method)
     method_config = config_for(args.method, args)
@@ -428,7 +428,7 @@ def cmd_audit(args) -> int:
 
 
 def _temperatures(text: str) -> tuple[float, ...]:
-    from core.types import SamplingConfig
+    from specplay.core.types import SamplingConfig
 
     try:
         values = tuple(float(t) for t in text.split(",") if t.strip())
@@ -442,14 +442,14 @@ def _temperatures(text: str) -> tuple[float, ...]:
 
 
 def cmd_train(args) -> int:
-    from core.models.linear import has_bf16_units
-    from core.models.loader import load_model
-    from core.training.common import TrainSettings
-    from core.training.pipeline import DataSettings, train_heads
+    from specplay.core.models.linear import has_bf16_units
+    from specplay.core.models.loader import load_model
+    from specplay.core.training.common import TrainSettings
+    from specplay.core.training.pipeline import DataSettings, train_heads
 
     if args.save_corpus and not args.data_only:
         raise SpecPlayError("--save-corpus goes with --data-only (make the data, keep its token ids, then train)")
-    from core.training.recipes import RECIPES
+    from specplay.core.training.recipes import RECIPES
 
     if args.recipe not in RECIPES[args.kind]:
         raise SpecPlayError(f"the {args.recipe} recipe is not one for {args.kind} heads: use "
@@ -462,8 +462,8 @@ def cmd_train(args) -> int:
     progress = _Progress()
     target = load_model(args.target, args.device, args.dtype, progress=progress)
     if args.data_only:
-        from core.training.data import save_corpus
-        from core.training.pipeline import answers_dir, default_workdir, prepare_data, target_key
+        from specplay.core.training.data import save_corpus
+        from specplay.core.training.pipeline import answers_dir, default_workdir, prepare_data, target_key
 
         workdir = args.workdir or default_workdir(target.spec)
         _, stats = prepare_data(target, data, workdir, progress, lambda: False, args.corpus)
@@ -502,9 +502,9 @@ def cmd_train(args) -> int:
 
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    from core.audit import DEFAULT_DEPTH as AUDIT_DEPTH, DEFAULT_SAMPLES as AUDIT_SAMPLES
-    from core.compare import WARMUP_TOKENS
-    from core.methods import METHODS
+    from specplay.core.audit import DEFAULT_DEPTH as AUDIT_DEPTH, DEFAULT_SAMPLES as AUDIT_SAMPLES
+    from specplay.core.compare import WARMUP_TOKENS
+    from specplay.core.methods import METHODS
 
     parser = argparse.ArgumentParser(
         prog="specplay",

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from core.engine import drain, generate
-from core.methods import build_method
-from core.runlog import run_record
-from core.types import GenerationConfig, RunResult, SamplingConfig
+from specplay.core.engine import drain, generate
+from specplay.core.methods import build_method
+from specplay.core.runlog import run_record
+from specplay.core.types import GenerationConfig, RunResult, SamplingConfig
 
 #: Tokens of the untimed warm-up run before each method's timed run.
 WARMUP_TOKENS = 8
@@ -30,7 +30,7 @@ class Comparison:
 
 def annotate(records: list[dict], greedy: bool, baseline: str = "autoregressive") -> None:
     """Add ``speedup`` and ``identical_to_baseline`` to each local run record, in place (remote
-    runs are compared with each other: :func:`core.remote.annotate_remote`)."""
+    runs are compared with each other: :func:`specplay.core.remote.annotate_remote`)."""
     base = next((r for r in records if r["method"] == baseline), None)
     for r in records:
         if r.get("token_ids") is None:

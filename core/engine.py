@@ -1,7 +1,7 @@
 """The decoding loop every method plugs into: propose -> verify -> commit -> observe.
 
-:func:`generate` is a generator of :class:`~core.types.StepEvent`; its return value (the
-``StopIteration`` value, or :func:`drain`'s result) is the :class:`~core.types.RunResult`.
+:func:`generate` is a generator of :class:`~specplay.core.types.StepEvent`; its return value (the
+``StopIteration`` value, or :func:`drain`'s result) is the :class:`~specplay.core.types.RunResult`.
 It checks ``should_stop`` between steps, so a cancelled run returns what it produced.
 
 Invariant: the target's KV cache holds every token of the sequence except the last one,
@@ -17,17 +17,17 @@ from typing import Callable, Generator
 
 import torch
 
-from core.costmodel import cost_curve
-from core.errors import ConfigError, is_out_of_memory
-from core.methods.base import Method, RunContext, StepOutcome
-from core.metrics import MetricsRecorder
-from core.models.base import CausalLM
-from core.standdown import GateState, StandDownGate
-from core.text import Detokenizer
-from core.tree import ancestor_mask
-from core.types import (Draft, Fate, GenerationConfig, RunResult, StepEvent, StepTiming, StopReason, TokenEvent,
+from specplay.core.costmodel import cost_curve
+from specplay.core.errors import ConfigError, is_out_of_memory
+from specplay.core.methods.base import Method, RunContext, StepOutcome
+from specplay.core.metrics import MetricsRecorder
+from specplay.core.models.base import CausalLM
+from specplay.core.standdown import GateState, StandDownGate
+from specplay.core.text import Detokenizer
+from specplay.core.tree import ancestor_mask
+from specplay.core.types import (Draft, Fate, GenerationConfig, RunResult, StepEvent, StepTiming, StopReason, TokenEvent,
                         Verdict)
-from core.verification import verify
+from specplay.core.verification import verify
 
 
 def _forward_inputs(draft: Draft, root: int, base: int):

@@ -12,7 +12,7 @@ from importlib import metadata
 
 import torch
 
-from core.models.engines import cpu_name, has_measured, measured
+from specplay.core.models.engines import cpu_name, has_measured, measured
 
 _LIBRARIES = ("torch", "transformers", "llama-cpp-python", "PySide6-Essentials", "numpy")
 
@@ -57,7 +57,7 @@ def environment(target=None, draft=None, *, measure: bool = False) -> dict:
     """What a run's or a benchmark's figures depend on. ``target``/``draft`` are loaded models
     (their notes name the kernels and engines chosen for them); ``measure`` measures the memory
     bandwidth if this machine's is not known yet (the bench does; a run record does not wait)."""
-    from core import __version__
+    from specplay.core import __version__
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     card = {

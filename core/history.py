@@ -11,8 +11,8 @@ import json
 import logging
 from pathlib import Path
 
-from core.paths import data_dir
-from core.runlog import append_jsonl
+from specplay.core.paths import data_dir
+from specplay.core.runlog import append_jsonl
 
 log = logging.getLogger(__name__)
 

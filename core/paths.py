@@ -22,6 +22,5 @@ def data_dir() -> Path:
 
 def assets_dir() -> Path:
     """The shipped assets (trained heads, the answers they were trained on, prompt sets, icons)."""
-    import assets
-
+    from specplay import assets
     return Path(assets.__file__).resolve().parent

@@ -9,7 +9,7 @@ log = logging.getLogger(__name__)
 
 #: ``progress(stage, fraction)``: a stage's description and its completed fraction (None: unknown).
 Progress = Callable[[str, "float | None"], None]
-#: ``should_cancel()``: polled between units of work; True stops the work with :class:`~core.errors.Cancelled`.
+#: ``should_cancel()``: polled between units of work; True stops the work with :class:`~specplay.core.errors.Cancelled`.
 ShouldCancel = Callable[[], bool]
 
 

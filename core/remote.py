@@ -34,8 +34,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from core.errors import ConfigError, SpecPlayError
-from core.types import Fate, StepEvent, StepTiming, TokenEvent
+from specplay.core.errors import ConfigError, SpecPlayError
+from specplay.core.types import Fate, StepEvent, StepTiming, TokenEvent
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_DEADLINE_S = 3600.0  # an hour: a long answer from a slow CPU server, with room to spare
@@ -613,7 +613,7 @@ def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, tempe
 
 def remote_record(run: RemoteRun, *, max_new_tokens: int, temperature: float, top_p: float,
                   seed: int | None) -> dict:
-    """A run record in the same format as a local run's (:func:`core.runlog.run_record`)."""
+    """A run record in the same format as a local run's (:func:`specplay.core.runlog.run_record`)."""
     spec = run.spec
     stop = ("cancelled" if run.cancelled else "error" if run.error else
             "eos" if run.finish_reason == "stop" else "max_tokens")

@@ -18,9 +18,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
-from core.atomic import replacing
-from core.environment import environment
-from core.types import Fate, Rule, RunResult, StepEvent, StepTiming, TokenEvent
+from specplay.core.atomic import replacing
+from specplay.core.environment import environment
+from specplay.core.types import Fate, Rule, RunResult, StepEvent, StepTiming, TokenEvent
 
 
 def _model_entry(loaded) -> dict | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.errors import ConfigError
+from specplay.core.errors import ConfigError
 
 MAX_PROMPT_CHARS = 200_000
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from core.errors import ConfigError
-from core.tree import depths
+from specplay.core.errors import ConfigError
+from specplay.core.tree import depths
 
 
 def _is_number(value) -> bool:
@@ -245,4 +245,4 @@ class RunResult:
         return self.stop_reason is StopReason.CANCELLED
 
 
-from core.metrics import RunMetrics  # noqa: E402  (type used in annotations above)
+from specplay.core.metrics import RunMetrics  # noqa: E402  (type used in annotations above)

@@ -8,7 +8,8 @@
 # dependencies from pyproject.toml, llama-cpp-python (the draft engine; it compiles llama.cpp,
 # about 6 minutes on two cores), the CPU torch ($SPECPLAY_TORCH, default torch==2.13.0) and
 # pyinstaller: nothing from a development venv (pytest, the 1.6 GB model packages) can leak in.
-# The app's own code and assets are taken from this checkout. $PYTHON picks the interpreter
+# SpecPlay itself is installed into it from this checkout as a normal (not editable) package,
+# specplay.app / .core / .assets, which is what PyInstaller freezes. $PYTHON picks the interpreter
 # for a new venv (default python3; 3.10 or newer).
 set -euo pipefail
 
@@ -51,6 +52,8 @@ print("\n".join(r.replace("[server]", "") for r in project["optional-dependencie
                 if r.startswith("llama-cpp-python")))
 PYEOF
 "$PY" -m pip install --quiet "$TORCH" -r "$ROOT/build/app-requirements.txt" "$PYINSTALLER"
+echo "== installing SpecPlay from this checkout (not editable)"
+"$PY" -m pip install --quiet --no-deps --force-reinstall "$ROOT"
 
 echo "== building dist/SpecPlay with PyInstaller $("$PY" -m PyInstaller --version)"
 rm -rf "$ROOT/dist/SpecPlay"

@@ -52,10 +52,10 @@ METADATA_COPIED = ("gguf",)
 
 
 def asset_globs(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
-    """The ``assets`` package-data globs, relative to assets/."""
+    """The ``specplay.assets`` package-data globs, relative to assets/."""
     with open(pyproject, "rb") as f:
         table = tomllib.load(f)
-    return list(table["tool"]["setuptools"]["package-data"]["assets"])
+    return list(table["tool"]["setuptools"]["package-data"]["specplay.assets"])
 
 
 def asset_files(root: Path = ROOT) -> list[Path]:
@@ -68,11 +68,11 @@ def asset_files(root: Path = ROOT) -> list[Path]:
 def asset_datas(root: Path = ROOT) -> list[tuple[str, str]]:
     """PyInstaller ``datas`` entries (source file, destination folder in the bundle) for the assets.
 
-    They land in ``_internal/assets/...`` beside the frozen ``assets`` package, which is where
-    ``core.paths.assets_dir()`` looks.
+    They land in ``_internal/specplay/assets/...`` beside the frozen ``specplay.assets`` package,
+    which is where ``specplay.core.paths.assets_dir()`` looks.
     """
     base = root / "assets"
-    return [(str(p), str(Path("assets") / p.parent.relative_to(base))) for p in asset_files(root)]
+    return [(str(p), str(Path("specplay", "assets") / p.parent.relative_to(base))) for p in asset_files(root)]
 
 
 def qt_excludes() -> list[str]:

@@ -24,7 +24,7 @@ from PySide6.QtGui import QTextCursor  # noqa: E402
 qasync = pytest.importorskip("qasync")
 from tiny import save_tiny_model  # noqa: E402
 
-from core.types import Fate, Rule, StepEvent, StepTiming, TokenEvent  # noqa: E402
+from specplay.core.types import Fate, Rule, StepEvent, StepTiming, TokenEvent  # noqa: E402
 
 TIMEOUT = 30_000
 
@@ -56,8 +56,8 @@ def run(qtbot, coro, timeout=TIMEOUT):
 
 
 def make_window(qtbot, history=None):
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from specplay.app.settings import AppSettings
+    from specplay.app.window import MainWindow
 
     w = MainWindow(settings=AppSettings(), history=history)
     qtbot.addWidget(w)
@@ -141,8 +141,10 @@ def test_loading_shows_progress_and_cancel_stops_it(qtbot, aloop, monkeypatch):
     """A slow load (as a first-time conversion is) reports progress, keeps the window live and cancels."""
     import time
 
-    import core.models
-    from core.errors import Cancelled
+    import specplay.core.models
+
+    from specplay import core
+    from specplay.core.errors import Cancelled
 
     def slow_load(spec, device, dtype, progress, should_cancel, **kw):
         for i in range(400):
@@ -171,8 +173,8 @@ def test_loading_shows_progress_and_cancel_stops_it(qtbot, aloop, monkeypatch):
 def test_a_method_is_built_once_per_loaded_models_and_runs_alike_again(window, qtbot, model_dirs, monkeypatch):
     """Run after run the worker reuses the built method (Medusa and EAGLE would otherwise read and
     prepare their heads every time); each run still starts afresh, and loading models rebuilds."""
-    import core.methods
-
+    import specplay.core.methods
+    from specplay import core
     built = []
     real = core.methods.build_method
     monkeypatch.setattr(core.methods, "build_method", lambda *a, **k: built.append(a[0]) or real(*a, **k))
@@ -199,7 +201,7 @@ def test_each_method_streams_into_the_live_view(window, qtbot, method):
     assert view.committed_text() == result.text
     assert len(view.steps) == len(result.events) == len(steps)
     # every shown token carries its fate's format
-    from app.palette import FATE_STYLES
+    from specplay.app.palette import FATE_STYLES
 
     for i, tok in enumerate(view.shown_tokens()):
         fmt, _ = token_format(view, i)
@@ -233,7 +235,7 @@ def test_step_events_are_drawn_per_frame_not_per_token(window, qtbot):
 def test_every_registered_method_runs_or_explains_why_not(window, qtbot):
     """Methods added to the registry later (lookahead, medusa, …) run with their default settings,
     or fail with a message in the window, never a hang or a crash."""
-    from core.methods import METHODS
+    from specplay.core.methods import METHODS
 
     for name in METHODS:
         window.methods_panel.set_method(name)
@@ -260,7 +262,7 @@ def test_twin_draft_tokens_are_accepted_and_coloured_so(window, qtbot):
     result = run(qtbot, window.run_single())
     fates = [t.fate for e in result.events for t in e.tokens]
     assert Fate.ACCEPTED in fates and Fate.BONUS in fates and Fate.REJECTED not in fates
-    from app.palette import FATE_STYLES
+    from specplay.app.palette import FATE_STYLES
 
     view = window.live.view
     for i, tok in enumerate(view.shown_tokens()):
@@ -274,7 +276,7 @@ def test_twin_draft_tokens_are_accepted_and_coloured_so(window, qtbot):
 def test_rejected_drafts_leave_marks_and_can_be_shown_inline(qtbot, aloop, model_dirs):
     """With an unrelated draft many tokens are rejected: by default the text stays the answer,
     each run of rejections a ✕ mark counting them; inline, each is shown struck through."""
-    from app.tokenview import marker_text
+    from specplay.app.tokenview import marker_text
 
     w = make_window(qtbot)
     run(qtbot, w.load_models(str(model_dirs["target"]), str(model_dirs["other"]), "cpu", "float32"))
@@ -321,8 +323,8 @@ KNOWN = [
 
 
 def test_token_view_colours_each_fate(qtbot):
-    from app.palette import FATE_STYLES
-    from app.tokenview import TokenView
+    from specplay.app.palette import FATE_STYLES
+    from specplay.app.tokenview import TokenView
 
     view = TokenView()
     qtbot.addWidget(view)
@@ -348,8 +350,8 @@ def test_token_view_colours_each_fate(qtbot):
 
 
 def test_hovering_a_token_shows_its_xray(qtbot):
-    from app.tokenview import TokenView
-    from app.xray import XRayPanel
+    from specplay.app.tokenview import TokenView
+    from specplay.app.xray import XRayPanel
 
     view, xray = TokenView(), XRayPanel()
     qtbot.addWidget(view)
@@ -377,7 +379,7 @@ def test_hovering_a_token_shows_its_xray(qtbot):
 
 
 def test_xray_shows_the_rule_the_verifier_recorded():
-    from app.xray import accept_rule, explain
+    from specplay.app.xray import accept_rule, explain
 
     # A deterministic candidate that still carries the draft's own probability q (EAGLE, Medusa at
     # temperature > 0): the rule is p(x), not min(1, p/q).
@@ -394,7 +396,7 @@ def test_xray_shows_the_rule_the_verifier_recorded():
 
 # ----------------------------------------------------------------------------------- internals
 def test_internals_draw_the_tree_and_lookahead_state_robustly(qtbot):
-    from app.internals import InternalsPanel
+    from specplay.app.internals import InternalsPanel
 
     panel = InternalsPanel(lambda t: f"<{t}>")
     qtbot.addWidget(panel)
@@ -434,7 +436,7 @@ class _DemoConfig:
     limit: "int | None" = dataclasses.field(default=None, metadata={"help": "optional"})
 
     def __post_init__(self):
-        from core.errors import ConfigError
+        from specplay.core.errors import ConfigError
 
         if self.mode == "b" and self.count > 5:
             raise ConfigError("mode b allows at most 5")
@@ -443,7 +445,7 @@ class _DemoConfig:
 def test_forms_are_built_generically_from_config_dataclasses(qtbot):
     from PySide6.QtWidgets import QCheckBox, QComboBox, QDoubleSpinBox, QLabel, QLineEdit, QSpinBox
 
-    from app.forms import ConfigForm
+    from specplay.app.forms import ConfigForm
 
     form = ConfigForm(_DemoConfig)
     qtbot.addWidget(form)
@@ -466,9 +468,9 @@ def test_forms_are_built_generically_from_config_dataclasses(qtbot):
 
 
 def test_methods_panel_picks_up_new_methods_without_code(qtbot, monkeypatch):
-    from app.panels import MethodsPanel
-    from core import methods
-    from core.methods import METHODS, MethodSpec
+    from specplay.app.panels import MethodsPanel
+    from specplay.core import methods
+    from specplay.core.methods import METHODS, MethodSpec
 
     spec = MethodSpec("demo", "Demo method", _DemoConfig, False, lambda c, t, d: None, "A method added later.")
     monkeypatch.setitem(METHODS, "demo", spec)
@@ -499,7 +501,7 @@ def test_a_bad_method_setting_blocks_the_run_with_the_message(window, qtbot):
 def test_stop_cancels_within_one_step(window, qtbot):
     from PySide6.QtCore import Qt as _Qt
 
-    from core.types import StopReason
+    from specplay.core.types import StopReason
 
     window.prompt_panel.max_new_tokens.setValue(400)
     window.methods_panel.set_method("autoregressive")
@@ -550,8 +552,10 @@ def test_engine_errors_appear_in_the_window(window, qtbot):
 def test_a_run_the_engine_ends_early_keeps_its_tokens_and_says_why(window, qtbot, monkeypatch):
     import dataclasses as dc
 
-    import core.engine
-    from core.types import StopReason
+    import specplay.core.engine
+
+    from specplay import core
+    from specplay.core.types import StopReason
 
     real = core.engine.drain
 
@@ -633,8 +637,8 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
     """The first run says it measures the machine's verification cost; after a comparison the
     "Why this speed" tab holds that curve, the break-even lines and one cost row per method,
     the same numbers ``specplay compare --why`` prints."""
-    from core.costmodel import cost_curve
-    from core.whyspeed import break_even_cost, explain
+    from specplay.core.costmodel import cost_curve
+    from specplay.core.whyspeed import break_even_cost, explain
 
     seen = []
     window.worker.sig_progress.connect(lambda stage, fraction: seen.append(stage))
@@ -663,9 +667,9 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
 
 def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, monkeypatch):
     """The first method must not be timed cold: each runs the shared core warm-up first."""
-    import core.compare
-    import core.engine
-
+    import specplay.core.compare
+    import specplay.core.engine
+    from specplay import core
     order = []
     real_warm_up, real_drain = core.compare.warm_up, core.engine.drain
 
@@ -689,8 +693,8 @@ def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, 
 
 
 def test_compare_table_marks_a_differing_output():
-    from app.compare_view import identical_text
-    from core.compare import annotate
+    from specplay.app.compare_view import identical_text
+    from specplay.core.compare import annotate
 
     recs = [{"method": "autoregressive", "tokens_per_s": 10.0, "token_ids": [1, 2, 3]},
             {"method": "speculative", "tokens_per_s": 20.0, "token_ids": [1, 2, 4]}]
@@ -703,7 +707,7 @@ def test_compare_table_marks_a_differing_output():
 def test_the_endpoints_tooltip_says_when_an_api_key_is_sent(qtbot):
     """It said every endpoint got $OPENAI_API_KEY; a key goes only to an endpoint that names its
     variable (key-env=) or has a keyring entry, and never over plain http:// to another machine."""
-    from app.compare_view import CompareView
+    from specplay.app.compare_view import CompareView
 
     view = CompareView()
     qtbot.addWidget(view)
@@ -799,8 +803,8 @@ def test_export_into_a_read_only_folder_says_so(window, qtbot, tmp_path):
 
 # ----------------------------------------------------------------------------------- settings
 def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
-    from app.settings import AppSettings, open_settings
-    from app.window import MainWindow
+    from specplay.app.settings import AppSettings, open_settings
+    from specplay.app.window import MainWindow
 
     w = MainWindow(settings=AppSettings())
     qtbot.addWidget(w)
@@ -847,7 +851,7 @@ def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
 
 
 def test_unreadable_settings_fall_back_to_defaults(qtbot):
-    from app.settings import AppSettings, open_settings
+    from specplay.app.settings import AppSettings, open_settings
 
     qs = open_settings()
     qs.setValue("max_new_tokens", "lots")
@@ -860,7 +864,7 @@ def test_unreadable_settings_fall_back_to_defaults(qtbot):
 
 
 def test_presets_load_from_assets():
-    from app.panels import load_presets
+    from specplay.app.panels import load_presets
 
     presets = load_presets()
     cats = {p["category"] for p in presets}
@@ -869,8 +873,9 @@ def test_presets_load_from_assets():
 
 
 def test_launcher_without_arguments_opens_the_window(monkeypatch):
-    import app.main
-    from app import launcher
+    import specplay.app.main
+    from specplay import app
+    from specplay.app import launcher
 
     called = []
     monkeypatch.setattr(app.main, "run_app", lambda argv: called.append(argv) or 0)
@@ -902,7 +907,7 @@ def test_qt_calls_to_python_overrides_keep_every_reference_to_none(qtbot):
 
 def test_while_a_run_streams_only_the_rate_curve_is_redrawn_the_rest_when_it_ends(qtbot):
     """Redrawing every chart during a run takes CPU from the model; the run's end draws them all."""
-    from app.charts import ChartsPanel
+    from specplay.app.charts import ChartsPanel
 
     charts = ChartsPanel(["speculative"])
     qtbot.addWidget(charts)

@@ -10,15 +10,15 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from core import audit
-from core.audit import AuditConfig, audit_record, fit_known, format_audit, pearson_test, run_audit, score_samples
-from core.errors import ConfigError
-from core.heads import MedusaHeads, save_heads
-from core.methods import build_method
-from core.methods.medusa import MedusaConfig
-from core.methods.speculative import SpeculativeConfig
-from core.sampling import probabilities
-from core.types import SamplingConfig
+from specplay.core import audit
+from specplay.core.audit import AuditConfig, audit_record, fit_known, format_audit, pearson_test, run_audit, score_samples
+from specplay.core.errors import ConfigError
+from specplay.core.heads import MedusaHeads, save_heads
+from specplay.core.methods import build_method
+from specplay.core.methods.medusa import MedusaConfig
+from specplay.core.methods.speculative import SpeculativeConfig
+from specplay.core.sampling import probabilities
+from specplay.core.types import SamplingConfig
 from stats import chi_square_pvalue
 from tiny import loaded, native_from_hf, perturbed_copy, save_tiny_model, tiny_hf_model
 
@@ -187,8 +187,8 @@ def test_exact_methods_pass(target, target_model):
 def test_each_sample_is_the_run_it_would_be_without_reading_the_prompt_once(target, target_model):
     """Sample i is what a plain run with seed 2i makes, token for token, though the audit's target
     and draft read the prompt once and crop back to it (core.audit.ReusedPrompt)."""
-    from core.engine import drain, generate
-    from core.types import GenerationConfig
+    from specplay.core.engine import drain, generate
+    from specplay.core.types import GenerationConfig
 
     draft = loaded(native_from_hf(perturbed_copy(target_model, 0.3)))
     config = SpeculativeConfig(gamma=3)
@@ -204,7 +204,7 @@ def test_each_sample_is_the_run_it_would_be_without_reading_the_prompt_once(targ
 
 def test_a_biased_verifier_fails(target, target_model, monkeypatch):
     """Accepting a drafted token with min(1, 2p/q) instead of min(1, p/q) (q halved) leans the output towards the draft."""
-    import core.engine as engine
+    import specplay.core.engine as engine
 
     real = engine.verify
 
@@ -269,7 +269,7 @@ def test_the_text_report_shows_the_tests_verdict_power_and_histogram(target):
 
 
 def test_the_audit_command_prints_one_json_record(tmp_path, capsys):
-    from core.cli import main
+    from specplay.core.cli import main
 
     folder = save_tiny_model(tmp_path / "target", seed=0, vocab=VOCAB)
     code = main(["audit", "--method", "prompt_lookup", "--target", str(folder), "--device", "cpu", "--dtype",

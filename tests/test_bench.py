@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from core.bench import BenchSpec, Question, format_summary, load_questions, run_bench, summarize
-from core.errors import ConfigError
+from specplay.core.bench import BenchSpec, Question, format_summary, load_questions, run_bench, summarize
+from specplay.core.errors import ConfigError
 from tiny import loaded, native_from_hf, tiny_hf_model
 
 QUESTIONS = [Question(1, "code", ("a",)), Question(2, "code", ("b",)), Question(3, "qa", ("c", "d"))]
@@ -71,7 +71,7 @@ def test_question_files_are_validated_line_by_line(tmp_path):
 def test_run_bench_writes_answer_files_and_feeds_answers_back(tmp_path):
     import torch
 
-    from core.methods.prompt_lookup import PromptLookupConfig
+    from specplay.core.methods.prompt_lookup import PromptLookupConfig
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
     questions = [Question(7, "code", ("ab cd ab", "cd ab")), Question(8, "qa", ("ab ab",))]
@@ -97,7 +97,7 @@ def test_run_bench_writes_answer_files_and_feeds_answers_back(tmp_path):
 def test_multi_turn_history_contains_the_methods_own_answer(tmp_path, monkeypatch):
     import torch
 
-    import core.text as text
+    import specplay.core.text as text
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
     target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -118,8 +118,8 @@ def test_multi_turn_history_contains_the_methods_own_answer(tmp_path, monkeypatc
 def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monkeypatch):
     import torch
 
-    from core.bench import format_summary
-    from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
+    from specplay.core.bench import format_summary
+    from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
     marker = target.tokenizer.convert_tokens_to_ids("z")
@@ -161,9 +161,9 @@ def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monk
 def test_the_transformers_peers_ignore_the_model_folders_generation_settings(tmp_path, monkeypatch):
     from transformers import GenerationConfig as HFGenerationConfig
 
-    from core.bench import HFPeer
-    from core.models.loader import load_model
-    from core.types import GenerationConfig, SamplingConfig
+    from specplay.core.bench import HFPeer
+    from specplay.core.models.loader import load_model
+    from specplay.core.types import GenerationConfig, SamplingConfig
     from tiny import save_tiny_model
 
     folder = save_tiny_model(tmp_path / "m")
@@ -192,10 +192,10 @@ def _check_int8_assistant(tmp_path, **draft_info):
     with the output of plain greedy generation."""
     from dataclasses import replace
 
-    from core.bench import HFPeer
-    from core.models.linear import int8_supported
-    from core.models.loader import LoadedModel, load_model
-    from core.types import GenerationConfig
+    from specplay.core.bench import HFPeer
+    from specplay.core.models.linear import int8_supported
+    from specplay.core.models.loader import LoadedModel, load_model
+    from specplay.core.types import GenerationConfig
     from tiny import save_tiny_model
 
     if not int8_supported():
@@ -236,10 +236,10 @@ def answer_lines(path):
 
 def fake_endpoints(monkeypatch, target, suffix=None):
     """Endpoints answer with the target's own greedy text (``suffix``: name -> text appended), with no server."""
-    import core.remote as remote
-    from core.engine import drain, generate
-    from core.methods import build_method
-    from core.types import GenerationConfig, SamplingConfig
+    import specplay.core.remote as remote
+    from specplay.core.engine import drain, generate
+    from specplay.core.methods import build_method
+    from specplay.core.types import GenerationConfig, SamplingConfig
 
     def stream_completion(endpoint, prompt, max_tokens, **_):
         ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -253,7 +253,7 @@ def fake_endpoints(monkeypatch, target, suffix=None):
 
 
 def test_file_stems_are_plain_names_kept_apart():
-    from core.bench import file_stems
+    from specplay.core.bench import file_stems
 
     names = ["autoregressive", "remote:fake", "remote:h:8000/Org/Name", "remote:../../x", "remote:a/b", "remote:a-b",
              "remote:A-B", "remote:" + "n" * 300]
@@ -267,7 +267,7 @@ def test_file_stems_are_plain_names_kept_apart():
 
 
 def test_endpoint_labels_with_slashes_or_dots_write_inside_out_and_keep_everything(tmp_path, monkeypatch):
-    from core.remote import Endpoint
+    from specplay.core.remote import Endpoint
 
     target = tiny_target()
     fake_endpoints(monkeypatch, target)
@@ -287,8 +287,8 @@ def test_endpoint_labels_with_slashes_or_dots_write_inside_out_and_keep_everythi
 
 
 def test_an_interrupted_bench_keeps_its_answers_and_a_rerun_resumes_it(tmp_path, monkeypatch):
-    from core.bench import OurMethod
-    from core.methods.prompt_lookup import PromptLookupConfig
+    from specplay.core.bench import OurMethod
+    from specplay.core.methods.prompt_lookup import PromptLookupConfig
 
     target = tiny_target()
     real = OurMethod.run
@@ -345,8 +345,8 @@ def test_a_rerun_with_another_setting_starts_afresh_and_says_so(tmp_path):
 
 
 def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their_results(tmp_path, monkeypatch):
-    from core.bench import HFPeer
-    from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
+    from specplay.core.bench import HFPeer
+    from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 
     target = tiny_target()
 
@@ -382,7 +382,7 @@ def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their
 def test_an_endpoint_is_identical_when_its_text_is_the_baselines(tmp_path, monkeypatch):
     """The target's tokenizer reads an endpoint's text back without the special tokens the baseline
     emitted (here a <s> mid-answer), so the token ids differ where the texts are the same."""
-    from core.remote import Endpoint
+    from specplay.core.remote import Endpoint
 
     target = tiny_target()
     fake_endpoints(monkeypatch, target, suffix={"off": "z"})
@@ -399,9 +399,9 @@ def test_an_endpoint_is_identical_when_its_text_is_the_baselines(tmp_path, monke
 def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_what_it_did(tmp_path):
     import torch
 
-    from core.bench import format_sweep
-    from core.cli import _temperatures
-    from core.errors import SpecPlayError
+    from specplay.core.bench import format_sweep
+    from specplay.core.cli import _temperatures
+    from specplay.core.errors import SpecPlayError
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
     questions = [Question(7, "code", ("ab cd ab",)), Question(8, "qa", ("ab ab cd",))]

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from core.cli import main
-from core.models import catalog
-from core.models.catalog import CatalogEntry, Part
+from specplay.core.cli import main
+from specplay.core.models import catalog
+from specplay.core.models.catalog import CatalogEntry, Part
 from tiny import save_tiny_model
 
 
@@ -154,8 +154,8 @@ def test_unsupported_architecture_falls_back_and_says_so(folders, capsys):
 
 def test_the_transformers_fallback_keeps_float_weights_and_refuses_int8(folders):
     """int8 linears under float attention are not row-exact; Medusa also reads the LM head's weight."""
-    from core.errors import ModelError
-    from core.models import load_model
+    from specplay.core.errors import ModelError
+    from specplay.core.models import load_model
 
     loaded = load_model(str(folders["mistral"]), device="cpu")
     assert loaded.model.info.backend == "transformers" and loaded.model.info.dtype == "float32"
@@ -166,8 +166,8 @@ def test_the_transformers_fallback_keeps_float_weights_and_refuses_int8(folders)
 
 
 def test_a_draft_loads_with_the_fast_layers_and_a_target_with_the_row_exact_ones(folders):
-    from core.models import load_model
-    from core.models.linear import has_bf16_units
+    from specplay.core.models import load_model
+    from specplay.core.models.linear import has_bf16_units
 
     draft = load_model(str(folders["draft"]), device="cpu", dtype="int8", role="draft")
     target = load_model(str(folders["draft"]), device="cpu", dtype="int8")
@@ -212,7 +212,7 @@ def test_train_save_corpus_keeps_its_own_targets_answers_in_a_shared_work_folder
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from core.training.pipeline import target_key
+    from specplay.core.training.pipeline import target_key
 
     folders = [save_tiny_model(tmp_path / name, seed=seed, layers=2) for name, seed in (("a", 0), ("b", 1))]
     for folder in folders:

@@ -8,9 +8,9 @@ import typing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.errors import ConfigError
-from core.methods import METHODS
-from core.types import GenerationConfig, SamplingConfig
+from specplay.core.errors import ConfigError
+from specplay.core.methods import METHODS
+from specplay.core.types import GenerationConfig, SamplingConfig
 
 ANY_VALUE = st.one_of(
     st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True, allow_infinity=True),

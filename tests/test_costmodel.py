@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from core.costmodel import CostCurve, best_size, cost_curve, measure
+from specplay.core.costmodel import CostCurve, best_size, cost_curve, measure
 from tiny import native_from_hf, tiny_hf_model
 
 
@@ -33,7 +33,7 @@ def test_best_size_weighs_acceptance_against_cost():
 
 def test_block_sizes_take_turns_and_each_keeps_its_fastest_pass(monkeypatch):
     """A slow spell of the machine touches every size once instead of inflating the one it fell on."""
-    from core import costmodel
+    from specplay.core import costmodel
 
     clock = [0.0]
     order = []

@@ -10,14 +10,14 @@ distribution of the sequences is compared with the exact one, enumerated from th
 import pytest
 import torch
 
-from core.engine import drain, generate
-from core.methods import build_method
-from core.methods.lookahead import LookaheadConfig
-from core.methods.prompt_lookup import PromptLookupConfig
-from core.methods.speculative import SpeculativeConfig
-from core.models.llamacpp_draft import LlamaCppDraft
-from core.sampling import probabilities
-from core.types import Draft, GenerationConfig, SamplingConfig
+from specplay.core.engine import drain, generate
+from specplay.core.methods import build_method
+from specplay.core.methods.lookahead import LookaheadConfig
+from specplay.core.methods.prompt_lookup import PromptLookupConfig
+from specplay.core.methods.speculative import SpeculativeConfig
+from specplay.core.models.llamacpp_draft import LlamaCppDraft
+from specplay.core.sampling import probabilities
+from specplay.core.types import Draft, GenerationConfig, SamplingConfig
 from stats import chi_square_pvalue
 from tiny import loaded, native_from_hf, need_llama_cpp, perturbed_copy, tiny_hf_model, tiny_tokenizer, write_tiny_gguf
 
@@ -32,8 +32,8 @@ TRIALS = 3000
 def _steady_proposal_lengths(monkeypatch):
     """Prompt lookup sizes its proposals by a timing of the target: on a loaded machine a tiny
     target's timing could keep them short, and no draft would be verified three tokens deep."""
-    import core.methods.prompt_lookup as prompt_lookup
-    from core.costmodel import CostCurve
+    import specplay.core.methods.prompt_lookup as prompt_lookup
+    from specplay.core.costmodel import CostCurve
 
     monkeypatch.setattr(prompt_lookup, "cost_curve", lambda model: CostCurve.linear(0.05))
 

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from core.engine import drain, generate
-from core.errors import ModelError
-from core.heads import EagleHead, head_config, save_heads
-from core.methods import build_method
-from core.methods.eagle import EagleConfig
-from core.training.common import TrainSettings
-from core.training.eagle import EagleObjective, train_eagle
-from core.types import GenerationConfig
+from specplay.core.engine import drain, generate
+from specplay.core.errors import ModelError
+from specplay.core.heads import EagleHead, head_config, save_heads
+from specplay.core.methods import build_method
+from specplay.core.methods.eagle import EagleConfig
+from specplay.core.training.common import TrainSettings
+from specplay.core.training.eagle import EagleObjective, train_eagle
+from specplay.core.types import GenerationConfig
 from tiny import loaded, native_from_hf, sgd_steps_lower, target_features, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
@@ -117,7 +117,7 @@ def test_auto_size_grows_only_levels_that_can_pay(target, tmp_path, monkeypatch)
     """With the tree sized by the verify cost, a level whose nodes are too unlikely to pay is not
     grown: nothing past the first when verifying is dear, every level when it is free, and on a costly (convex)
     curve the same draft as growing every level, from fewer drafter passes."""
-    from core.costmodel import CostCurve
+    from specplay.core.costmodel import CostCurve
 
     head = make_head_file(tmp_path / "eagle.safetensors", target.model)
     cfg = EagleConfig(head=str(head), tree="dynamic", depth=5, top_k=3, total_tokens=40)
@@ -196,8 +196,8 @@ def test_unrolled_levels_match_drafting_one_pair_at_a_time():
 def test_a_head_started_from_the_target_layer_computes_that_layer():
     """With the input projection passing the feature through, a head initialised from the
     target's last layer maps a sequence of features exactly as that layer does."""
-    from core.heads.eagle import init_from_target_layer
-    from core.models.native import layer_forward, rope_tables
+    from specplay.core.heads.eagle import init_from_target_layer
+    from specplay.core.models.native import layer_forward, rope_tables
 
     native = native_from_hf(tiny_hf_model(seed=3), dtype=torch.float32)
     cfg = head_config(native.cfg)

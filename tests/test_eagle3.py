@@ -3,17 +3,17 @@
 import pytest
 import torch
 
-from core.engine import drain, generate
-from core.errors import ModelError
-from core.heads import head_config, load_heads, save_heads
-from core.heads.eagle3 import Eagle3Head
-from core.methods import build_method
-from core.methods.eagle import EagleConfig
-from core.models.base import ForwardOutput
-from core.training.eagle3 import Eagle3Objective
-from core.training.tau import accepted_length, answer_roots, eagle_tau
-from core.training.teacher import TeacherSet, read_teacher
-from core.types import GenerationConfig
+from specplay.core.engine import drain, generate
+from specplay.core.errors import ModelError
+from specplay.core.heads import head_config, load_heads, save_heads
+from specplay.core.heads.eagle3 import Eagle3Head
+from specplay.core.methods import build_method
+from specplay.core.methods.eagle import EagleConfig
+from specplay.core.models.base import ForwardOutput
+from specplay.core.training.eagle3 import Eagle3Objective
+from specplay.core.training.tau import accepted_length, answer_roots, eagle_tau
+from specplay.core.training.teacher import TeacherSet, read_teacher
+from specplay.core.types import GenerationConfig
 from tiny import loaded, native_from_hf, sgd_steps_lower, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
@@ -71,7 +71,7 @@ def test_shapes(target):
 def test_a_head_started_from_the_target_predicts_as_the_target_does():
     """Started from the target's last layer and final norm, the head reads the high layer (the
     last layer's input) and computes the target's own logits: training starts from the target."""
-    from core.training.teacher import default_layers
+    from specplay.core.training.teacher import default_layers
 
     native = native_from_hf(tiny_hf_model(seed=3, layers=3), dtype=torch.float32)
     layers = default_layers(3)
@@ -145,8 +145,8 @@ def test_eagle3_greedy_equals_autoregressive(target, tmp_path, cfg):
 
 
 def test_a_trained_eagle3_head_accepts_several_tokens_a_step_exactly(target, tmp_path):
-    from core.training.common import TrainSettings
-    from core.training.eagle3 import train_eagle3
+    from specplay.core.training.common import TrainSettings
+    from specplay.core.training.eagle3 import train_eagle3
 
     model = target.model
     seqs = []

@@ -10,15 +10,15 @@ import itertools
 import pytest
 import torch
 
-from core.engine import drain, generate
-from core.errors import ConfigError
-from core.methods import build_method
-from core.costmodel import CostCurve, best_size
-from core.methods.lookahead import LookaheadConfig
-from core.methods.prompt_lookup import PromptLookupConfig
-from core.methods.speculative import SpeculativeConfig
-from core.sampling import probabilities
-from core.types import Fate, GenerationConfig, SamplingConfig, StopReason
+from specplay.core.engine import drain, generate
+from specplay.core.errors import ConfigError
+from specplay.core.methods import build_method
+from specplay.core.costmodel import CostCurve, best_size
+from specplay.core.methods.lookahead import LookaheadConfig
+from specplay.core.methods.prompt_lookup import PromptLookupConfig
+from specplay.core.methods.speculative import SpeculativeConfig
+from specplay.core.sampling import probabilities
+from specplay.core.types import Fate, GenerationConfig, SamplingConfig, StopReason
 from stats import chi_square_pvalue
 from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model
 
@@ -101,7 +101,7 @@ def test_adaptive_confidence_and_cost_sized_drafts_stay_exact(models, cfg):
 
 
 def test_the_cost_sized_gamma_follows_acceptance_draft_cost_and_the_verification_curve():
-    from core.methods.speculative import best_gamma
+    from specplay.core.methods.speculative import best_gamma
 
     flat = CostCurve.linear(0.0)
     assert best_gamma(0.9, 0.0, flat, 16) == 16  # free, well-accepted drafts: as long as allowed
@@ -321,7 +321,7 @@ def next_token_probabilities(model, prefix: list[int]) -> dict:
 def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
     """Same tokenizer, different embedding rows (a 7B target with the 0.5B draft): aligned, not a crash;
     greedy stays greedy, and sampling draws the first token from the target's own distribution."""
-    from core.models import check_draft_compatible
+    from specplay.core.models import check_draft_compatible
     from tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(60)
@@ -399,8 +399,8 @@ def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(
 
 def test_token_events_and_run_logs_carry_the_rule_per_draft_token(models):
     """Deterministic candidates carry a display q, yet are verified as one-hot: the event says so."""
-    from core.runlog import event_from_dict, event_to_dict
-    from core.types import Rule
+    from specplay.core.runlog import event_from_dict, event_to_dict
+    from specplay.core.types import Rule
 
     target, near, *_ = models
     sampled = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False, sampling=SamplingConfig(temperature=0.9))
@@ -450,8 +450,8 @@ def test_a_draft_that_is_never_accepted_stands_down_and_stays_exact(models, monk
     """A draft model that never agrees with the target: the run takes plain steps, says so on those
     steps and in its metrics, and still emits greedy decoding's tokens."""
     target, draft = models[0], models[3]
-    import core.engine
-
+    import specplay.core.engine
+    from specplay import core
     # A flat cost curve: a plain step costs a drafting step's verification pass alone, so a step that
     # adds one token always loses to it, whatever the machine's timings.
     monkeypatch.setattr(core.engine, "cost_curve", lambda model: CostCurve.linear(0.0))
@@ -484,7 +484,7 @@ def test_every_token_names_who_offered_it(models):
 
 
 def test_the_record_says_when_a_seed_would_not_repeat_a_sampled_run(models):
-    from core.runlog import run_record
+    from specplay.core.runlog import run_record
 
     target, draft = models[0], models[1]
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from core.models import engines, linear
+from specplay.core.models import engines, linear
 
 
 def test_the_report_proves_each_engine_row_exact_and_times_it(tmp_path, monkeypatch):

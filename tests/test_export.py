@@ -3,7 +3,7 @@
 import csv
 import io
 
-from app.export import runs_csv
+from specplay.app.export import runs_csv
 
 
 def read_back(records):

@@ -15,9 +15,10 @@ METHODS = ["autoregressive", "speculative", "prompt_lookup", "lookahead", "medus
 def steady_sizes(monkeypatch):
     """Prompt lookup and EAGLE size their drafts by a timing of the target: on a loaded machine
     a tiny target's timing could keep them from drafting anything worth accepting."""
-    import core.methods.eagle
-    import core.methods.prompt_lookup
-    from core.costmodel import CostCurve
+    import specplay.core.methods.eagle
+    import specplay.core.methods.prompt_lookup
+    from specplay import core
+    from specplay.core.costmodel import CostCurve
 
     for module in (core.methods.eagle, core.methods.prompt_lookup):
         monkeypatch.setattr(module, "cost_curve", lambda model: CostCurve.linear(0.05))
@@ -50,8 +51,8 @@ def break_third_step(monkeypatch, culprit: str, how: str) -> dict:
     run there, as the engine does when an allocation fails. Returns a dict whose "at" is, once
     the check has run, the output position where the culprit's last run went wrong.
     """
-    import core.engine
-
+    import specplay.core.engine
+    from specplay import core
     state = {"method": None}
     real_build, real_generate, real_verify = gpu_check.build_method, gpu_check.generate, core.engine.verify
 

@@ -4,11 +4,11 @@ naming the file."""
 import pytest
 import torch
 
-from core.errors import ModelError
-from core.heads import EagleHead, MedusaHeads, head_config, save_heads
-from core.methods import build_method
-from core.methods.eagle import EagleConfig
-from core.methods.medusa import MedusaConfig
+from specplay.core.errors import ModelError
+from specplay.core.heads import EagleHead, MedusaHeads, head_config, save_heads
+from specplay.core.methods import build_method
+from specplay.core.methods.eagle import EagleConfig
+from specplay.core.methods.medusa import MedusaConfig
 from tiny import loaded, native_from_hf, tiny_hf_model
 
 VOCAB = 64

@@ -4,17 +4,17 @@ drafting equal to training, exactness beside the classic heads, τ_sim."""
 import pytest
 import torch
 
-from core.engine import drain, generate
-from core.errors import ConfigError
-from core.heads import load_heads, save_heads
-from core.heads.hydra import HydraHeads
-from core.methods import build_method
-from core.methods.medusa import MedusaConfig
-from core.training.common import TrainSettings
-from core.training.hydra import HydraObjective, train_hydra
-from core.training.tau import medusa_tau
-from core.tree import TreeSpec
-from core.types import GenerationConfig
+from specplay.core.engine import drain, generate
+from specplay.core.errors import ConfigError
+from specplay.core.heads import load_heads, save_heads
+from specplay.core.heads.hydra import HydraHeads
+from specplay.core.methods import build_method
+from specplay.core.methods.medusa import MedusaConfig
+from specplay.core.training.common import TrainSettings
+from specplay.core.training.hydra import HydraObjective, train_hydra
+from specplay.core.training.tau import medusa_tau
+from specplay.core.tree import TreeSpec
+from specplay.core.types import GenerationConfig
 from test_eagle3 import teacher_set
 from test_medusa import ACC
 from tiny import loaded, native_from_hf, sgd_steps_lower, tiny_hf_model

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from core.models.linear import Int8RowExactLinear, int8_supported
+from specplay.core.models.linear import Int8RowExactLinear, int8_supported
 from tiny import native_from_hf, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="no x86 quantized engine")
@@ -42,7 +42,7 @@ def test_int8_model_verifies_like_it_decodes():
 
 
 def test_the_draft_layers_approximate_the_float_layer():
-    from core.models.linear import Int4DraftLinear, Int8DraftLinear, QuantizedWeight
+    from specplay.core.models.linear import Int4DraftLinear, Int8DraftLinear, QuantizedWeight
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g) * 0.05
@@ -62,10 +62,10 @@ def test_the_draft_layers_approximate_the_float_layer():
 @pytest.mark.parametrize("storage", ["int8-draft", "int4-draft"])
 def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact(storage):
     """Draft layers that are not batch-invariant, a float32 cache, the first 40 of 64 ids: still exact."""
-    from core.engine import drain, generate
-    from core.methods import build_method
-    from core.methods.speculative import SpeculativeConfig
-    from core.types import GenerationConfig
+    from specplay.core.engine import drain, generate
+    from specplay.core.methods import build_method
+    from specplay.core.methods.speculative import SpeculativeConfig
+    from specplay.core.types import GenerationConfig
     from tiny import loaded, perturbed_copy
 
     base = tiny_hf_model(seed=0, dtype=torch.float64)
@@ -87,10 +87,10 @@ def test_an_int8_prompt_prefill_attends_in_float32_and_every_method_still_agrees
     """The float64 attention that keeps decoding row-exact is not needed for a prompt all methods share."""
     import torch.nn.functional as F
 
-    from core.engine import drain, generate
-    from core.methods import build_method
-    from core.methods.prompt_lookup import PromptLookupConfig
-    from core.types import GenerationConfig
+    from specplay.core.engine import drain, generate
+    from specplay.core.methods import build_method
+    from specplay.core.methods.prompt_lookup import PromptLookupConfig
+    from specplay.core.types import GenerationConfig
     from tiny import loaded
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64), dtype=torch.float32, storage="int8"))

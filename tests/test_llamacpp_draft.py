@@ -10,13 +10,13 @@ import sys
 import pytest
 import torch
 
-from core.engine import drain, generate
-from core.errors import ModelError
-from core.methods import build_method
-from core.methods.speculative import SpeculativeConfig
-from core.models import llamacpp_draft
-from core.models.llamacpp_draft import DRAFT_GGUF, LlamaCppDraft, load_llamacpp_draft, prepare_draft_gguf
-from core.types import GenerationConfig
+from specplay.core.engine import drain, generate
+from specplay.core.errors import ModelError
+from specplay.core.methods import build_method
+from specplay.core.methods.speculative import SpeculativeConfig
+from specplay.core.models import llamacpp_draft
+from specplay.core.models.llamacpp_draft import DRAFT_GGUF, LlamaCppDraft, load_llamacpp_draft, prepare_draft_gguf
+from specplay.core.types import GenerationConfig
 from tiny import loaded, native_from_hf, need_llama_cpp, perturbed_copy, tiny_hf_model, write_tiny_gguf
 
 
@@ -139,7 +139,7 @@ def test_a_failed_quantization_leaves_no_file(gguf, tmp_path, monkeypatch):
 
 
 def test_the_loader_picks_llama_cpp_only_where_it_can_and_says_why_not(monkeypatch):
-    from core.models import loader
+    from specplay.core.models import loader
 
     need_llama_cpp()
     assert loader._llamacpp_draft_unavailable("model.gguf", "cpu", "int4-draft") is None
@@ -151,7 +151,7 @@ def test_the_loader_picks_llama_cpp_only_where_it_can_and_says_why_not(monkeypat
 
 
 def test_llama_cpp_never_loads_a_target():
-    from core.models import load_model
+    from specplay.core.models import load_model
 
     with pytest.raises(ModelError, match="draft models only"):
         load_model("anything", "cpu", backend="llamacpp")

@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from core.models import llamacpp, loader
-from core.models.llamacpp import LlamaSettings, probe, usable_settings
-from core.models.llamacpp_draft import DRAFT_GGUF, prepare_draft_gguf
+from specplay.core.models import llamacpp, loader
+from specplay.core.models.llamacpp import LlamaSettings, probe, usable_settings
+from specplay.core.models.llamacpp_draft import DRAFT_GGUF, prepare_draft_gguf
 from tiny import need_llama_cpp, tiny_hf_model, write_tiny_gguf
 
 _DIE_BY_SIGILL = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]
@@ -114,7 +114,7 @@ def test_the_servers_defaults_are_called_unsafe_where_their_child_died(gguf, mon
 def test_the_frozen_app_runs_the_probe_child_through_its_own_executable(gguf, monkeypatch, capsys):
     import json
 
-    from app.launcher import main
+    from specplay.app.launcher import main
 
     monkeypatch.setattr(sys, "frozen", True, raising=False)
     command = llamacpp._probe_command(gguf, LlamaSettings(False), 1)

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from core.bench import LlamaCppPeer, gguf_file
-from core.errors import ConfigError
+from specplay.core.bench import LlamaCppPeer, gguf_file
+from specplay.core.errors import ConfigError
 
 
 def test_without_the_peers_extra_the_message_names_the_install(monkeypatch):
@@ -25,9 +25,9 @@ def test_a_target_that_is_not_a_gguf_file_is_refused_clearly():
 @pytest.mark.real_model
 def test_llamacpp_decodes_the_default_target_in_the_bench(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e \".[peers]\")")
-    from core.bench import BenchSpec, Question, run_bench
-    from core.models import load_model
-    from core.models.catalog import DEFAULT_TARGET, get_entry
+    from specplay.core.bench import BenchSpec, Question, run_bench
+    from specplay.core.models import load_model
+    from specplay.core.models.catalog import DEFAULT_TARGET, get_entry
 
     if not get_entry(DEFAULT_TARGET).installed():
         pytest.skip("the default target is not installed")
@@ -55,8 +55,8 @@ def _tiny_target(tmp_path):
 def test_llamacpp_generate_decodes_greedily_and_survives_a_crashing_setting(tmp_path, monkeypatch):
     import torch
 
-    from core.errors import ModelError
-    from core.types import GenerationConfig
+    from specplay.core.errors import ModelError
+    from specplay.core.types import GenerationConfig
     from test_llamacpp_guard import _crash_with_extra_buffers
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))

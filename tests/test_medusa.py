@@ -5,16 +5,16 @@ import json
 import pytest
 import torch
 
-from core.engine import drain, generate
-from core.errors import Cancelled, ConfigError, ModelError
-from core.heads import load_heads, save_heads
-from core.methods import build_method
-from core.heads import MedusaHeads
-from core.methods.medusa import MedusaConfig
-from core.training.common import TrainSettings
-from core.training.medusa import MedusaObjective, train_medusa
-from core.tree import TreeSpec, ancestor_mask, choose_tree, path_to
-from core.types import GenerationConfig, SamplingConfig
+from specplay.core.engine import drain, generate
+from specplay.core.errors import Cancelled, ConfigError, ModelError
+from specplay.core.heads import load_heads, save_heads
+from specplay.core.methods import build_method
+from specplay.core.heads import MedusaHeads
+from specplay.core.methods.medusa import MedusaConfig
+from specplay.core.training.common import TrainSettings
+from specplay.core.training.medusa import MedusaObjective, train_medusa
+from specplay.core.tree import TreeSpec, ancestor_mask, choose_tree, path_to
+from specplay.core.types import GenerationConfig, SamplingConfig
 from tiny import loaded, native_from_hf, sgd_steps_lower, target_features, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
@@ -222,9 +222,9 @@ def test_top_k_limits_the_candidates_each_head_contributes_to_the_tree(target, t
 
 def test_draft_vocabulary_coverage_is_measured_on_held_out_sequences(target, tmp_path, monkeypatch):
     """Held-out labels half of which never occur in training: the manifest must not claim 100%."""
-    import core.training.pipeline as pipeline
-    from core.training.common import split_sequences
-    from core.training.pipeline import DataSettings, train_heads
+    import specplay.core.training.pipeline as pipeline
+    from specplay.core.training.common import split_sequences
+    from specplay.core.training.pipeline import DataSettings, train_heads
 
     model = target.model
     g = torch.Generator().manual_seed(0)
@@ -244,8 +244,8 @@ def test_draft_vocabulary_coverage_is_measured_on_held_out_sequences(target, tmp
 def test_resume_continues_only_a_checkpoint_of_the_same_target(target, tmp_path, monkeypatch, caplog):
     """Two targets training in one work folder: --resume does not continue the other target's
     checkpoint (it starts from step 0, with a warning), and does continue its own."""
-    import core.training.pipeline as pipeline
-    from core.training.pipeline import DataSettings, train_heads
+    import specplay.core.training.pipeline as pipeline
+    from specplay.core.training.pipeline import DataSettings, train_heads
 
     g = torch.Generator().manual_seed(0)
     data = target_features(target.model, [torch.randint(3, 64, (24,), generator=g).tolist() for _ in range(10)])
@@ -272,7 +272,7 @@ def test_resume_continues_only_a_checkpoint_of_the_same_target(target, tmp_path,
 def test_the_dynamic_tree_follows_the_heads_confidence_and_the_verify_cost(target, tmp_path):
     """Each step's tree goes deep where the heads are sure and wide where they are not, and holds
     only as many nodes as pay for their verification: one node when verifying is dear."""
-    from core.costmodel import CostCurve
+    from specplay.core.costmodel import CostCurve
 
     heads = make_heads_file(tmp_path / "heads.safetensors")
     method = build_method("medusa", MedusaConfig(heads=str(heads), tree="dynamic"), target)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from core.memory import memory_split, memory_text, process_rss
+from specplay.core.memory import memory_split, memory_text, process_rss
 
 
 def test_resident_memory_is_read_and_grows_with_a_private_allocation():

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.models import cache, convert, load_model
-from core.models.catalog import CatalogEntry, Part
-from core.models.linear import int8_supported
+from specplay.core.models import cache, convert, load_model
+from specplay.core.models.catalog import CatalogEntry, Part
+from specplay.core.models.linear import int8_supported
 from tiny import save_tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="no x86 quantized engine")
@@ -114,7 +114,7 @@ def test_a_full_disk_while_storing_int8_leaves_the_old_entry_usable(tmp_path, mo
 
 
 def test_models_list_shows_sizes_and_prune_frees_what_is_made_again_on_demand(tmp_path, monkeypatch, capsys):
-    from core.cli import main
+    from specplay.core.cli import main
 
     root = tmp_path / "models"
     monkeypatch.setattr(convert, "models_root", lambda: root)
@@ -139,7 +139,7 @@ def test_models_list_shows_sizes_and_prune_frees_what_is_made_again_on_demand(tm
 def test_prune_deletes_only_cache_entries_named_as_listed_and_nothing_if_one_name_is_not(tmp_path, monkeypatch):
     """Names that are paths (the user's own model folder) or walk out of the cache are refused, and
     a refused name stops the whole prune before anything is deleted."""
-    from core.errors import ModelError
+    from specplay.core.errors import ModelError
 
     root = tmp_path / "cache" / "models"
     monkeypatch.setattr(convert, "models_root", lambda: root)
@@ -248,7 +248,7 @@ def test_a_new_conversion_keeps_the_draft_files_the_old_entry_made_from_the_same
     """The llama.cpp draft and the packed int4 layers take minutes to make and are not written by a
     conversion: a new conversion of the same source keeps them (with the int4 file's record), one
     of another source does not (they would not match its weights)."""
-    from core.models.llamacpp_draft import DRAFT_GGUF
+    from specplay.core.models.llamacpp_draft import DRAFT_GGUF
 
     entry = converted_folder(tmp_path / "models" / "m", "a" * 64)
     (entry / cache.INT4_WEIGHTS).write_bytes(b"packed int4 layers")
@@ -284,7 +284,7 @@ def test_an_entry_the_new_conversion_cannot_replace_stays_whole(tmp_path, monkey
 
 
 def draft_logits(folder, monkeypatch):
-    from core.models import loader
+    from specplay.core.models import loader
 
     monkeypatch.setattr(loader, "draft_storage", lambda: "int4-draft")
     model = load_model(str(folder), device="cpu", dtype="int8", role="draft").model
@@ -299,7 +299,7 @@ def int8_cache_folder(root):
 
 
 def test_an_int4_draft_is_packed_once_then_read_packed_from_the_cache(tmp_path, monkeypatch):
-    from core.models.linear import Int4DraftLinear
+    from specplay.core.models.linear import Int4DraftLinear
 
     folder = int8_cache_folder(tmp_path)
     first = draft_logits(folder, monkeypatch)

@@ -59,17 +59,20 @@ def setuptools_dist():
 def test_packages_in_the_wheel(setuptools_dist):
     dist, _ = setuptools_dist
     packages = set(dist.packages)
-    assert {"app", "core", "core.models", "assets"} <= packages
-    assert not {p for p in packages if p.split(".")[0] in {"tests", "packaging", "build", "dist"}}
-    # assets' sub-folders are data folders (namespace packages with no modules)
-    for package in packages:
-        if package.startswith("assets."):
-            assert not list((ROOT / package.replace(".", "/")).glob("*.py")), package
+    # one installed namespace: nothing but specplay.* at the top of a user's environment
+    assert {p.split(".")[0] for p in packages} == {"specplay"}
+    assert {"specplay.app", "specplay.core", "specplay.core.models", "specplay.assets"} <= packages
+    # the list is explicit: every folder of modules under app/ and core/ is in it
+    on_disk = {"specplay." + ".".join(p.parent.relative_to(ROOT).parts)
+               for top in ("app", "core") for p in (ROOT / top).rglob("__init__.py")}
+    assert on_disk <= packages, f"packages missing from pyproject.toml: {sorted(on_disk - packages)}"
+    assert {dist.package_dir[name] for name in ("specplay.app", "specplay.core", "specplay.assets")} == {
+        "app", "core", "assets"}
 
 
 def test_wheel_carries_every_asset(setuptools_dist):
     _, data = setuptools_dist
-    shipped = set(data.get("assets", []))
+    shipped = set(data.get("specplay.assets", []))
     on_disk = _assets_on_disk()
     assert on_disk, "no assets found on disk"
     missing = sorted(str(p.relative_to(ROOT)) for p in on_disk - shipped)
@@ -86,7 +89,7 @@ def test_package_data_globs_cover_heads_before_they_exist():
 
 
 def test_resources_reachable_through_the_package():
-    files = importlib.resources.files("assets")
+    files = importlib.resources.files("specplay.assets")
     assert files.joinpath("prompts", "presets.json").is_file()
     assert any(f.name.endswith(".jsonl") for f in files.joinpath("prompts").iterdir())
     assert files.joinpath("icons", "specplay-256.png").is_file()
@@ -158,7 +161,10 @@ def test_spec_takes_assets_and_builds_one_folder():
     assert "specplay_main.py" in spec
     assert 'collect_dynamic_libs("llama_cpp")' in spec and '"llama_cpp"' in spec  # the draft engine goes in
     main_script = (PACKAGING / "specplay_main.py").read_text()
-    assert "from app.launcher import main" in main_script
+    assert "from specplay.app.launcher import main" in main_script
+    assert "pathex=[]" in spec  # the installed package is frozen, not the checkout's bare folders
+    build = (PACKAGING / "build_app.sh").read_text()
+    assert 'pip install --quiet --no-deps --force-reinstall "$ROOT"' in build and " -e " not in build
 
 
 def test_bundle_datas_carry_every_asset_into_the_assets_package():
@@ -167,7 +173,7 @@ def test_bundle_datas_carry_every_asset_into_the_assets_package():
     assert _assets_on_disk() <= sources
     for src, dest in datas:
         rel = Path(src).relative_to(ROOT / "assets")
-        assert Path(dest) == Path("assets") / rel.parent
+        assert Path(dest) == Path("specplay", "assets") / rel.parent
 
 
 def test_bundle_keeps_only_the_qt_modules_the_app_uses():
@@ -229,7 +235,7 @@ def test_the_build_installs_the_draft_engine_without_its_server(tmp_path):
 def test_entry_point_calls_freeze_support_first(monkeypatch):
     import multiprocessing
 
-    from app import launcher
+    from specplay.app import launcher
 
     class Called(Exception):
         pass

@@ -4,9 +4,9 @@ import pytest
 
 pytest.importorskip("PySide6")
 
-from app.charts import Series  # noqa: E402
-from app.xray import tooltip_html  # noqa: E402
-from core.types import Fate, StepEvent, StepTiming, TokenEvent  # noqa: E402
+from specplay.app.charts import Series  # noqa: E402
+from specplay.app.xray import tooltip_html  # noqa: E402
+from specplay.core.types import Fate, StepEvent, StepTiming, TokenEvent  # noqa: E402
 
 
 def _step(tokens, stood_down=None, drafted=0):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
+from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
 
 pytestmark = pytest.mark.real_model
 
@@ -33,7 +33,7 @@ def _require(model_id):
 
 @pytest.fixture(scope="module")
 def draft_f32():
-    from core.models import load_model
+    from specplay.core.models import load_model
 
     _require(DEFAULT_DRAFT)
     return load_model(DEFAULT_DRAFT, "cpu", "float32")
@@ -42,8 +42,8 @@ def draft_f32():
 def test_native_matches_transformers_on_the_real_0_5b(draft_f32):
     from transformers import AutoModelForCausalLM
 
-    from core.models.hf_backend import HFCausalLM
-    from core.text import encode_prompt
+    from specplay.core.models.hf_backend import HFCausalLM
+    from specplay.core.text import encode_prompt
 
     ids = encode_prompt(draft_f32.tokenizer, "Write a Python function that checks whether a number is prime.")
     hf = HFCausalLM(AutoModelForCausalLM.from_pretrained(str(draft_f32.path), dtype=torch.float32), name="hf")
@@ -57,10 +57,10 @@ def test_native_matches_transformers_on_the_real_0_5b(draft_f32):
 def test_autoregressive_equals_transformers_generate(draft_f32):
     from transformers import AutoModelForCausalLM
 
-    from core.engine import drain, generate
-    from core.methods import build_method
-    from core.text import encode_prompt
-    from core.types import GenerationConfig
+    from specplay.core.engine import drain, generate
+    from specplay.core.methods import build_method
+    from specplay.core.text import encode_prompt
+    from specplay.core.types import GenerationConfig
 
     ids = encode_prompt(draft_f32.tokenizer, "Implement binary search in Python.")
     ours = drain(generate(draft_f32.model, draft_f32.tokenizer, build_method("autoregressive", None, draft_f32), ids,
@@ -73,10 +73,10 @@ def test_autoregressive_equals_transformers_generate(draft_f32):
 def test_default_pair_speculation_is_lossless():
     """On the default target and draft (int8 storage), every method emits greedy decoding's tokens,
     and the shipped Medusa and EAGLE heads draft tokens the target accepts."""
-    from core.compare import compare_methods
-    from core.models import check_draft_compatible, load_model
-    from core.text import encode_prompt
-    from core.types import GenerationConfig
+    from specplay.core.compare import compare_methods
+    from specplay.core.models import check_draft_compatible, load_model
+    from specplay.core.text import encode_prompt
+    from specplay.core.types import GenerationConfig
 
     _require(DEFAULT_TARGET)
     _require(DEFAULT_DRAFT)
@@ -99,11 +99,11 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
     """Where llama-cpp-python is installed, the default quantized CPU draft runs on llama.cpp in
     4 bits (IQ4_NL layers, made once into the cache); greedy speculation still emits exactly
     greedy decoding's tokens."""
-    from core.compare import compare_methods
-    from core.models import check_draft_compatible, load_model
-    from core.models.linear import int8_supported
-    from core.text import encode_prompt
-    from core.types import GenerationConfig
+    from specplay.core.compare import compare_methods
+    from specplay.core.models import check_draft_compatible, load_model
+    from specplay.core.models.linear import int8_supported
+    from specplay.core.text import encode_prompt
+    from specplay.core.types import GenerationConfig
     from tiny import need_llama_cpp
 
     need_llama_cpp()
@@ -124,8 +124,8 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
 
 def test_cancelling_the_first_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     """Cancel while the child process dequantizes: Cancelled, no model folder, no temporary files."""
-    from core.errors import Cancelled
-    from core.models.convert import models_root, prepare_catalog_model
+    from specplay.core.errors import Cancelled
+    from specplay.core.models.convert import models_root, prepare_catalog_model
 
     _require(DEFAULT_DRAFT)
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))

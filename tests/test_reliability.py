@@ -7,13 +7,13 @@ import os
 import pytest
 import torch
 
-from core.cli import main
-from core.engine import drain, generate
-from core.errors import ModelError
-from core.history import History
-from core.methods import build_method
-from core.runlog import run_record, write_jsonl_atomic
-from core.types import GenerationConfig, StopReason
+from specplay.core.cli import main
+from specplay.core.engine import drain, generate
+from specplay.core.errors import ModelError
+from specplay.core.history import History
+from specplay.core.methods import build_method
+from specplay.core.runlog import run_record, write_jsonl_atomic
+from specplay.core.types import GenerationConfig, StopReason
 from tiny import loaded, native_from_hf, save_tiny_model, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8]
@@ -45,7 +45,7 @@ def test_out_of_memory_while_generating_ends_the_run_with_what_it_made(target, m
 
 
 def test_out_of_memory_while_loading_is_a_clear_error(tmp_path, monkeypatch):
-    from core.models import loader, native
+    from specplay.core.models import loader, native
 
     folder = save_tiny_model(tmp_path / "m")
 
@@ -116,7 +116,7 @@ def test_cli_log_on_a_full_disk(tmp_path, capsys, monkeypatch):
 
 # ------------------------------------------------------------------------------ atomic writes
 def test_a_write_that_fails_half_way_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
-    from core.atomic import replacing
+    from specplay.core.atomic import replacing
 
     path = tmp_path / "out.bin"
     path.write_bytes(b"old")
@@ -130,7 +130,7 @@ def test_a_write_that_fails_half_way_keeps_the_old_file_and_leaves_no_temporary(
 
 def test_a_replaced_file_keeps_its_permissions_and_a_new_one_gets_the_usual_ones(tmp_path, monkeypatch):
     """Some serializers (safetensors) create files for the owner alone; what SpecPlay writes does not."""
-    from core import atomic
+    from specplay.core import atomic
 
     monkeypatch.setattr(atomic, "_UMASK", 0o022)
     for name, before, after in [("new.bin", None, 0o644), ("shared.bin", 0o664, 0o664)]:
@@ -152,7 +152,7 @@ def _full_disk(monkeypatch):
 
 
 def test_bench_outputs_on_a_full_disk_keep_the_previous_run(target, tmp_path, monkeypatch):
-    from core.bench import BenchSpec, Question, run_bench
+    from specplay.core.bench import BenchSpec, Question, run_bench
 
     spec = BenchSpec(methods=["autoregressive"], max_new_tokens=4, warmup=0, chat_template=False)
     run_bench(target, None, [Question(1, "code", ("ab",))], spec, tmp_path, log=lambda m: None)
@@ -166,7 +166,7 @@ def test_bench_outputs_on_a_full_disk_keep_the_previous_run(target, tmp_path, mo
 def test_a_feature_shard_that_fails_half_way_is_not_left_to_look_finished(tmp_path, monkeypatch):
     import safetensors.torch
 
-    from core.training.data import FeatureSet
+    from specplay.core.training.data import FeatureSet
 
     def torn(tensors, filename, metadata=None):
         with open(filename, "wb") as f:
@@ -183,7 +183,7 @@ def test_a_feature_shard_that_fails_half_way_is_not_left_to_look_finished(tmp_pa
 def test_the_heads_manifest_sidecar_is_written_atomically(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from core.heads import save_heads
+    from specplay.core.heads import save_heads
 
     path = tmp_path / "heads.safetensors"
     manifest = {"kind": "medusa", "steps": 1}
@@ -214,7 +214,7 @@ def _trained_pair(seed):
 
 
 def test_a_checkpoint_round_trip_restores_the_training_state(tmp_path):
-    from core.training.common import Checkpoint
+    from specplay.core.training.common import Checkpoint
 
     ck = Checkpoint(tmp_path / "ck.pt")
     module, optimizer = _trained_pair(0)
@@ -239,8 +239,8 @@ class _Planted:
 
 
 def test_a_checkpoint_holding_other_objects_is_refused_unrun(tmp_path):
-    from core.errors import SpecPlayError
-    from core.training.common import Checkpoint
+    from specplay.core.errors import SpecPlayError
+    from specplay.core.training.common import Checkpoint
 
     module, optimizer = _trained_pair(0)
     path = tmp_path / "ck.pt"

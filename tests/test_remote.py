@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from core import remote
-from core.errors import ConfigError
-from core.remote import (Endpoint, RemoteError, api_key, compare_endpoints, format_remote_table, llamacpp_spec_stats,
+from specplay.core import remote
+from specplay.core.errors import ConfigError
+from specplay.core.remote import (Endpoint, RemoteError, api_key, compare_endpoints, format_remote_table, llamacpp_spec_stats,
                          parse_prometheus, remote_record, sglang_spec_stats, stream_completion, vllm_spec_stats)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "remote"
@@ -69,7 +69,7 @@ def test_bad_ports_timeouts_and_urls_are_refused_in_one_line(spec):
 
 
 def test_a_bad_port_on_the_command_line_is_a_message_not_a_traceback(capsys):
-    from core.cli import main
+    from specplay.core.cli import main
 
     assert main(["run", "--engine", "http://127.0.0.1:99999/v1", "--prompt", "x"]) == 1
     assert "port" in capsys.readouterr().err
@@ -263,7 +263,7 @@ def test_bad_endpoints_give_clear_messages_and_keep_what_arrived():
 
 
 def test_compare_and_run_from_the_command_line(tmp_path, capsys):
-    from core.cli import main
+    from specplay.core.cli import main
 
     log = tmp_path / "runs.jsonl"
     with FakeEngine(spec="none") as plain, FakeEngine(spec="vllm") as spec:
@@ -389,7 +389,7 @@ def test_json_of_the_wrong_shape_is_a_malformed_reply_and_the_text_is_kept(bad):
 
 
 def test_a_completion_of_the_wrong_shape_is_a_message_on_the_command_line(capsys):
-    from core.cli import main
+    from specplay.core.cli import main
 
     bad = sse({"choices": [{"index": 0, "text": ["w2 "]}]})
     with RawServer(streaming(sse({"choices": [{"index": 0, "text": "w0 "}]}), bad, FINISH,
@@ -504,7 +504,7 @@ class LlamaCppServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self):
-        from core.remote import list_models, RemoteError
+        from specplay.core.remote import list_models, RemoteError
 
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -534,13 +534,13 @@ def test_llamacpp_server_with_and_without_its_draft(tmp_path):
         if os.environ.get("SPECPLAY_REQUIRE_PEERS"):
             pytest.fail(message)
         pytest.skip(message)
-    from core.models.catalog import CATALOG, DEFAULT_TARGET
-    from core.models.convert import catalog_gguf
+    from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
+    from specplay.core.models.convert import catalog_gguf
 
     if not CATALOG[DEFAULT_TARGET].installed():
         pytest.skip("the default target is not installed")
     gguf = catalog_gguf(CATALOG[DEFAULT_TARGET])
-    from core.models.llamacpp import defaults_unsafe
+    from specplay.core.models.llamacpp import defaults_unsafe
 
     why = defaults_unsafe(gguf, 2)  # the server opens models with llama.cpp's defaults: try them in a child first
     if why:
@@ -561,7 +561,7 @@ def test_llamacpp_server_with_and_without_its_draft(tmp_path):
 def test_an_endpoint_is_benchmarked_beside_local_methods(tmp_path):
     import torch
 
-    from core.bench import BenchSpec, Question, run_bench
+    from specplay.core.bench import BenchSpec, Question, run_bench
     from tests.tiny import loaded, tiny_pair
 
     target = loaded(tiny_pair(dtype=torch.float64)[0])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from core.models.native import greedy_batch
+from specplay.core.models.native import greedy_batch
 from tests.tiny import tiny_pair
 
 KEY = "sha256 of the tiny target's weights"
@@ -69,8 +69,8 @@ def test_answer_generation_resumes_after_a_cancel(tmp_path):
     rest, and the result is the one an uninterrupted run gives."""
     import pytest
 
-    from core.errors import Cancelled
-    from core.training.data import generate_answers
+    from specplay.core.errors import Cancelled
+    from specplay.core.training.data import generate_answers
 
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
@@ -100,7 +100,7 @@ def test_answer_generation_resumes_after_a_cancel(tmp_path):
 def test_fewer_prompts_take_their_answers_from_a_larger_earlier_run(tmp_path):
     """Data-size experiments reuse one generation: asking for the first n prompts returns just
     their answers, without generating anything."""
-    from core.training.data import generate_answers
+    from specplay.core.training.data import generate_answers
 
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
@@ -122,7 +122,7 @@ def test_a_saved_corpus_stands_in_for_generating(tmp_path):
     """The token ids of finished answers, kept in a corpus file, give a fresh work folder the same
     data without generating: the target reads each answer once (teacher forcing), and its
     features and labels are those the generation kept."""
-    from core.training.data import generate_answers, load_corpus, save_corpus
+    from specplay.core.training.data import generate_answers, load_corpus, save_corpus
 
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
@@ -147,7 +147,7 @@ def test_a_corpus_answer_is_used_only_where_it_answers_that_prompt_in_full(tmp_p
     """Answers cut short by a smaller length limit are generated again for a larger one (a cut
     answer is not the answer), used and cut for a smaller one; a corpus entry for another prompt
     is ignored; the corpus file grows, it is never replaced by a smaller one."""
-    from core.training.data import generate_answers, load_corpus, save_corpus, usable_answer
+    from specplay.core.training.data import generate_answers, load_corpus, save_corpus, usable_answer
 
     stop = {2}
     assert usable_answer([7, 8, 9, 10], [7, 8], 2, stop) == [7, 8, 9, 10]
@@ -185,7 +185,7 @@ def test_an_unreadable_or_foreign_corpus_is_not_used(tmp_path, caplog):
     saved: it reads as empty, with a line in the log saying why."""
     import logging
 
-    from core.training.data import generate_answers, load_corpus, save_corpus
+    from specplay.core.training.data import generate_answers, load_corpus, save_corpus
 
     model, _ = tiny_pair(dtype=torch.float64)
     tok = chat_tokenizer()
@@ -204,7 +204,7 @@ def test_an_unreadable_or_foreign_corpus_is_not_used(tmp_path, caplog):
 
 def chat_model(path, seed):
     """A tiny model folder with a chat template, loaded as a target."""
-    from core.models import load_model
+    from specplay.core.models import load_model
     from tests.tiny import save_tiny_model
 
     folder = save_tiny_model(path, seed=seed)
@@ -214,7 +214,7 @@ def chat_model(path, seed):
 
 def prepared(target, workdir, monkeypatch, prompts):
     """`specplay train --data-only` on a few instructions and one short text."""
-    from core.training import pipeline
+    from specplay.core.training import pipeline
 
     monkeypatch.setattr(pipeline, "instruction_prompts", lambda n, seed: prompts[:n])
     monkeypatch.setattr(pipeline, "code_sequences", lambda tok, n, seq_len, seed: [[4, 5, 6, 7, 8, 9, 10, 11]])
@@ -266,8 +266,8 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
     hashed once and remembered until a file changes; a hub snapshot by the names of its blobs."""
     import shutil
 
-    from core.models.cache import write_marker
-    from core.training import pipeline
+    from specplay.core.models.cache import write_marker
+    from specplay.core.training import pipeline
     from tests.tiny import save_tiny_model
 
     def quiet(stage, fraction):
@@ -299,9 +299,9 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
 def test_the_committed_corpus_is_read_for_the_default_target_alone():
     """The project's corpus predates corpora recording their target's weights: it is taken for the
     default target as the catalog pins it, not for other weights that share its name."""
-    from core.models.catalog import CATALOG, DEFAULT_TARGET
-    from core.training.data import load_corpus
-    from core.training.pipeline import shipped_corpus
+    from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
+    from specplay.core.training.data import load_corpus
+    from specplay.core.training.pipeline import shipped_corpus
 
     path = shipped_corpus(DEFAULT_TARGET)
     assert len(load_corpus(path, DEFAULT_TARGET, CATALOG[DEFAULT_TARGET].sha256)) > 2000
@@ -313,8 +313,8 @@ def test_a_corpus_keeps_the_answers_of_its_own_target_alone(tmp_path):
     and records it; without saying which, it refuses to guess."""
     import pytest
 
-    from core.errors import SpecPlayError
-    from core.training.data import generate_answers, load_corpus, save_corpus
+    from specplay.core.errors import SpecPlayError
+    from specplay.core.training.data import generate_answers, load_corpus, save_corpus
 
     tok = chat_tokenizer()
     (one, _), (other, _) = tiny_pair(dtype=torch.float64, seed=0), tiny_pair(dtype=torch.float64, seed=1)

@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from core.cli import main
-from core.methods.eagle import EagleConfig
+from specplay.core.cli import main
+from specplay.core.methods.eagle import EagleConfig
 from test_eagle3 import _run
 
 
@@ -15,7 +15,7 @@ def test_specplay_train_eagle3_prints_tau_sim_and_writes_a_head_the_method_runs(
     accuracy, and the head drafts exactly (greedy output unchanged)."""
     from transformers import AutoTokenizer
 
-    from core.models import load_model
+    from specplay.core.models import load_model
     from tiny import save_tiny_model
 
     folder = save_tiny_model(tmp_path / "chat", seed=0, layers=3)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from core.models.hf_backend import HFCausalLM
-from core.models.native import DecoderConfig, NativeDecoder
+from specplay.core.models.hf_backend import HFCausalLM
+from specplay.core.models.native import DecoderConfig, NativeDecoder
 
 
 def tiny_hf_config(arch: str = "qwen2", vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 4,
@@ -93,7 +93,7 @@ def perturbed_copy(model, scale: float = 0.05, seed: int = 123):
 
 def loaded(native, tokenizer=None, spec: str = "tiny"):
     """Wrap a model as ``LoadedModel`` (what methods and the CLI take)."""
-    from core.models.loader import LoadedModel
+    from specplay.core.models.loader import LoadedModel
 
     return LoadedModel(model=native, tokenizer=tokenizer or tiny_tokenizer(native.info.vocab_size), spec=spec,
                        path=None)
@@ -101,7 +101,7 @@ def loaded(native, tokenizer=None, spec: str = "tiny"):
 
 def target_features(model, sequences):
     """A FeatureSet of ``model``'s final hidden states and argmax labels over ``sequences`` (for trainer tests)."""
-    from core.training.data import FeatureSet
+    from specplay.core.training.data import FeatureSet
 
     feats, toks, labels, starts = [], [], [], [0]
     for s in sequences:
@@ -137,7 +137,7 @@ class ConstantLM:
     """
 
     def __init__(self, probs: list[float], name: str = "constant"):
-        from core.models.base import ModelInfo
+        from specplay.core.models.base import ModelInfo
 
         p = torch.tensor(probs, dtype=torch.float64)
         self.logits_row = torch.where(p > 0, p.log(), torch.tensor(float("-inf"), dtype=torch.float64))
@@ -156,7 +156,7 @@ class ConstantLM:
 
     def forward(self, tokens, positions=None, attn_mask=None, *, hidden=False, layers=(), logit_rows=None,
                 prefill=False):
-        from core.models.base import ForwardOutput
+        from specplay.core.models.base import ForwardOutput
 
         n = len(logit_rows) if logit_rows is not None else len(torch.as_tensor(tokens).reshape(-1))
         self._pending = len(torch.as_tensor(tokens).reshape(-1))
@@ -181,7 +181,7 @@ def need_llama_cpp() -> None:
 
     import pytest
 
-    from core.models.llamacpp import available
+    from specplay.core.models.llamacpp import available
 
     why = available()
     if why:

@@ -1,8 +1,8 @@
 """Trainable draft heads (Medusa, EAGLE) and their files, used by the methods and the trainers."""
 
-from core.heads.eagle import EagleHead, head_config
-from core.heads.files import draft_lm_rows, load_heads, resolve_heads_path, save_heads, shipped_path
-from core.heads.medusa import MedusaHeads
+from specplay.core.heads.eagle import EagleHead, head_config
+from specplay.core.heads.files import draft_lm_rows, load_heads, resolve_heads_path, save_heads, shipped_path
+from specplay.core.heads.medusa import MedusaHeads
 
 __all__ = ["EagleHead", "MedusaHeads", "draft_lm_rows", "head_config", "load_heads", "resolve_heads_path",
            "save_heads", "shipped_path"]

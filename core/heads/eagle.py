@@ -1,7 +1,7 @@
 """The EAGLE head: a projection of [token embedding, feature] (2h -> h) and one decoder layer.
 
-Shared by the method (:mod:`core.methods.eagle`, which drafts with it) and the trainer
-(:mod:`core.training.eagle`). The layer is shaped like the target's, so it can start from
+Shared by the method (:mod:`specplay.core.methods.eagle`, which drafts with it) and the trainer
+(:mod:`specplay.core.training.eagle`). The layer is shaped like the target's, so it can start from
 the target's last layer (:func:`init_from_target_layer`).
 """
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.models.native import DecoderConfig, LayerWeights, rms_norm, rope_tables, rotate_half
+from specplay.core.models.native import DecoderConfig, LayerWeights, rms_norm, rope_tables, rotate_half
 
 
 def head_config(target_cfg: DecoderConfig, intermediate: int | None = None) -> DecoderConfig:

@@ -1,6 +1,6 @@
 """The EAGLE-3 head (Li et al. 2025): fused target layers in, tokens out.
 
-Differences from the classic head (:class:`core.heads.eagle.EagleHead`, whose decoder layer
+Differences from the classic head (:class:`specplay.core.heads.eagle.EagleHead`, whose decoder layer
 and drafting structure it keeps):
 
 - its first input feature is not the target's final hidden state but a linear fusion of a
@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.heads.eagle import EagleHead, init_from_target_layer
-from core.models.native import DecoderConfig, rms_norm
+from specplay.core.heads.eagle import EagleHead, init_from_target_layer
+from specplay.core.models.native import DecoderConfig, rms_norm
 
 
 class Eagle3Head(EagleHead):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from core.atomic import replacing, write_text_atomic
-from core.errors import ModelError
-from core.paths import assets_dir
+from specplay.core.atomic import replacing, write_text_atomic
+from specplay.core.errors import ModelError
+from specplay.core.paths import assets_dir
 
 
 _SCALE = ":row_scale"  # a matrix stored in int8 has its per-row scales under this suffix
@@ -103,7 +103,7 @@ def resolve_heads_path(given: str, kind: str, target_spec: str) -> Path:
 
 def draft_lm_rows(target, vocab_ids: torch.Tensor, path: Path):
     """The target's frozen LM head restricted to a heads file's draft vocabulary, in the target's storage."""
-    from core.models.linear import make_linear, storage_of
+    from specplay.core.models.linear import make_linear, storage_of
 
     _check_vocab_ids(vocab_ids, target.info.vocab_size, path)
     return make_linear(target.lm_head_weight()[vocab_ids], None, storage_of(target.info))

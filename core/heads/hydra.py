@@ -9,7 +9,7 @@ head k carries a state along the path: s_0 = h_t, and
 reads the state of the head before it and the embedding of the token drafted before its own
 (head 1: the root token, which the target produced), then maps s_k to x_{t+k+1} through the
 target's frozen LM head rows. Trained with the path's true tokens (teacher forcing) against
-the target's distribution (Hydra++'s teacher loss, :mod:`core.training.hydra`).
+the target's distribution (Hydra++'s teacher loss, :mod:`specplay.core.training.hydra`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class HydraHeads(nn.Module):
                    ranks: Sequence[int], depth_of: Sequence[int], logits: Callable[[torch.Tensor], torch.Tensor],
                    embed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """A static tree's candidates for ``B`` roots at once: ``hidden`` ``[B, h]``, ``root_embeds``
-        ``[B, h]``; nodes ordered by depth, parents first (:class:`core.tree.TreeSpec`). ``logits``
+        ``[B, h]``; nodes ordered by depth, parents first (:class:`specplay.core.tree.TreeSpec`). ``logits``
         maps states to draft-vocabulary logits, ``embed`` draft-vocabulary indices to embeddings.
         Returns each node's draft-vocabulary index and draft probability, both ``[B, n]``."""
         n = len(parents)

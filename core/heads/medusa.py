@@ -1,6 +1,6 @@
 """Medusa heads: K residual blocks on the target's last hidden state, one per future position.
 
-Shared by the method (:mod:`core.methods.medusa`) and the trainer (:mod:`core.training.medusa`);
+Shared by the method (:mod:`specplay.core.methods.medusa`) and the trainer (:mod:`specplay.core.training.medusa`);
 logits come from the target's frozen LM head rows of the draft vocabulary.
 """
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from core.errors import ConfigError
-from core.methods.autoregressive import Autoregressive, AutoregressiveConfig
-from core.methods.base import Method, MethodConfig
-from core.methods.eagle import Eagle, EagleConfig
-from core.methods.lookahead import Lookahead, LookaheadConfig
-from core.methods.medusa import Medusa, MedusaConfig
-from core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
-from core.methods.speculative import Speculative, SpeculativeConfig
+from specplay.core.errors import ConfigError
+from specplay.core.methods.autoregressive import Autoregressive, AutoregressiveConfig
+from specplay.core.methods.base import Method, MethodConfig
+from specplay.core.methods.eagle import Eagle, EagleConfig
+from specplay.core.methods.lookahead import Lookahead, LookaheadConfig
+from specplay.core.methods.medusa import Medusa, MedusaConfig
+from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
+from specplay.core.methods.speculative import Speculative, SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.methods.base import Method, MethodConfig
-from core.types import Draft
+from specplay.core.methods.base import Method, MethodConfig
+from specplay.core.types import Draft
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a decoding method is: a proposer with its own drafting state.
 
-A method never accepts tokens. Each step it *proposes* a :class:`~core.types.Draft` (a
+A method never accepts tokens. Each step it *proposes* a :class:`~specplay.core.types.Draft` (a
 chain or a tree, with draft probabilities when it has them); the engine runs the target,
 the verifier decides, the target cache commits the accepted path, and the method
 *observes* the outcome to update its own state (draft caches, n-gram pools, γ).
@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from core.models.base import CausalLM, ForwardOutput
-from core.types import Draft, GenerationConfig, Verdict
+from specplay.core.models.base import CausalLM, ForwardOutput
+from specplay.core.types import Draft, GenerationConfig, Verdict
 
 
 @dataclass
@@ -103,7 +103,7 @@ class MethodConfig:
         """Each field must have its declared type, be finite, and lie within its bounds and choices."""
         import math
 
-        from core.errors import ConfigError
+        from specplay.core.errors import ConfigError
 
         for f in fields(self):
             value = getattr(self, f.name)

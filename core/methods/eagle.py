@@ -15,7 +15,7 @@ Drafting: ``chain`` follows the top token for ``depth`` steps (EAGLE-1). ``dynam
 (EAGLE-2) takes the ``top_k`` children of the root, then at each further level expands the
 ``top_k`` frontier nodes with the highest cumulative log-probability, and finally keeps the
 best nodes of all levels for verification: at most ``total_tokens``, and with ``auto_size``
-only as many as pay for their verification on this machine (:mod:`core.costmodel`); a level
+only as many as pay for their verification on this machine (:mod:`specplay.core.costmodel`); a level
 whose nodes are all too unlikely to pay is then not grown (with the shipped head on two cores
 this rarely cuts a level: docs/benchmarks.md). The head keeps its own KV cache of (true
 feature, token) pairs across steps; draft-time entries are cropped after each step and the
@@ -30,13 +30,13 @@ from typing import Callable
 
 import torch
 
-from core.costmodel import CostCurve, best_size, cost_curve
-from core.errors import ModelError
-from core.heads import draft_lm_rows, head_config, load_heads, resolve_heads_path
-from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
-from core.models.linear import make_linear, storage_of
-from core.models.native import DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
-from core.types import Draft
+from specplay.core.costmodel import CostCurve, best_size, cost_curve
+from specplay.core.errors import ModelError
+from specplay.core.heads import draft_lm_rows, head_config, load_heads, resolve_heads_path
+from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.models.linear import make_linear, storage_of
+from specplay.core.models.native import DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
+from specplay.core.types import Draft
 
 
 class EagleDrafter:
@@ -104,7 +104,7 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
               worth_adding: Callable[[list[float]], float] | None = None) -> Draft:
     """EAGLE-2's dynamic tree from the head's prediction ``feat`` at ``root`` (the drafter's cache
     holds the true pairs before it): drafting uses it, and so does training's simulated τ
-    (:mod:`core.training.tau`). ``cost`` sizes the kept draft and, with ``worth_adding`` (the
+    (:mod:`specplay.core.training.tau`). ``cost`` sizes the kept draft and, with ``worth_adding`` (the
     least chance one more node must have to pay), stops growing levels that cannot pay."""
     k = top_k
     d = drafter
@@ -198,7 +198,7 @@ class Eagle(Method):
 
     def __init__(self, config: EagleConfig, target, target_spec: str):
         super().__init__(config)
-        from core.models.native import NativeDecoder
+        from specplay.core.models.native import NativeDecoder
 
         path = resolve_heads_path(config.head, "eagle", target_spec)
         tensors, manifest = load_heads(path, "eagle", target)
@@ -224,7 +224,7 @@ class Eagle(Method):
 
     @staticmethod
     def _eagle3_parts(tensors: dict, manifest: dict, target, path):
-        """An EAGLE-3 head (:mod:`core.heads.eagle3`) reads the target's fused layers, not its final
+        """An EAGLE-3 head (:mod:`specplay.core.heads.eagle3`) reads the target's fused layers, not its final
         hidden state, and puts its states through its own norm before the LM head rows."""
         if manifest.get("recipe") != "eagle3":
             return None, None, ()

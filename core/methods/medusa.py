@@ -12,15 +12,15 @@ small (2.4 M parameters each) and makes drafting and training cheap on a CPU. To
 outside the draft vocabulary are never drafted; the target still produces them.
 
 Candidates: each depth's top-k tokens from its head form a static tree declared as paths
-of ranks (:class:`core.tree.TreeSpec`). The default tree takes the paths with the highest
+of ranks (:class:`specplay.core.tree.TreeSpec`). The default tree takes the paths with the highest
 estimated acceptance (the product of the heads' measured accuracies), as many as pay for
-their verification on this machine (:mod:`core.costmodel`): a handful on a CPU, dozens on
+their verification on this machine (:mod:`specplay.core.costmodel`): a handful on a CPU, dozens on
 a GPU. The target verifies the tree in one pass;
 candidates are deterministic, so verification is exact (and lossless at temperature > 0).
 Medusa's typical acceptance is available as an option and is labelled lossy.
 
 Heads trained with the Hydra recipe (``"recipe": "hydra"`` in their manifest,
-:mod:`core.heads.hydra`) read the tokens drafted before theirs: the tree's candidates are
+:mod:`specplay.core.heads.hydra`) read the tokens drafted before theirs: the tree's candidates are
 then drawn depth by depth along each path, each head fed its parent's state and token.
 """
 
@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from core.errors import ConfigError, ModelError
-from core.costmodel import CostCurve, best_size, cost_curve
-from core.heads import MedusaHeads, draft_lm_rows, load_heads, resolve_heads_path
-from core.heads.hydra import HydraHeads
-from core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
-from core.tree import TreeSpec, choose_tree
-from core.types import Draft
+from specplay.core.errors import ConfigError, ModelError
+from specplay.core.costmodel import CostCurve, best_size, cost_curve
+from specplay.core.heads import MedusaHeads, draft_lm_rows, load_heads, resolve_heads_path
+from specplay.core.heads.hydra import HydraHeads
+from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.tree import TreeSpec, choose_tree
+from specplay.core.types import Draft
 
 NAMED_TREES = {"auto": "the most valuable paths by measured accuracy, as many as pay for their verification here",
                "dynamic": "chosen afresh each step by the heads' confidence, as many as pay for their verification",

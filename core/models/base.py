@@ -116,7 +116,7 @@ class CausalLM(ABC):
 
     def head_rows(self, rows: int):
         """A linear layer for the LM head's first ``rows`` outputs (a draft vocabulary), in this model's storage."""
-        from core.models.linear import make_linear
+        from specplay.core.models.linear import make_linear
 
         storage = {"int8": "int8-draft", "int4": "int4-draft"}.get(self.info.dtype, "float")
         return make_linear(self.lm_head_weight()[:rows], None, storage)

@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from core.atomic import replacing, write_text_atomic
+from specplay.core.atomic import replacing, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def write_int8_weights(tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]
     """Write (name, float tensor) pairs as an int8 weights file: matrices quantized per row."""
     from safetensors.torch import save_file
 
-    from core.models.linear import QuantizedWeight
+    from specplay.core.models.linear import QuantizedWeight
 
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors():
@@ -169,7 +169,7 @@ class CachedWeightsReader:
         return list(self._entries)
 
     def get(self, name: str):
-        from core.models.linear import Int4Packed, QuantizedWeight
+        from specplay.core.models.linear import Int4Packed, QuantizedWeight
 
         if name + _Q in self._entries:
             return QuantizedWeight(self.read(name + _Q), self.read(name + _SCALE))

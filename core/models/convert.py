@@ -3,7 +3,7 @@
 ``transformers`` reads GGUF and dequantizes it to float32, which takes about a minute per
 billion parameters on a laptop CPU; the cache then keeps the weights in the form the model
 runs on (int8 on a CPU, float32 only when a float dtype is asked for; see
-:mod:`core.models.cache`), which loads in seconds. The conversion runs in a child process
+:mod:`specplay.core.models.cache`), which loads in seconds. The conversion runs in a child process
 and writes into a temporary directory that is renamed into place, so a cancelled, failed or
 killed conversion (a full disk included) never leaves a half-written model behind, and the
 entry it replaces stays usable until then; that entry's files made by loads from the same
@@ -26,15 +26,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from core.errors import Cancelled, ModelError
-from core.atomic import replacing
-from core.models.cache import (FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, MARKER, WEIGHT_KINDS, add_int8_weights,
+from specplay.core.errors import Cancelled, ModelError
+from specplay.core.atomic import replacing
+from specplay.core.models.cache import (FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, MARKER, WEIGHT_KINDS, add_int8_weights,
                                check_weights, folder_size, read_marker, record_weights, weights_name,
                                write_int8_weights, write_marker)
-from core.models.catalog import CatalogEntry
-from core.models.llamacpp_draft import DRAFT_GGUF
-from core.paths import cache_dir
-from core.progress import Progress, ShouldCancel, log_progress, never
+from specplay.core.models.catalog import CatalogEntry
+from specplay.core.models.llamacpp_draft import DRAFT_GGUF
+from specplay.core.paths import cache_dir
+from specplay.core.progress import Progress, ShouldCancel, log_progress, never
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from core.atomic import write_text_atomic
-from core.paths import cache_dir
+from specplay.core.atomic import write_text_atomic
+from specplay.core.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def cpu_name() -> str:
 
 def machine_key() -> str:
     """This CPU: its model name and a digest of its feature flags (what decides which kernels run)."""
-    from core.models.linear import cpu_flags
+    from specplay.core.models.linear import cpu_flags
 
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
     return f"{cpu_name() or 'unknown CPU'} [{flags}] torch {torch.__version__} {torch.get_num_threads()} threads"
@@ -87,7 +87,7 @@ def measured(key: str, measure: Callable[[], dict]) -> dict:
 
 def _engine_report(progress=None) -> dict:
     """Each candidate engine's exactness and fastest time per block size on a 1536 x 8960 layer."""
-    from core.models.linear import Int8RowExactLinear, QuantizedWeight
+    from specplay.core.models.linear import Int8RowExactLinear, QuantizedWeight
 
     if progress:
         progress("Measuring this machine's int8 kernels (once)", None)

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
+from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
 
 
 class HFCausalLM(CausalLM):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.errors import ConfigError
+from specplay.core.errors import ConfigError
 
 
 class FloatLinear:

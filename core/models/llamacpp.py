@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from core.errors import ModelError
-from core.models.engines import machine_key, read_table, write_table
-from core.paths import cache_dir
+from specplay.core.errors import ModelError
+from specplay.core.models.engines import machine_key, read_table, write_table
+from specplay.core.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -234,12 +234,13 @@ def _probe_command(gguf: Path, settings: LlamaSettings, threads: int) -> list[st
     args = [str(gguf), str(int(settings.extra_buffers)), str(int(settings.flash_attn)), str(threads)]
     if getattr(sys, "frozen", False):  # a PyInstaller app: no ``-m``, the executable runs the child itself
         return [sys.executable, PROBE_ARGUMENT, *args]
-    return [sys.executable, "-m", "core.models.llamacpp", *args]
+    return [sys.executable, "-m", "specplay.core.models.llamacpp", *args]
 
 
 def _import_root() -> str:
-    """The folder from which ``core`` imports (the child must find the same package)."""
-    import core
+    """The folder that holds the installed ``specplay`` (or, installed editable, this checkout):
+    the child's working folder, so that nothing there shadows the package it imports."""
+    from specplay import core
 
     return str(Path(core.__file__).resolve().parent.parent)
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from core.atomic import replacing
-from core.errors import ModelError
-from core.models.base import CausalLM, ForwardOutput, ModelInfo
-from core.models.llamacpp import LlamaCppFileError, LlamaCppSession, LlamaSettings, ProbeResult, usable_settings
-from core.progress import Progress, log_progress
+from specplay.core.atomic import replacing
+from specplay.core.errors import ModelError
+from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo
+from specplay.core.models.llamacpp import LlamaCppFileError, LlamaCppSession, LlamaSettings, ProbeResult, usable_settings
+from specplay.core.progress import Progress, log_progress
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,8 @@ def _open_draft(spec, folder, config, eos, progress) -> tuple[LlamaCppDraft | No
 
 def _make_draft_gguf(spec: str, folder: Path, progress: Progress) -> None:
     """Make the draft's 4-bit file in ``folder`` unless it is there (it is made once)."""
-    from core.models.catalog import CATALOG
-    from core.models.convert import catalog_gguf, models_root
+    from specplay.core.models.catalog import CATALOG
+    from specplay.core.models.convert import catalog_gguf, models_root
 
     if (folder / DRAFT_GGUF).is_file():
         return

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
-from core.memory import release_freed_memory
-from core.models.base import CausalLM
-from core.models.cache import (FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, CachedWeightsReader, check_weights,
+from specplay.core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
+from specplay.core.memory import release_freed_memory
+from specplay.core.models.base import CausalLM
+from specplay.core.models.cache import (FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, CachedWeightsReader, check_weights,
                                write_int4_weights)
-from core.models.catalog import CATALOG, get_entry
-from core.models.convert import prepare_catalog_model, prepare_gguf_file
-from core.progress import Progress, ShouldCancel, log_progress, never
-from core.models.linear import has_bf16_units, int8_supported
+from specplay.core.models.catalog import CATALOG, get_entry
+from specplay.core.models.convert import prepare_catalog_model, prepare_gguf_file
+from specplay.core.progress import Progress, ShouldCancel, log_progress, never
+from specplay.core.models.linear import has_bf16_units, int8_supported
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def resolve(spec: str, progress: Progress = log_progress, should_cancel: ShouldC
 
     A catalog model or a ``.gguf`` file is converted into the cache with ``weights``
     (``"int8"``, ``"float32"``, or ``"int4-draft"``: its packed layers if already made, else
-    int8; see :mod:`core.models.cache`).
+    int8; see :mod:`specplay.core.models.cache`).
     """
     if not spec or not spec.strip():
         raise ModelError("no model given")
@@ -187,7 +187,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     A ``draft`` model's numerics never affect losslessness (the verifier sees the q that was
     sampled), so in int8 it takes the faster, not batch-invariant, draft layers
     (:func:`draft_storage`), or runs on llama.cpp in 4 bits where it can
-    (:mod:`core.models.llamacpp_draft`; ``backend="native"`` keeps it in SpecPlay's layers).
+    (:mod:`specplay.core.models.llamacpp_draft`; ``backend="native"`` keeps it in SpecPlay's layers).
     """
     if role not in ROLES:
         raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
@@ -215,7 +215,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     eos = _eos_ids(path, config, tokenizer)
     notes: list[str] = []
     if storage != "float" and torch.device(dev).type == "cpu":
-        from core.models.engines import describe_quant_engine, use_fastest_quant_engine
+        from specplay.core.models.engines import describe_quant_engine, use_fastest_quant_engine
 
         use_fastest_quant_engine(progress)  # before any int8 layer is packed
         if storage == "int8":  # a target's: what its decoding and verification cost depend on
@@ -243,7 +243,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
 def _build_model(spec, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
                  should_cancel) -> tuple[CausalLM, Path]:
     """The model on the native decoder where it implements the architecture, else on transformers."""
-    from core.models.native import DecoderConfig, NativeDecoder, unsupported_reason
+    from specplay.core.models.native import DecoderConfig, NativeDecoder, unsupported_reason
 
     reason = unsupported_reason(config)
     use_native = backend == "native" or (backend == "auto" and reason is None)
@@ -287,8 +287,8 @@ def _draft_on_llamacpp(spec, path, config, eos, storage, backend, notes, progres
     it must also be measured faster per token than the native draft, which is then built once
     to be timed (cached per machine, so later loads only read the two figures back).
     """
-    from core.models.llamacpp import describe
-    from core.models.llamacpp_draft import load_llamacpp_draft
+    from specplay.core.models.llamacpp import describe
+    from specplay.core.models.llamacpp_draft import load_llamacpp_draft
 
     model, probes = load_llamacpp_draft(spec, path, config, eos, progress)
     if model is None:
@@ -315,7 +315,7 @@ def _draft_on_llamacpp(spec, path, config, eos, storage, backend, notes, progres
 
 def _native_draft_ms(spec, path, config, eos, storage, progress) -> float:
     """The native draft's cost per token here, measured once (the same protocol as llama.cpp's probe)."""
-    from core.models.engines import measured
+    from specplay.core.models.engines import measured
 
     def measure() -> dict:
         progress(f"Timing the native {storage} draft of {spec} (once)", None)
@@ -344,7 +344,7 @@ def time_decoding(model: CausalLM, prompt: int = 24, tokens: int = 12) -> float:
 
 def _llamacpp_draft_unavailable(spec: str, dev, storage: str) -> str | None:
     """Why a draft cannot run on llama.cpp (a quantized CPU draft from a GGUF source), or None."""
-    from core.models.llamacpp import available
+    from specplay.core.models.llamacpp import available
 
     if torch.device(dev).type != "cpu" or storage == "float":
         return "it runs quantized drafts on the CPU only"
@@ -410,7 +410,7 @@ def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | N
 def _load_hf(path: Path, spec: str, device: str, dtype: torch.dtype, eos) -> CausalLM:
     from transformers import AutoModelForCausalLM
 
-    from core.models.hf_backend import HFCausalLM
+    from specplay.core.models.hf_backend import HFCausalLM
 
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
@@ -426,7 +426,7 @@ def quantize_hf_linears(hf_model) -> None:
     This gives the ``transformers`` peers in benchmarks the same weights and kernels as the
     native path, so comparisons measure the decoding method, not the storage.
     """
-    from core.models.linear import Int8RowExactLinear
+    from specplay.core.models.linear import Int8RowExactLinear
 
     class _Int8(torch.nn.Module):
         def __init__(self, linear: torch.nn.Linear):

@@ -3,7 +3,7 @@
 It loads the same weights as ``transformers`` and is tested against it, but owns what
 speculation needs: a preallocated KV cache written by slot, explicit positions and masks,
 commit of any subset of a block (chain prefix or tree path), and the choice of weight
-storage (float, or row-exact int8 on x86 CPUs; see :mod:`core.models.linear`).
+storage (float, or row-exact int8 on x86 CPUs; see :mod:`specplay.core.models.linear`).
 
 Batch invariance. Lossless speculation at temperature 0 needs a token's logits to be the
 same whether the token is decoded alone or verified inside a block. Float kernels choose
@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
-from core.models.linear import Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
+from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
+from specplay.core.models.linear import Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
 
@@ -459,7 +459,7 @@ def greedy_batch(model: NativeDecoder, prompts: Sequence[tuple[int, Sequence[int
     matter here: the rows are not meant to match single-sequence decoding bit for bit.
     ``on_done(key, generated)`` receives each sequence as it finishes, in finishing order.
     """
-    from core.errors import Cancelled
+    from specplay.core.errors import Cancelled
 
     c = model.cfg
     dt = model._compute_dtype

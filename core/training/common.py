@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from core.atomic import replacing
-from core.errors import Cancelled, ConfigError, SpecPlayError
-from core.training.data import FeatureSet
+from specplay.core.atomic import replacing
+from specplay.core.errors import Cancelled, ConfigError, SpecPlayError
+from specplay.core.training.data import FeatureSet
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.heads import EagleHead
-from core.training.common import Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences, vocab_lookup
-from core.training.data import FeatureSet
+from specplay.core.heads import EagleHead
+from specplay.core.training.common import Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences, vocab_lookup
+from specplay.core.training.data import FeatureSet
 
 CE_WEIGHT = 0.1
 
@@ -97,7 +97,7 @@ def train_eagle(data: FeatureSet, head: EagleHead, embed, lm_rows: torch.Tensor,
     """Train ``head`` in place; return (held-out accuracy, steps).
 
     ``identity``: which training a checkpoint must belong to to be resumed (:class:`Checkpoint`);
-    ``tau_sim(head)`` (:func:`core.training.tau.eagle_tau`) adds to each evaluation."""
+    ``tau_sim(head)`` (:func:`specplay.core.training.tau.eagle_tau`) adds to each evaluation."""
     objective = EagleObjective(head, data, embed, lm_rows.float(), vocab_ids, vocab_size, window, noise, unroll)
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
     cut = int(eval_pos[0])

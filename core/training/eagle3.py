@@ -1,4 +1,4 @@
-"""Training an EAGLE-3 head (:class:`core.heads.eagle3.Eagle3Head`) with the target frozen.
+"""Training an EAGLE-3 head (:class:`specplay.core.heads.eagle3.Eagle3Head`) with the target frozen.
 
 A batch is a set of windows cut from the training sequences. At position t the head reads
 (embedding of x_{t+1}, fused target layers at t) and predicts x_{t+2}; that is level 1. At
@@ -18,9 +18,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.heads.eagle3 import Eagle3Head
-from core.training.common import Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences, vocab_lookup
-from core.training.teacher import TeacherSet
+from specplay.core.heads.eagle3 import Eagle3Head
+from specplay.core.training.common import Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences, vocab_lookup
+from specplay.core.training.teacher import TeacherSet
 
 LEVEL_DECAY = 0.8
 
@@ -120,7 +120,7 @@ def train_eagle3(data: TeacherSet, head: Eagle3Head, embed, lm_rows: torch.Tenso
                  should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None):
     """Train ``head`` in place; return (held-out accuracy, with ``tau_sim`` where given, and steps).
 
-    ``tau_sim(head)`` (:func:`core.training.tau.eagle_tau`) runs at each evaluation; ``identity``:
+    ``tau_sim(head)`` (:func:`specplay.core.training.tau.eagle_tau`) runs at each evaluation; ``identity``:
     which training a checkpoint must belong to to be resumed (:class:`Checkpoint`)."""
     objective = Eagle3Objective(head, data, embed, lm_rows.float(), vocab_ids, vocab_size, window, depth,
                                 teacher_weight)

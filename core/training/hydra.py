@@ -1,4 +1,4 @@
-"""Training Hydra heads (:class:`core.heads.hydra.HydraHeads`) with the target frozen.
+"""Training Hydra heads (:class:`specplay.core.heads.hydra.HydraHeads`) with the target frozen.
 
 At position t, head k (0-based) reads the head before it (h_t for the first) and the true
 token x_{t+k+1} (teacher forcing: a tree node counts only when its path was right), and
@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.heads.hydra import HydraHeads
-from core.training.common import Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences, vocab_lookup
-from core.training.eagle3 import soft_targets
-from core.training.medusa import TOP_RANKS
-from core.training.teacher import TeacherSet
+from specplay.core.heads.hydra import HydraHeads
+from specplay.core.training.common import Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences, vocab_lookup
+from specplay.core.training.eagle3 import soft_targets
+from specplay.core.training.medusa import TOP_RANKS
+from specplay.core.training.teacher import TeacherSet
 
 
 class HydraObjective:
@@ -86,7 +86,7 @@ def train_hydra(data: TeacherSet, embed, lm_rows: torch.Tensor, vocab_ids: torch
                 should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None):
     """Train ``num_heads`` Hydra heads; return (heads, held-out evaluation, steps). The evaluation
     has ``accuracy`` (as :meth:`HydraObjective.accuracy`), ``top1`` and what ``tau_sim(heads,
-    accuracy)`` (:func:`core.training.tau.medusa_tau`) adds. ``identity``: which training a
+    accuracy)`` (:func:`specplay.core.training.tau.medusa_tau`) adds. ``identity``: which training a
     checkpoint must belong to to be resumed (:class:`Checkpoint`)."""
     heads = HydraHeads(data.final.shape[1], num_heads)
     objective = HydraObjective(heads, data, embed, lm_rows.float(), vocab_ids, vocab_size, teacher_weight)

@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.heads import MedusaHeads
-from core.training.common import (Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences,
+from specplay.core.heads import MedusaHeads
+from specplay.core.training.common import (Checkpoint, ProgressFn, TrainSettings, run_loop, split_sequences,
                                   vocab_lookup)
-from core.training.data import FeatureSet
+from specplay.core.training.data import FeatureSet
 
 TOP_RANKS = 10
 
@@ -74,7 +74,7 @@ def train_medusa(data: FeatureSet, lm_rows: torch.Tensor, vocab_ids: torch.Tenso
     """Train ``num_heads`` heads; return (heads, accuracy table on held-out sequences, steps).
 
     ``identity``: which training a checkpoint must belong to to be resumed (:class:`Checkpoint`);
-    ``tau_sim(heads, accuracy)`` (:func:`core.training.tau.medusa_tau`) adds to each evaluation."""
+    ``tau_sim(heads, accuracy)`` (:func:`specplay.core.training.tau.medusa_tau`) adds to each evaluation."""
     heads = MedusaHeads(data.features.shape[1], num_heads)
     objective = MedusaObjective(heads, data, lm_rows.float(), vocab_ids, vocab_size)
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)

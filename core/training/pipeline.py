@@ -17,15 +17,15 @@ from typing import Callable
 
 import torch
 
-from core.atomic import write_text_atomic
-from core.errors import ModelError
-from core.heads import save_heads
-from core.models.cache import read_marker
-from core.models.convert import sha256_file
-from core.paths import assets_dir, cache_dir, data_dir
-from core.progress import Progress
-from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
-from core.training.data import (FeatureSet, chat_prompt_ids, code_sequences, draft_vocabulary, extract_features,
+from specplay.core.atomic import write_text_atomic
+from specplay.core.errors import ModelError
+from specplay.core.heads import save_heads
+from specplay.core.models.cache import read_marker
+from specplay.core.models.convert import sha256_file
+from specplay.core.paths import assets_dir, cache_dir, data_dir
+from specplay.core.progress import Progress
+from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
+from specplay.core.training.data import (FeatureSet, chat_prompt_ids, code_sequences, draft_vocabulary, extract_features,
                                 generate_answers, instruction_prompts, load_corpus)
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     workdir = workdir or default_workdir(target.spec)
     out = out or default_output(kind, target.spec)
     if head_recipe != "classic":  # EAGLE-3 and Hydra learn from the target's layers and distribution
-        from core.training.recipes import train_recipe
+        from specplay.core.training.recipes import train_recipe
 
         return train_recipe(kind, head_recipe, target, data, settings, num_heads=num_heads, draft_vocab=draft_vocab,
                             window=window, unroll=unroll, init=init, teacher_weight=teacher_weight, corpus=corpus,
@@ -190,8 +190,8 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
               "answers": data.answers, "answer_tokens": data.answer_tokens, "seq_len": data.seq_len,
               "data_seed": data.seed, "draft_vocab": draft_vocab, "eval_fraction": settings.eval_fraction}
     # τ_sim on the held-out answers at each evaluation (core.training.tau); the last goes into the manifest
-    from core.training.recipes import classic_held_out, tau_fields
-    from core.training.tau import eagle_tau, medusa_tau
+    from specplay.core.training.recipes import classic_held_out, tau_fields
+    from specplay.core.training.tau import eagle_tau, medusa_tau
 
     prompts = [chat_prompt_ids(target.tokenizer, p) for p in instruction_prompts(data.answers, data.seed)] \
         if stats.get("answers") else []  # where each held-out answer begins: drafting starts there
@@ -204,7 +204,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
 
     progress(f"Training {kind} on {features.num_tokens:,} tokens", None)
     if kind == "medusa":
-        from core.training.medusa import train_medusa
+        from specplay.core.training.medusa import train_medusa
 
         heads, accuracy, steps = train_medusa(features, lm_rows, vocab_ids, model.info.vocab_size, num_heads, settings,
                                               workdir, step_done, should_cancel, resume,
@@ -215,9 +215,9 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
         manifest.update(num_heads=num_heads, accuracy=[[round(a, 4) for a in row] for row in accuracy],
                         top1=[round(row[0], 4) for row in accuracy], top5=[round(sum(row[:5]), 4) for row in accuracy])
     elif kind == "eagle":
-        from core.heads import EagleHead, head_config
-        from core.heads.eagle import init_from_target_layer
-        from core.training.eagle import train_eagle
+        from specplay.core.heads import EagleHead, head_config
+        from specplay.core.heads.eagle import init_from_target_layer
+        from specplay.core.training.eagle import train_eagle
 
         cfg = head_config(model.cfg, intermediate)
         head = EagleHead(cfg)

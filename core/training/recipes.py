@@ -1,10 +1,10 @@
 """``specplay train eagle --recipe eagle3`` and ``specplay train medusa --recipe hydra``.
 
 Both recipes learn from what the target knows at each position beyond its final feature and
-argmax (:mod:`core.training.teacher`: a low, a middle and a high layer, and its top-K
+argmax (:mod:`specplay.core.training.teacher`: a low, a middle and a high layer, and its top-K
 distribution), so their data is one teacher-forced pass of the target over the same texts the
 classic recipes use: standard-library source and the target's own answers (read from the
-corpus where it holds them). Every evaluation also measures τ_sim (:mod:`core.training.tau`)
+corpus where it holds them). Every evaluation also measures τ_sim (:mod:`specplay.core.training.tau`)
 on the held-out answers, which goes into the heads' manifest with the per-level accuracy.
 """
 
@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch
 
-from core.heads import save_heads
-from core.progress import Progress
-from core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
-from core.training.data import FeatureSet
-from core.training.teacher import TeacherSet, capture_teacher, default_layers
+from specplay.core.heads import save_heads
+from specplay.core.progress import Progress
+from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
+from specplay.core.training.data import FeatureSet
+from specplay.core.training.teacher import TeacherSet, capture_teacher, default_layers
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +30,13 @@ RECIPES = {"eagle": ("classic", "eagle3"), "medusa": ("classic", "hydra")}
 
 def teacher_data(target, data, workdir: Path, progress: Progress, should_cancel: Callable[[], bool],
                  corpus: Path | None, layers: tuple[int, ...]) -> tuple[TeacherSet, dict, str]:
-    """The texts of :func:`core.training.pipeline.prepare_data`, read by the target with its layers.
+    """The texts of :func:`specplay.core.training.pipeline.prepare_data`, read by the target with its layers.
 
     Answers come from the corpus where it holds them in full; where it does not, they are
     generated as the classic recipes' are (and then read once more, for their layers). Returns
     (the data, what it holds, the key of the target's weights)."""
-    from core.training.data import chat_prompt_ids, generate_answers, load_corpus, usable_answer
-    from core.training.pipeline import (answers_dir, code_sequences, instruction_prompts, shipped_corpus,
+    from specplay.core.training.data import chat_prompt_ids, generate_answers, load_corpus, usable_answer
+    from specplay.core.training.pipeline import (answers_dir, code_sequences, instruction_prompts, shipped_corpus,
                                         target_key)
 
     key = target_key(target.path, progress)
@@ -106,8 +106,8 @@ def train_recipe(kind: str, recipe: str, target, data, settings: TrainSettings, 
                  window: int, unroll: int, init: str, teacher_weight: float, corpus: Path | None, workdir: Path,
                  out: Path, resume: bool, command: str, progress: Progress, on_step: ProgressFn | None,
                  should_cancel: Callable[[], bool]) -> tuple[Path, dict]:
-    from core.training.pipeline import held_out_vocabulary
-    from core.training.tau import eagle_tau, medusa_tau
+    from specplay.core.training.pipeline import held_out_vocabulary
+    from specplay.core.training.tau import eagle_tau, medusa_tau
 
     model = target.model
     layers = default_layers(model.cfg.num_layers) if recipe == "eagle3" else ()
@@ -134,9 +134,9 @@ def train_recipe(kind: str, recipe: str, target, data, settings: TrainSettings, 
                 "layers": list(layers), "teacher_weight": teacher_weight}
     progress(f"Training {kind} ({recipe}) on {teacher.num_tokens:,} tokens", None)
     if recipe == "eagle3":
-        from core.heads import head_config
-        from core.heads.eagle3 import Eagle3Head
-        from core.training.eagle3 import train_eagle3
+        from specplay.core.heads import head_config
+        from specplay.core.heads.eagle3 import Eagle3Head
+        from specplay.core.training.eagle3 import train_eagle3
 
         head = Eagle3Head(head_config(model.cfg), len(layers))
         if init == "target":
@@ -151,7 +151,7 @@ def train_recipe(kind: str, recipe: str, target, data, settings: TrainSettings, 
         manifest.update(intermediate_size=head.cfg.intermediate_size, layers=list(layers), window=window,
                         unroll=unroll, init=init, accuracy=_rounded(result))
     else:
-        from core.training.hydra import train_hydra
+        from specplay.core.training.hydra import train_hydra
 
         heads, result, steps = train_hydra(
             teacher, model.embed, lm_rows, vocab_ids, model.info.vocab_size, num_heads, settings,

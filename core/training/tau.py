@@ -8,16 +8,16 @@ labels r, r+1, ... (the answer's own next tokens). So τ_sim is that length plus
 over roots spread across the answers (never inside a prompt: decoding drafts only answers),
 with the tree the method grows at inference but of a fixed size (the number of nodes the
 cost model keeps moves with the machine; here it is fixed so runs compare): EAGLE's dynamic
-tree (:func:`core.methods.eagle.grow_tree`) and Medusa's static tree of the most valuable paths
-by held-out accuracy (:func:`core.tree.choose_tree`).
+tree (:func:`specplay.core.methods.eagle.grow_tree`) and Medusa's static tree of the most valuable paths
+by held-out accuracy (:func:`specplay.core.tree.choose_tree`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from core.training.teacher import TeacherSet
-from core.tree import TreeSpec, choose_tree
+from specplay.core.training.teacher import TeacherSet
+from specplay.core.tree import TreeSpec, choose_tree
 
 EAGLE_TREE = {"depth": 5, "top_k": 4, "total_tokens": 16}  # docs/benchmarks.md measures τ at 16 nodes too
 MEDUSA_NODES = 8  # about what pays for its verification on a two-core CPU
@@ -59,13 +59,13 @@ def accepted_length(parents: list[int], tokens: list[int], wanted: list[int]) ->
 def eagle_tau(head, data: TeacherSet, embed, lm_rows: torch.Tensor, vocab_ids: torch.Tensor, count: int = 400,
               roots: torch.Tensor | None = None, depth: int = EAGLE_TREE["depth"], top_k: int = EAGLE_TREE["top_k"],
               total_tokens: int = EAGLE_TREE["total_tokens"], storage: str = "float") -> dict:
-    """τ_sim of an EAGLE head (classic :class:`~core.heads.eagle.EagleHead` or EAGLE-3), drafting
+    """τ_sim of an EAGLE head (classic :class:`~specplay.core.heads.eagle.EagleHead` or EAGLE-3), drafting
     with the method's own drafter in float32 from the target's features of ``data``, at ``count``
     answer roots (:func:`answer_roots`) or at the ``roots`` given (sorted); ``per_root`` lists
     each root's accepted length, the bonus token included. ``storage``: the drafter's layers
     (``"int8"`` drafts as the method does on an int8 target)."""
-    from core.heads.eagle3 import Eagle3Head
-    from core.methods.eagle import EagleDrafter, grow_tree
+    from specplay.core.heads.eagle3 import Eagle3Head
+    from specplay.core.methods.eagle import EagleDrafter, grow_tree
 
     was_training = head.training
     head.eval()
@@ -104,10 +104,10 @@ def eagle_tau(head, data: TeacherSet, embed, lm_rows: torch.Tensor, vocab_ids: t
 def medusa_tau(heads, accuracy: list[list[float]], data: TeacherSet, embed, lm_rows: torch.Tensor,
                vocab_ids: torch.Tensor, count: int = 2000, roots: torch.Tensor | None = None,
                nodes: int = MEDUSA_NODES, top_k: int = MEDUSA_TOP_K) -> dict:
-    """τ_sim of Medusa heads (classic :class:`~core.heads.medusa.MedusaHeads` or Hydra) on the
+    """τ_sim of Medusa heads (classic :class:`~specplay.core.heads.medusa.MedusaHeads` or Hydra) on the
     static tree of the ``nodes`` most valuable paths by their held-out ``accuracy``, at ``count``
     answer roots or the ``roots`` given; ``per_root`` as for :func:`eagle_tau`."""
-    from core.heads.hydra import HydraHeads
+    from specplay.core.heads.hydra import HydraHeads
 
     was_training = heads.training
     heads.eval()

@@ -17,10 +17,10 @@ from typing import Callable
 
 import torch
 
-from core.atomic import replacing
-from core.errors import Cancelled
-from core.progress import Progress
-from core.training.data import FeatureSet
+from specplay.core.atomic import replacing
+from specplay.core.errors import Cancelled
+from specplay.core.progress import Progress
+from specplay.core.training.data import FeatureSet
 
 TOP_K = 8  # the target's most likely tokens kept per position: nearly all of its mass on code answers
 
@@ -29,7 +29,7 @@ def default_layers(num_layers: int) -> tuple[int, int, int]:
     """Low, middle and high layer outputs (0-based) that EAGLE-3's fused feature reads.
 
     The high one is the last layer's input, so a head whose layer starts as the target's last
-    layer (:func:`core.heads.eagle.init_from_target_layer`) first computes that layer exactly.
+    layer (:func:`specplay.core.heads.eagle.init_from_target_layer`) first computes that layer exactly.
     """
     return 1, num_layers // 2 - 1, num_layers - 2
 
@@ -147,7 +147,7 @@ def capture_teacher(model, sequences: list[list[int]], prompt_lens: list[int], s
 
 def corpus_sequences(corpus: dict[int, list[int]], prompts: dict[int, list[int]]) -> tuple[list[list[int]], list[int]]:
     """(sequences, prompt lengths) of the corpus answers (prompt and answer ids,
-    :func:`core.training.data.load_corpus`) to ``prompts`` (index -> chat prompt ids) that answer
+    :func:`specplay.core.training.data.load_corpus`) to ``prompts`` (index -> chat prompt ids) that answer
     them: every token but the last, whose prediction is the last label."""
     keys = [k for k in sorted(prompts) if k in corpus and corpus[k][:len(prompts[k])] == prompts[k]
             and len(corpus[k]) > len(prompts[k]) + 1]
