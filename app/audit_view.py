@@ -10,8 +10,6 @@ audit reopened from the history looks exactly as it did.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal

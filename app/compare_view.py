@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QGridLayout
 
 from specplay.app.palette import method_colour
 from specplay.app.tokenview import REJECTED_INLINE_TIP, TokenView
-from specplay.core.methods import METHODS
+from specplay.core.methods import METHODS, method_title
 
 TABLE_COLUMNS = ("Method", "Same", "tok/s", "TTFT", "Speedup", "τ", "Accept", "Tokens", "Steps", "Notes")
 COLUMN_TIPS = ("", "Identical: token for token the same output as autoregressive (checked at temperature 0; "
@@ -52,11 +52,6 @@ def place_labels(plot: pg.PlotWidget, pool: list, labels: list[tuple[str, float,
             item.setPos(x, y)
 
 
-def short_title(method: str) -> str:
-    """A method's title without its parenthesis ("Speculative (draft model)" -> "Speculative")."""
-    return METHODS[method].title.split(" (")[0] if method in METHODS else method
-
-
 def columns_per_row(n: int) -> int:
     """Side-by-side columns stay readable at the default window size: at most three a row
     (four methods make two rows of two)."""
@@ -72,7 +67,7 @@ class CompareColumn(QFrame):
         super().__init__()
         self.name = name
         self.setFrameShape(QFrame.Shape.StyledPanel)
-        title = METHODS[name].title if name in METHODS else name
+        title = method_title(name)
         self.header = QLabel(f"<span style='color:{colour}'>■</span> <b>{title}</b>")
         self.stats = QLabel("waiting…")
         self.stats.setWordWrap(True)
@@ -239,7 +234,7 @@ class CompareView(QWidget):
                 notes.append("cancelled")
             if r.get("stop_reason") and r.get("stop_reason") not in ("max_tokens", "cancelled"):
                 notes.append(f"stopped: {r['stop_reason']}")
-            title = short_title(r["method"])
+            title = method_title(r["method"], short=True)
             ttft = r.get("time_to_first_token")
             tau = r.get("mean_accepted")
             if r["method"].startswith("remote:") and r.get("spec_source") is None and not r.get("error"):
@@ -273,7 +268,7 @@ class CompareView(QWidget):
         brushes = [QColor(method_colour(r["method"], self.order)) for r in rows]
         self.speedup_bars.setOpts(x0=np.zeros(len(rows)), width=widths, y=ys, height=0.6, brushes=brushes)
         self.speedup_plot.getAxis("left").setTicks(
-            [[(float(y), short_title(r["method"])) for y, r in zip(ys, rows)]])
+            [[(float(y), method_title(r["method"], short=True)) for y, r in zip(ys, rows)]])
         place_labels(self.speedup_plot, self.speedup_labels,
                      [(f" {w:.2f}×", float(w), float(y)) for w, y in zip(widths, ys)], anchor=(0.0, 0.5))
         if len(rows):

@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from specplay.core.methods import METHODS
+from specplay.core.methods import method_title
 
 COLUMNS = ("When", "Method", "Target", "Tokens", "tok/s", "τ", "Temp.", "Stop", "Prompt")
 
@@ -83,7 +83,7 @@ class HistoryPanel(QWidget):
     def _insert_row(self, r: dict) -> None:
         self.table.insertRow(0)  # newest first
         method = r.get("method", "?")
-        title = METHODS[method].title if method in METHODS else method
+        title = method_title(method)
         if r.get("lossy"):
             title += " (LOSSY)"
         prompt = (r.get("prompt") or "").replace("\n", " ")

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
 from specplay.app.forms import ConfigForm
 from specplay.core.errors import ConfigError
 from specplay.core.memory import memory_text
-from specplay.core.methods import METHODS
+from specplay.core.methods import METHODS, method_title
 from specplay.core.models.catalog import CATALOG
 from specplay.core.models.convert import catalog_status
 from specplay.core.models.loader import DEVICES, DTYPES
@@ -393,7 +393,7 @@ class MethodsPanel(QWidget):
         try:
             return self.forms[name].config()
         except ConfigError as exc:
-            raise ConfigError(f"{METHODS[name].title}: {exc}") from None
+            raise ConfigError(f"{method_title(name)}: {exc}") from None
 
     def all_values(self) -> dict[str, dict]:
         out = {}

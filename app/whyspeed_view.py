@@ -17,7 +17,7 @@ from PySide6.QtWidgets import QLabel, QSplitter, QTableWidgetItem, QVBoxLayout, 
 from specplay.app.compare_view import place_labels, results_table
 from specplay.app.palette import method_colour
 from specplay.core.costmodel import CostCurve
-from specplay.core.methods import METHODS
+from specplay.core.methods import METHODS, method_title
 from specplay.core.whyspeed import SpeedExplanation, break_even_cost, explain
 
 WHY_COLUMNS = ("Method", "τ", "Nodes/step", "Draft", "Verify", "Other", "Predicted", "Measured", "Draft/token")
@@ -28,10 +28,6 @@ WHY_TIPS = ("", "Mean tokens added per step", "Draft nodes the target verifies p
             "Drafting per drafted token, in T(1): the draft cost ratio c")
 GAMMAS = (3, 5, 8)
 GAMMA_PENS = {3: "#999999", 5: "#333333", 8: "#777777"}
-
-
-def _title(name: str) -> str:
-    return METHODS[name].title.split(" (")[0] if name in METHODS else name
 
 
 class WhySpeedView(QWidget):
@@ -131,7 +127,7 @@ class WhySpeedView(QWidget):
     def _fill_table(self) -> None:
         self.table.setRowCount(len(self.rows))
         for row, e in enumerate(self.rows):
-            values = (_title(e.method), f"{e.tau:.2f}", f"{e.nodes_per_step:.1f}", f"{e.draft_cost:.2f}",
+            values = (method_title(e.method, short=True), f"{e.tau:.2f}", f"{e.nodes_per_step:.1f}", f"{e.draft_cost:.2f}",
                       f"{e.verify_cost:.2f}", f"{e.other_cost:.2f}", f"{e.predicted_speedup:.2f}×",
                       f"{e.measured_speedup:.2f}×",
                       "–" if e.draft_cost_per_token is None else f"{e.draft_cost_per_token:.2f}")
@@ -152,7 +148,7 @@ class WhySpeedView(QWidget):
             spots.append({"pos": (float(alpha), float(e.draft_cost_per_token)), "data": e.method,
                           "brush": QColor(method_colour(e.method, self.order)), "pen": pg.mkPen("#222222")})
         self.points.setData(spots)
-        place_labels(self.even_plot, self.point_labels, [(_title(s["data"]), *s["pos"]) for s in spots],
+        place_labels(self.even_plot, self.point_labels, [(method_title(s["data"], short=True), *s["pos"]) for s in spots],
                      anchor=(0.0, 1.0))
         top = max([1.0] + [s["pos"][1] * 1.2 for s in spots])
         self.even_plot.setXRange(0, 1, padding=0.02)

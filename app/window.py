@@ -39,7 +39,7 @@ from specplay.core.remote import annotate_remote
 from specplay.core.errors import ConfigError
 from specplay.core.history import History
 from specplay.core.memory import memory_text
-from specplay.core.methods import METHODS
+from specplay.core.methods import METHODS, method_title
 from specplay.core.runlog import stats_line
 from specplay.core.types import RunResult, StepEvent
 
@@ -402,7 +402,7 @@ class MainWindow(QMainWindow):
         if not prompt.strip():
             raise ConfigError("The prompt is empty.")
         if METHODS[method].needs_draft and (self.models is None or self.models.draft is None):
-            raise ConfigError(f"{METHODS[method].title} needs a draft model: choose one in Models and load it.")
+            raise ConfigError(f"{method_title(method)} needs a draft model: choose one in Models and load it.")
         return RunRequest(prompt=prompt, method=method, config=gen, method_config=config,
                           chat_template=self.prompt_panel.chat_template.isChecked(), warmup_tokens=warmup_tokens)
 
@@ -412,7 +412,7 @@ class MainWindow(QMainWindow):
         try:
             return await self.engine.generate(request, stop_first=self._stop_requested)
         except EngineFailed as exc:
-            self.show_error(f"{METHODS[request.method].title if request.method in METHODS else request.method}: {exc}")
+            self.show_error(f"{method_title(request.method)}: {exc}")
             return None
         finally:
             self._flush_steps()
@@ -477,7 +477,7 @@ class MainWindow(QMainWindow):
 
         sinks = [self.live.view.append_step, lambda e: self.charts.add_step(method, e),
                  self._internals_sink(self.live.view), live_stats]
-        self.set_status(f"Running {METHODS[method].title}…")
+        self.set_status(f"Running {method_title(method)}…")
         result = await self._run(request, sinks)
         self._set_busy(None)
         if result is None:
@@ -496,13 +496,12 @@ class MainWindow(QMainWindow):
     def _report_run_error(self, result: RunResult) -> None:
         """A run the engine ended early (out of memory): what it made is kept, and the reason shown."""
         if getattr(result.stop_reason, "value", None) == "error":
-            title = METHODS[result.method].title if result.method in METHODS else result.method
+            title = method_title(result.method)
             self.show_error(f"{title} stopped early: {getattr(result, 'error', None) or 'an error in the engine'}. "
                             f"The {len(result.token_ids)} token(s) it made are kept.")
 
     def _begin_live(self, method: str, title: str | None = None) -> None:
-        spec = METHODS.get(method)
-        self.live.title.setText(f"<b>{title or (spec.title if spec else method)}</b>")
+        self.live.title.setText(f"<b>{title or method_title(method)}</b>")
         self.live.stats.setText("")
         self.live.view.clear_run()
         self._internals_view = self.live.view
@@ -563,7 +562,7 @@ class MainWindow(QMainWindow):
             sinks = [col.view.append_step, lambda e, n=name: self.charts.add_step(n, e),
                      self._internals_sink(col.view), col_stats]
             col.stats.setText("warming up…")
-            self.set_status(f"Comparing: {METHODS[name].title} ({i + 1}/{len(names)})…")
+            self.set_status(f"Comparing: {method_title(name)} ({i + 1}/{len(names)})…")
             result = await self._run(requests[name], sinks)
             if result is None:
                 col.stats.setText("failed (see the message above)")
@@ -658,12 +657,12 @@ class MainWindow(QMainWindow):
         self._stop_requested = False
         self.live.clear_error()
         self.tabs.setCurrentWidget(self.audit_view)
-        self.audit_view.begin(METHODS[method].title)
-        self.set_status(f"Auditing {METHODS[method].title}: {samples} samples of {depth} tokens…")
+        self.audit_view.begin(method_title(method))
+        self.set_status(f"Auditing {method_title(method)}: {samples} samples of {depth} tokens…")
         try:
             result = await self.engine.audit(request, stop_first=self._stop_requested)
         except EngineFailed as exc:
-            self.show_error(f"Audit of {METHODS[method].title}: {exc}")
+            self.show_error(f"Audit of {method_title(method)}: {exc}")
             return None
         finally:
             self._set_busy(None)
@@ -671,10 +670,10 @@ class MainWindow(QMainWindow):
         record = audit_record(result, target=self.models.target, draft=draft, prompt=request.run.prompt,
                               extra={"chat_template": request.run.chat_template})
         self._save_to_history(record)
-        self.audit_view.show_record(record, METHODS[method].title)
+        self.audit_view.show_record(record, method_title(method))
         self.set_status(("Audit stopped: " if result.cancelled else "Audit: ") + record["text"])
         if result.error:
-            self.show_error(f"The audit of {METHODS[method].title} stopped early: {result.error}")
+            self.show_error(f"The audit of {method_title(method)} stopped early: {result.error}")
         return record
 
     # ------------------------------------------------------------------------ history
@@ -695,7 +694,7 @@ class MainWindow(QMainWindow):
         method = record.get("method", "?")
         if record.get("kind") == "audit":
             self.tabs.setCurrentWidget(self.audit_view)
-            self.audit_view.show_record(record, f"{METHODS[method].title if method in METHODS else method} "
+            self.audit_view.show_record(record, f"{method_title(method)} "
                                                 "(from the history)")
             self.set_status(f"Showing a saved audit: {method}, {record.get('samples')} samples.")
             return
@@ -710,7 +709,7 @@ class MainWindow(QMainWindow):
             self.show_error(f"This history entry cannot be shown token by token ({exc!r}); its text is shown instead.")
             events = []
         self.tabs.setCurrentWidget(self.live)
-        self._begin_live(method, f"{METHODS[method].title if method in METHODS else method} (from the history)")
+        self._begin_live(method, f"{method_title(method)} (from the history)")
         self.live.clear_error()
         if events:
             self.live.view.set_steps(events)

@@ -46,6 +46,16 @@ METHODS: dict[str, MethodSpec] = {
 }
 
 
+def method_title(name: str, short: bool = False) -> str:
+    """How a method is named to people: its title ("Speculative (draft model)"), without the
+    parenthesis when ``short`` ("Speculative"); a name SpecPlay does not know (a peer, an
+    endpoint, a record from another version) stands as it is."""
+    if name not in METHODS:
+        return name
+    title = METHODS[name].title
+    return title.split(" (")[0] if short else title
+
+
 def get_spec(name: str) -> MethodSpec:
     try:
         return METHODS[name]
@@ -61,4 +71,4 @@ def build_method(name: str, config: MethodConfig | None, target, draft=None) -> 
     return spec.build(config, target, draft)
 
 
-__all__ = ["METHODS", "Method", "MethodConfig", "MethodSpec", "build_method", "get_spec"]
+__all__ = ["METHODS", "Method", "MethodConfig", "MethodSpec", "build_method", "get_spec", "method_title"]
