@@ -197,7 +197,7 @@ def test_a_head_started_from_the_target_layer_computes_that_layer():
     """With the input projection passing the feature through, a head initialised from the
     target's last layer maps a sequence of features exactly as that layer does."""
     from specplay.core.heads.eagle import init_from_target_layer
-    from specplay.core.models.native import layer_forward, rope_tables
+    from specplay.core.models.layers import layer_forward
 
     native = native_from_hf(tiny_hf_model(seed=3), dtype=torch.float32)
     cfg = head_config(native.cfg)
@@ -207,6 +207,6 @@ def test_a_head_started_from_the_target_layer_computes_that_layer():
     feats = torch.randn(1, 7, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     got = head(torch.randn(1, 7, cfg.hidden_size), feats)
     kv = torch.zeros(2, cfg.num_kv_heads, 7, cfg.head_dim)
-    cos, sin = rope_tables(torch.arange(7), native._inv_freq, cfg.rope_scaling, torch.float32)
+    cos, sin = native.rope(torch.arange(7))  # the target computes in float32
     want = layer_forward(cfg, layer, feats[0], cos, sin, kv, 0, torch.ones(7, 7, dtype=torch.bool).tril()[None, None])
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)

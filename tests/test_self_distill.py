@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specplay.core.models.native import greedy_batch
+from specplay.core.training.batched import greedy_batch
 from tests.tiny import tiny_pair
 
 KEY = "sha256 of the tiny target's weights"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specplay.core.models.native import DecoderConfig, LayerWeights, rms_norm, rope_tables, rotate_half
+from specplay.core.models.layers import DecoderConfig, LayerWeights, rms_norm, rope_tables, rotate_half
 
 
 def head_config(target_cfg: DecoderConfig, intermediate: int | None = None) -> DecoderConfig:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from specplay.core.heads.eagle import EagleHead, init_from_target_layer
-from specplay.core.models.native import DecoderConfig, rms_norm
+from specplay.core.models.layers import DecoderConfig, rms_norm
 
 
 class Eagle3Head(EagleHead):

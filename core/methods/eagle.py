@@ -35,7 +35,7 @@ from specplay.core.errors import ModelError
 from specplay.core.heads import draft_lm_rows, head_config, load_heads, resolve_heads_path
 from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.models.linear import make_linear, storage_of
-from specplay.core.models.native import DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
+from specplay.core.models.layers import DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
 from specplay.core.types import Draft
 
 

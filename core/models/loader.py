@@ -243,7 +243,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
 def _build_model(spec, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
                  should_cancel) -> tuple[CausalLM, Path]:
     """The model on the native decoder where it implements the architecture, else on transformers."""
-    from specplay.core.models.native import DecoderConfig, NativeDecoder, unsupported_reason
+    from specplay.core.models.layers import DecoderConfig, unsupported_reason
+    from specplay.core.models.native import NativeDecoder
 
     reason = unsupported_reason(config)
     use_native = backend == "native" or (backend == "auto" and reason is None)

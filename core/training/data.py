@@ -8,7 +8,7 @@ the development prompt sets.
 
 Features: per position, the target's final-norm hidden state (float16) and its own
 next-token prediction (argmax), the label the heads learn. Answers keep them as they are
-generated, many sequences at a time (:func:`specplay.core.models.native.greedy_batch`); source text
+generated, many sequences at a time (:func:`specplay.core.training.batched.greedy_batch`); source text
 gets one pass of the target. Both are resumable: finished shards stay on disk.
 """
 
@@ -182,7 +182,7 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     the target (teacher forcing: 160 tokens a second on two cores against ~100 generating),
     which gives their features and labels.
     """
-    from specplay.core.models.native import Generated, greedy_batch
+    from specplay.core.training.batched import Generated, greedy_batch
 
     shard_dir.mkdir(parents=True, exist_ok=True)
     prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
