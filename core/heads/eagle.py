@@ -1,8 +1,12 @@
 """The EAGLE head: a projection of [token embedding, feature] (2h -> h) and one decoder layer.
 
-Shared by the method (:mod:`specplay.core.methods.eagle`, which drafts with it) and the trainer
-(:mod:`specplay.core.training.eagle`). The layer is shaped like the target's, so it can start from
-the target's last layer (:func:`init_from_target_layer`).
+One concept, two forms of the same weights: :class:`EagleHead` is the trainable module
+(batched, causal over a window; :mod:`specplay.core.training.eagle`), :class:`EagleDrafter` the
+head at inference, with its own KV cache and tree masks (:mod:`specplay.core.methods.eagle`
+drafts with it, training's simulated τ too). The head keeps the q/k/v and gate/up projections
+apart, as its files store them; the drafter runs them fused, as the decoder's layers do
+(:data:`FUSED` says how, in both directions). The layer is shaped like the target's, so it can
+start from the target's last layer (:func:`init_from_target_layer`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specplay.core.models.layers import DecoderConfig, LayerWeights, rms_norm, rope_tables, rotate_half
+from specplay.core.models.layers import DecoderConfig, LayerWeights, apply_rope, layer_forward, rms_norm, rope_tables
+from specplay.core.models.linear import make_linear
+
+#: The decoder layer's fused projections (:class:`LayerWeights`) and the head's own ones they are
+#: made of, in order: the drafter concatenates them so, a head started from a target layer splits them so.
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}
 
 
 def head_config(target_cfg: DecoderConfig, intermediate: int | None = None) -> DecoderConfig:
@@ -93,7 +103,7 @@ class EagleHead(nn.Module):
         k = self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope_tables(torch.arange(t), self.inv_freq, c.rope_scaling, q.dtype)
-        return x, q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        return x, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         b, _, t, _ = attn.shape
@@ -111,21 +121,84 @@ def init_from_target_layer(head: EagleHead, layer: LayerWeights) -> None:
     to be the target's.
     """
     c = head.cfg
-    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    qkv = layer.qkv.dequantized_weight()
-    gate_up = layer.gate_up.dequantized_weight()
-    if gate_up.shape[0] != 2 * c.intermediate_size:
-        raise ValueError(f"the head's MLP width {c.intermediate_size} is not the target layer's {gate_up.shape[0] // 2}")
-    pairs = [(head.q_proj, qkv[:q_size], layer.qkv.bias, 0),
-             (head.k_proj, qkv[q_size:q_size + kv_size], layer.qkv.bias, q_size),
-             (head.v_proj, qkv[q_size + kv_size:], layer.qkv.bias, q_size + kv_size),
-             (head.o_proj, layer.o.dequantized_weight(), layer.o.bias, 0),
-             (head.gate_proj, gate_up[:c.intermediate_size], layer.gate_up.bias, 0),
-             (head.up_proj, gate_up[c.intermediate_size:], layer.gate_up.bias, c.intermediate_size),
-             (head.down_proj, layer.down.dequantized_weight(), layer.down.bias, 0)]
-    for linear, weight, bias, offset in pairs:
-        linear.weight.copy_(weight)
-        if linear.bias is not None:
-            linear.bias.copy_(bias[offset:offset + weight.shape[0]] if bias is not None else 0.0)
+    if layer.gate_up.out_features != 2 * c.intermediate_size:
+        raise ValueError(f"the head's MLP width {c.intermediate_size} is not the target layer's "
+                         f"{layer.gate_up.out_features // 2}")
+    for fused, names in FUSED.items():
+        target = getattr(layer, fused)
+        parts = [getattr(head, name) for name in names]
+        sizes = [part.out_features for part in parts]
+        biases = target.bias.split(sizes) if target.bias is not None else [None] * len(parts)
+        for part, weight, bias in zip(parts, target.dequantized_weight().split(sizes), biases):
+            part.weight.copy_(weight)
+            if part.bias is not None:
+                part.bias.copy_(bias if bias is not None else 0.0)
     head.input_layernorm.copy_(layer.ln_in.float())
     head.post_attention_layernorm.copy_(layer.ln_post.float())
+
+
+class EagleDrafter:
+    """The head at inference: its own KV cache, explicit positions and tree masks (batch size 1).
+
+    Built from a head's weights (a head file's tensors, or :meth:`from_head`), with its layers in
+    ``storage`` (:func:`specplay.core.models.linear.make_linear`) and computed in float32; ``embed``
+    is the target's token embedding.
+    """
+
+    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], storage: str, embed,
+                 device: str = "cpu"):
+        self.device = torch.device(device)
+        self.cfg = cfg
+        self.embed = embed
+        self.fc = make_linear(self._weight(weights, "fc.weight"), self._bias(weights, "fc.bias"), storage)
+        linears = {fused: self._fused_linear(weights, names, storage) for fused, names in FUSED.items()}
+        self.layer = LayerWeights(**linears, ln_in=self._weight(weights, "input_layernorm"),
+                                  ln_post=self._weight(weights, "post_attention_layernorm"))
+        self.inv_freq = torch.tensor(cfg.inv_freq, device=self.device)
+        self.kv = torch.zeros(2, cfg.num_kv_heads, 256, cfg.head_dim, device=self.device)
+        self.len = 0
+
+    @classmethod
+    def from_head(cls, head: EagleHead, storage: str, embed) -> "EagleDrafter":
+        """The drafter of a trainable head's current weights (on the CPU)."""
+        return cls(head.cfg, {k: v.detach().float() for k, v in head.state_dict().items()}, storage, embed)
+
+    def _weight(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        return weights[name].float().to(self.device)
+
+    def _bias(self, weights: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+        return self._weight(weights, name) if name in weights else None
+
+    def _fused_linear(self, weights: dict[str, torch.Tensor], names: tuple[str, ...], storage: str):
+        """The head's projections ``names`` as one layer (a bias where each of them has one)."""
+        biases = [self._bias(weights, name + ".bias") for name in names]
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        return make_linear(torch.cat([self._weight(weights, name + ".weight") for name in names]), bias, storage)
+
+    def run(self, feats: torch.Tensor, tokens: list[int], positions: torch.Tensor,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append ``n`` (feature, token) pairs; return the predicted next features ``[n, h]``.
+
+        ``mask``: ``[n, len + n]`` boolean over (cache, new); None = causal chain.
+        """
+        n = len(tokens)
+        if self.len + n > self.kv.shape[2]:
+            grown = torch.zeros(2, self.cfg.num_kv_heads, max(2 * self.kv.shape[2], self.len + n), self.cfg.head_dim,
+                                device=self.device)
+            grown[:, :, : self.len] = self.kv[:, :, : self.len]
+            self.kv = grown
+        if mask is None and n > 1:
+            mask = torch.ones(n, self.len + n, dtype=torch.bool)
+            mask[:, self.len:] = torch.ones(n, n, dtype=torch.bool).tril()
+        if mask is not None:
+            mask = mask.to(self.device)
+        positions = positions.to(self.device)
+        emb = self.embed(torch.tensor(tokens, device=self.device)).float()
+        x = self.fc(torch.cat([emb, feats.float()], dim=-1))
+        cos, sin = rope_tables(positions, self.inv_freq, self.cfg.rope_scaling, torch.float32)
+        out = layer_forward(self.cfg, self.layer, x, cos, sin, self.kv, self.len, None if mask is None else mask[None, None])
+        self.len += n
+        return out
+
+    def crop(self, length: int) -> None:
+        self.len = min(self.len, length)

@@ -33,70 +33,11 @@ import torch
 from specplay.core.costmodel import CostCurve, best_size, cost_curve
 from specplay.core.errors import ModelError
 from specplay.core.heads import draft_lm_rows, head_config, load_heads, resolve_heads_path
+from specplay.core.heads.eagle import EagleDrafter
 from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.models.layers import rms_norm
 from specplay.core.models.linear import make_linear, storage_of
-from specplay.core.models.layers import DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
 from specplay.core.types import Draft
-
-
-class EagleDrafter:
-    """The head at inference: its own KV cache, explicit positions and tree masks (batch size 1)."""
-
-    def __init__(self, cfg: DecoderConfig, weights: dict[str, torch.Tensor], storage: str, embed,
-                 device: str = "cpu"):
-        self.device = torch.device(device)
-
-        def w(name):
-            return weights[name].float().to(self.device)
-
-        def b(name):
-            return weights[name].float().to(self.device) if name in weights else None
-
-        self.cfg = cfg
-        self.embed = embed
-        self.fc = make_linear(w("fc.weight"), b("fc.bias"), storage)
-        qkv_bias = None
-        if cfg.qkv_bias:
-            qkv_bias = torch.cat([b("q_proj.bias"), b("k_proj.bias"), b("v_proj.bias")])
-        gu_bias = torch.cat([b("gate_proj.bias"), b("up_proj.bias")]) if cfg.mlp_bias else None
-        self.layer = LayerWeights(
-            qkv=make_linear(torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")]), qkv_bias, storage),
-            o=make_linear(w("o_proj.weight"), b("o_proj.bias"), storage),
-            gate_up=make_linear(torch.cat([w("gate_proj.weight"), w("up_proj.weight")]), gu_bias, storage),
-            down=make_linear(w("down_proj.weight"), b("down_proj.bias"), storage),
-            ln_in=w("input_layernorm"), ln_post=w("post_attention_layernorm"),
-        )
-        self.inv_freq = torch.tensor(cfg.inv_freq, device=self.device)
-        self.kv = torch.zeros(2, cfg.num_kv_heads, 256, cfg.head_dim, device=self.device)
-        self.len = 0
-
-    def run(self, feats: torch.Tensor, tokens: list[int], positions: torch.Tensor,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Append ``n`` (feature, token) pairs; return the predicted next features ``[n, h]``.
-
-        ``mask``: ``[n, len + n]`` boolean over (cache, new); None = causal chain.
-        """
-        n = len(tokens)
-        if self.len + n > self.kv.shape[2]:
-            grown = torch.zeros(2, self.cfg.num_kv_heads, max(2 * self.kv.shape[2], self.len + n), self.cfg.head_dim,
-                                device=self.device)
-            grown[:, :, : self.len] = self.kv[:, :, : self.len]
-            self.kv = grown
-        if mask is None and n > 1:
-            mask = torch.ones(n, self.len + n, dtype=torch.bool)
-            mask[:, self.len:] = torch.ones(n, n, dtype=torch.bool).tril()
-        if mask is not None:
-            mask = mask.to(self.device)
-        positions = positions.to(self.device)
-        emb = self.embed(torch.tensor(tokens, device=self.device)).float()
-        x = self.fc(torch.cat([emb, feats.float()], dim=-1))
-        cos, sin = rope_tables(positions, self.inv_freq, self.cfg.rope_scaling, torch.float32)
-        out = layer_forward(self.cfg, self.layer, x, cos, sin, self.kv, self.len, None if mask is None else mask[None, None])
-        self.len += n
-        return out
-
-    def crop(self, length: int) -> None:
-        self.len = min(self.len, length)
 
 
 def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.Tensor], vocab_ids: torch.Tensor,

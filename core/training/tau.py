@@ -65,12 +65,12 @@ def eagle_tau(head, data: TeacherSet, embed, lm_rows: torch.Tensor, vocab_ids: t
     each root's accepted length, the bonus token included. ``storage``: the drafter's layers
     (``"int8"`` drafts as the method does on an int8 target)."""
     from specplay.core.heads.eagle3 import Eagle3Head
-    from specplay.core.methods.eagle import EagleDrafter, grow_tree
+    from specplay.core.heads.eagle import EagleDrafter
+    from specplay.core.methods.eagle import grow_tree
 
     was_training = head.training
     head.eval()
-    weights = {k: v.detach().float() for k, v in head.state_dict().items()}
-    drafter = EagleDrafter(head.cfg, weights, storage, embed)
+    drafter = EagleDrafter.from_head(head, storage, embed)
     lm_rows = lm_rows.float()
     eagle3 = isinstance(head, Eagle3Head)
 
