@@ -282,13 +282,13 @@ class TokenGrid(QWidget):
         p.end()
 
 
-def describe_internals(internals: Any, known: set[str]) -> str:
-    """Generic HTML for a method's ``internals`` dict (keys not drawn elsewhere)."""
+def describe_internals(internals: Any, drawn: set[str]) -> str:
+    """Generic HTML for what a method shows of a step (its ``internals``), but for the keys in ``drawn``."""
     if not isinstance(internals, dict) or not internals:
         return ""
     rows = []
     for key, value in internals.items():
-        if key in known:
+        if key in drawn:
             continue
         if key == "match":
             if value is None:
@@ -314,8 +314,6 @@ def describe_internals(internals: Any, known: set[str]) -> str:
 
 class InternalsPanel(QWidget):
     """Step picker, step summary, draft tree, lookahead window/pool and other internals."""
-
-    LOOKAHEAD_KEYS = {"window", "pool_size", "candidates", "won"}
 
     def __init__(self, token_text: TokenText | None = None):
         super().__init__()
@@ -414,7 +412,7 @@ class InternalsPanel(QWidget):
             self.summary.setText("No run yet.")
             self.tree_view.set_step(None)
             self.details.setText("")
-            self._show_lookahead({})
+            self._show_grids({})
             return
         t = step.timing
         self.summary.setText(
@@ -424,10 +422,10 @@ class InternalsPanel(QWidget):
         texts = {tok.node: tok.text for tok in step.tokens if tok.node >= 0}
         self.tree_view.set_step(step, texts)
         internals = step.internals if isinstance(step.internals, dict) else {}
-        self.details.setText(describe_internals(internals, self.LOOKAHEAD_KEYS))
-        self._show_lookahead(internals)
+        self.details.setText(describe_internals(internals, self._show_grids(internals)))
 
-    def _show_lookahead(self, internals: dict) -> None:
+    def _show_grids(self, internals: dict) -> set[str]:
+        """Draw lookahead's Jacobi window and pool candidates where a step shows them; return the keys drawn."""
         window = internals.get("window")
         pool = internals.get("pool_size")
         self.window_grid.set_rows(window, label="row ")
@@ -447,3 +445,11 @@ class InternalsPanel(QWidget):
             self.candidates_title.setVisible(True)
         else:
             self.candidates_title.setVisible(False)
+        # Well-formed values are this panel's to show (an empty candidate list: nothing to draw);
+        # anything else falls through to the table of other keys.
+        drawn = {"window"} if self.window_grid.rows else set()
+        if isinstance(pool, int):
+            drawn.add("pool_size")
+        if isinstance(internals.get("candidates"), list):
+            drawn |= {"candidates", "won"}
+        return drawn

@@ -216,7 +216,7 @@ def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
             elapsed_s=time.perf_counter() - t_start, total_new_tokens=ctx.new_tokens,
             tree={"tokens": draft.tokens, "parents": draft.parents, "fates": [f.value for f in verdict.fates],
                   "accepted": verdict.accepted} if len(draft) else {},
-            internals={**draft.info, **notes} if notes else draft.info,
+            internals={**draft.shown, **notes} if notes else draft.shown,
             stood_down=None if gate_state.drafting else _stood_down_note(gate_state),
         )
 

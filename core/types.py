@@ -95,6 +95,10 @@ class Draft:
     Jacobi window); ``aux_mask`` is ``[m, 1 + n + m]`` over (root, nodes, aux), and
     ``aux_logit_rows`` lists the aux tokens whose logits the method needs (None: all).
     The method finds those logits after the ``n + 1`` verification rows of the output.
+
+    ``shown`` is what the method reports about this draft to people: the step's ``internals``
+    (the GUI's internals panel, the run logs). ``memo`` is the method's own note from
+    ``propose`` to its ``observe`` of the same step; nothing else reads it.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -106,7 +110,8 @@ class Draft:
     aux_positions: list[int] = field(default_factory=list)
     aux_mask: torch.Tensor | None = None
     aux_logit_rows: list[int] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    shown: dict[str, Any] = field(default_factory=dict)
+    memo: dict[str, Any] = field(default_factory=dict)
     #: Who proposed the nodes, ``{depth}`` filled in per node; empty: the method's ``draft_source``.
     source: str = ""
 

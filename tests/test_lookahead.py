@@ -111,7 +111,7 @@ def test_out_of_range_parameters_are_clear_errors(kwargs, message):
 
 def test_observing_a_step_leaves_the_proposed_draft_as_it_was(target):
     """What observe learns (the winning candidate) reaches the step's internals without being
-    written into the draft's own info, which the method proposed and may share."""
+    written into what the draft itself shows, which the method proposed and may share."""
     method = build_method("lookahead", LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False), target)
     drafts = []
     propose = method.propose
@@ -124,4 +124,4 @@ def test_observing_a_step_leaves_the_proposed_draft_as_it_was(target):
     gen = GenerationConfig(max_new_tokens=60, stop_at_eos=False, stand_down=False)
     res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
     assert any(e.internals.get("won") is not None for e in res.events)
-    assert all(d.info.get("won") is None for d in drafts)
+    assert all(d.shown.get("won") is None for d in drafts)

@@ -169,7 +169,7 @@ class Method(ABC):
         """Update drafting state after the verdict (the target has already committed).
 
         May return notes on the outcome for the step's internals (e.g. which candidate won);
-        they are shown next to the draft's own ``info``, which stays as proposed.
+        they are shown next to the draft's own ``shown``, which stays as proposed.
         """
         return None
 

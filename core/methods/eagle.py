@@ -111,8 +111,8 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
     new_index = {old: i for i, old in enumerate(keep)}
     parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
     return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],
-                 info={"shape": "dynamic", "depth": depth, "levels_grown": levels, "nodes_grown": len(tok),
-                       "kept": len(keep)})
+                 shown={"shape": "dynamic", "depth": depth, "levels_grown": levels, "nodes_grown": len(tok),
+                        "kept": len(keep)})
 
 
 # ---------------------------------------------------------------------------------- method
@@ -239,7 +239,7 @@ class Eagle(Method):
             q.append(float(logp[best].exp()))
             if level < depth - 1:
                 feat = self.drafter.run(feat[None], [tokens[-1]], torch.tensor([root + level]))[0]
-        return Draft.chain(tokens, q_token=q, info={"shape": "chain", "depth": depth})
+        return Draft.chain(tokens, q_token=q, shown={"shape": "chain", "depth": depth})
 
     def _dynamic(self, feat: torch.Tensor, root: int, depth: int, total: int) -> Draft:
         return grow_tree(self.drafter, self._log_probs, self.vocab_ids, feat, root, depth, total, self.config.top_k,

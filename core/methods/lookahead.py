@@ -139,8 +139,9 @@ class Lookahead(Method):
         return Draft(
             tokens=tokens, parents=parents, aux_tokens=aux, aux_positions=positions,
             aux_mask=self._window_mask(len(tokens) + 1), aux_logit_rows=[last * w + i for i in range(w)],
-            info={"window": [list(l) for l in self.levels], "pool_size": self.pool.size,
-                  "candidates": [list(g) for g in cands], "won": None, "hits": self.hits},
+            shown={"window": [list(l) for l in self.levels], "pool_size": self.pool.size,
+                   "candidates": [list(g) for g in cands], "won": None, "hits": self.hits},
+            memo={"candidates": cands},
         )
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> dict | None:
@@ -160,5 +161,5 @@ class Lookahead(Method):
         if accepted:
             self.hits += 1
             path = [draft.tokens[i] for i in accepted]
-            won = next(k for k, g in enumerate(draft.info["candidates"]) if list(g[:len(path)]) == path)
+            won = next(k for k, g in enumerate(draft.memo["candidates"]) if list(g[:len(path)]) == path)
         return {"won": won, "hits": self.hits}

@@ -158,7 +158,7 @@ class Medusa(Method):
         tokens = [int(ids[d - 1, r]) for d, r in zip(self.tree.depth_of[:n], self.tree.ranks[:n])]
         q_token = [float(top_p[d - 1, r]) for d, r in zip(self.tree.depth_of[:n], self.tree.ranks[:n])]
         return Draft(tokens=tokens, parents=list(self.tree.parents[:n]), q_token=q_token,
-                     info={"tree_nodes": n, "heads": self.heads.blocks.__len__()})
+                     shown={"tree_nodes": n, "heads": len(self.heads.blocks)})
 
     def _hydra(self, root: int, depth: int) -> Draft:
         """The static tree's first nodes, down to ``depth``, drawn along each path (:meth:`HydraHeads.draft_tree`)."""
@@ -169,7 +169,7 @@ class Medusa(Method):
             self.last_hidden.float()[None], self.embed(torch.tensor([root], device=device)).float(), t.parents[:n],
             t.ranks[:n], t.depth_of[:n], self._logits, lambda i: self.embed(self.vocab_ids[i]))
         return Draft(tokens=self.vocab_ids[index[0]].tolist(), parents=list(t.parents[:n]), q_token=prob[0].tolist(),
-                     info={"tree_nodes": n, "heads": len(self.heads.blocks), "recipe": "hydra"})
+                     shown={"tree_nodes": n, "heads": len(self.heads.blocks), "recipe": "hydra"})
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of states of any leading shape (the LM head rows take rows)."""
@@ -188,7 +188,7 @@ class Medusa(Method):
         nodes = list(zip(spec.depth_of, spec.ranks))
         return Draft(tokens=[ids[d - 1][r] for d, r in nodes], parents=list(spec.parents),
                      q_token=[confidence[d - 1][r] for d, r in nodes],
-                     info={"tree_nodes": len(spec), "heads": len(self.heads.blocks)})
+                     shown={"tree_nodes": len(spec), "heads": len(self.heads.blocks)})
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
         self.last_hidden = outcome.target_out.hidden[outcome.kept_rows[-1]]

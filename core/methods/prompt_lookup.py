@@ -87,20 +87,20 @@ class PromptLookup(Method):
         k = min(self.config.num_tokens, budget)
         hit = self.index.lookup(tokens, self.config.min_ngram) if k > 0 else None
         if hit is None:
-            return Draft(info={"match": None})
+            return Draft(shown={"match": None})
         n, end = hit
-        info = {"match": {"ngram": n, "at": end}}
+        shown = {"match": {"ngram": n, "at": end}}
         if self.cost is not None:
             alpha = self.acceptance(n)
             k = best_size([alpha ** i for i in range(1, k + 1)], self.cost)
-            info["acceptance"] = round(alpha, 3)
+            shown["acceptance"] = round(alpha, 3)
         proposal = tokens[end:end + k]
-        info["match"]["proposed"] = len(proposal)
-        return Draft.chain(proposal, info=info)
+        shown["match"]["proposed"] = len(proposal)
+        return Draft.chain(proposal, shown=shown, memo={"ngram": n})
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
-        match = outcome.draft.info.get("match")
-        if match and len(outcome.draft):
-            n, accepted = match["ngram"], len(outcome.verdict.accepted)
+        n = outcome.draft.memo.get("ngram")
+        if n is not None and len(outcome.draft):
+            accepted = len(outcome.verdict.accepted)
             self.hits[n] += accepted
             self.misses[n] += accepted < len(outcome.draft)

@@ -139,7 +139,8 @@ class Speculative(Method):
         if self.lookup is not None:
             copy = self.lookup.propose(ctx, budget)
             if len(copy):
-                copy.info["source"] = copy.source = "copy"
+                copy.shown["source"] = copy.source = "copy"
+                copy.memo["copied"] = True
                 return copy
         dm = self.draft_model
         sampling = ctx.config.sampling
@@ -174,11 +175,11 @@ class Speculative(Method):
                 forwards += 1
         self._sizing.drafted(time.perf_counter() - started, forwards)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
-                           q_token=q_token, info={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
-                                                  "stopped_early": stopped_early})
+                           q_token=q_token, shown={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
+                                                   "stopped_early": stopped_early})
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
-        if outcome.draft.info.get("source") == "copy":
+        if outcome.draft.memo.get("copied"):
             # The draft model ran nothing this step; its next propose feeds what it lacks.
             self.lookup.observe(ctx, outcome)
             return
