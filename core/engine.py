@@ -4,6 +4,12 @@
 ``StopIteration`` value, or :func:`drain`'s result) is the :class:`~specplay.core.types.RunResult`.
 It checks ``should_stop`` between steps, so a cancelled run returns what it produced.
 
+It is a short loop over functions that each work on a :class:`RunState` and can be called
+(and profiled) alone: :func:`start_run` checks the request and builds the state,
+:func:`prefill` reads the prompt, :func:`decode_step` runs one step (:func:`verify_draft`,
+:func:`commit`, the method's ``propose`` and ``observe`` around them) and builds its event,
+:func:`should_end` checks for a stop between steps and :func:`finish` makes the result.
+
 Invariant: the target's KV cache holds every token of the sequence except the last one,
 which is the root of the next draft. A step runs [root, draft nodes..., aux tokens...] in
 one forward pass, so the root's logits judge the first draft token and the logits of an
@@ -13,15 +19,16 @@ accepted node judge its children.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Generator
 
 import torch
 
-from specplay.core.costmodel import cost_curve
+from specplay.core.costmodel import CostCurve, cost_curve
 from specplay.core.errors import ConfigError, is_out_of_memory
 from specplay.core.methods.base import Method, RunContext, StepOutcome
 from specplay.core.metrics import MetricsRecorder
-from specplay.core.models.base import CausalLM
+from specplay.core.models.base import CausalLM, ForwardOutput
 from specplay.core.standdown import GateState, StandDownGate
 from specplay.core.text import Detokenizer
 from specplay.core.tree import ancestor_mask
@@ -143,128 +150,199 @@ def _stood_down_note(state: GateState) -> str:
             f"plain; {state.standing_down_for} plain steps before the next probe")
 
 
-def generate(target: CausalLM, tokenizer, method: Method, prompt_ids: list[int], config: GenerationConfig,
-             should_stop: Callable[[], bool] | None = None) -> Generator[StepEvent, None, RunResult]:
-    """Decode ``prompt_ids`` with ``method``; yield one event per step, return the run."""
+@dataclass
+class RunState:
+    """What a run carries from one step to the next (the method keeps its own drafting state).
+
+    ``ctx`` is the run as the method sees it (prompt + committed tokens); ``text`` the output
+    so far; ``stop`` is set by the step that ends the run, ``error`` where it ended in error.
+    """
+
+    ctx: RunContext
+    verify_generator: torch.Generator
+    eos: set[int]
+    detok: Detokenizer
+    gate: StandDownGate
+    #: What a plain step costs against a drafting step's verification pass (None: the gate is off).
+    curve: CostCurve | None
+    metrics: MetricsRecorder = field(default_factory=MetricsRecorder)
+    events: list[StepEvent] = field(default_factory=list)
+    text: str = ""
+    stop: StopReason | None = None
+    error: str | None = None
+    started: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        """Tokens the run may still add."""
+        return self.ctx.config.max_new_tokens - self.ctx.new_tokens
+
+
+def start_run(target_lm: CausalLM, tokenizer, method: Method, prompt_ids: list[int],
+              config: GenerationConfig) -> RunState:
+    """A run's state before its prefill, after checking that the prompt and the output fit the model.
+
+    With the stand-down gate on, this measures the target's cost curve once per model (about a
+    second on a CPU); it runs before the prefill since measuring empties the cache."""
     if not prompt_ids:
         raise ConfigError("the prompt is empty")
     needed = len(prompt_ids) + config.max_new_tokens + method.max_draft_nodes + 1
-    if needed > target.info.max_positions:
+    if needed > target_lm.info.max_positions:
         raise ConfigError(
             f"prompt ({len(prompt_ids)} tokens) + max new tokens ({config.max_new_tokens}) exceeds the model's "
-            f"context of {target.info.max_positions} tokens"
+            f"context of {target_lm.info.max_positions} tokens"
         )
-    should_stop = should_stop or (lambda: False)
-    eos = set(target.info.eos_token_ids) if config.stop_at_eos else set()
+    eos = set(target_lm.info.eos_token_ids) if config.stop_at_eos else set()
     seed = config.sampling.seed
-    verify_gen = torch.Generator().manual_seed(seed)
-    ctx = RunContext(target=target, tokens=list(prompt_ids), prompt_len=len(prompt_ids), config=config,
+    ctx = RunContext(target=target_lm, tokens=list(prompt_ids), prompt_len=len(prompt_ids), config=config,
                      draft_generator=torch.Generator().manual_seed(seed + 1), eos_token_ids=tuple(eos))
-    metrics = MetricsRecorder()
-    detok = Detokenizer(tokenizer)
-    events: list[StepEvent] = []
-
-    def _step() -> StepEvent:
-        """One propose -> verify -> commit -> observe step; sets ``stop`` when the run must end."""
-        nonlocal stop, text
-        remaining = config.max_new_tokens - ctx.new_tokens
-        gate_state = gate.state()
-        t0 = time.perf_counter()
-        # propose: any number of draft nodes, as a tree; nothing while the gate stands down
-        draft = method.propose(ctx, remaining - 1 if gate_state.drafting else 0)
-        t1 = time.perf_counter()
-        # verify: one target pass over the root and the draft; only the verifier accepts tokens
-        tokens, positions, mask = _forward_inputs(draft, ctx.tokens[-1], target.cache_len)
-        logit_rows = None
-        if draft.aux_tokens and draft.aux_logit_rows is not None:
-            n_verify = len(draft) + 1
-            logit_rows = list(range(n_verify)) + [n_verify + a for a in draft.aux_logit_rows]
-        out = target.forward(tokens, positions, mask, hidden=method.needs_hidden, layers=method.feature_layers,
-                             logit_rows=logit_rows)
-        verdict = verify(draft, out.logits, config.sampling, verify_gen, typical=method.typical)
-        t2 = time.perf_counter()
-
-        # commit: the target keeps the root and the accepted path; the step's tokens end at the
-        # first end-of-sequence token, the token budget or a completed stop string
-        kept_rows = [0] + [i + 1 for i in verdict.accepted]
-        target.commit(kept_rows)
-        new, stop = _truncate([draft.tokens[i] for i in verdict.accepted] + [verdict.next_token], eos, remaining)
-        new, pieces, step_text, text, hit = _cut_at_stop_string(new, detok.add(new), text, config.stop_strings)
-        if hit:
-            stop = StopReason.STOP_STRING
-        ctx.tokens.extend(new)
-        text += step_text
-        t3 = time.perf_counter()
-        # observe: the method updates its drafting state (nothing to do once the run ends)
-        notes = None
-        if stop is None:
-            notes = method.observe(ctx, StepOutcome(draft=draft, verdict=verdict, target_out=out, kept_rows=kept_rows,
-                                                    new_tokens=new))
-        t4 = time.perf_counter()
-
-        accepted_len = min(len(verdict.accepted), len(new))
-        timing = StepTiming(draft_s=(t1 - t0) + (t4 - t3), verify_s=t2 - t1, other_s=t3 - t2)
-        drafted = len(draft) > 0 or bool(draft.aux_tokens)
-        rows = len(tokens)
-        gate.record(drafted, len(new), t4 - t0, plain_estimate=lambda: (t2 - t1) / curve(rows) if curve else None)
-        depth = max(draft.depths(), default=0)
-        metrics.add_step(len(new), len(draft), accepted_len, depth, timing.draft_s, timing.verify_s, timing.other_s)
-        return StepEvent(
-            step=step, tokens=_token_events(draft, verdict, new, pieces, detok, draft.source or method.draft_source),
-            committed=new, text=step_text,
-            num_drafted=len(draft), num_accepted=accepted_len, timing=timing,
-            elapsed_s=time.perf_counter() - t_start, total_new_tokens=ctx.new_tokens,
-            tree={"tokens": draft.tokens, "parents": draft.parents, "fates": [f.value for f in verdict.fates],
-                  "accepted": verdict.accepted} if len(draft) else {},
-            internals={**draft.shown, **notes} if notes else draft.shown,
-            stood_down=None if gate_state.drafting else _stood_down_note(gate_state),
-        )
-
     gate = StandDownGate(enabled=config.stand_down and method.name != "autoregressive")
-    # What a plain step costs against a drafting step's verification pass: measured once per model
-    # (about a second on a CPU), before the run, since measuring empties the cache.
-    curve = cost_curve(target) if gate.enabled else None
-    t_start = time.perf_counter()
-    stop: StopReason | None = None
-    error: str | None = None
-    text = ""
-    step = 0
-    prefill_time = 0.0
+    curve = cost_curve(target_lm) if gate.enabled else None
+    return RunState(ctx=ctx, verify_generator=torch.Generator().manual_seed(seed), eos=eos,
+                    detok=Detokenizer(tokenizer), gate=gate, curve=curve, started=time.perf_counter())
+
+
+def prefill(target_lm: CausalLM, method: Method, state: RunState) -> None:
+    """Fill the target's cache with every prompt token but the last (the first step's root), then
+    start the method on it. Ends the run with an error if the prompt does not fit in memory."""
+    prompt_ids = state.ctx.tokens
     try:
-        target.reset()
+        target_lm.reset()
         if len(prompt_ids) > 1:
             # Every prompt row's logits would go unread: the last token is the next step's root.
-            ctx.prefill = target.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden,
-                                               layers=method.feature_layers, logit_rows=[], prefill=True)
-        method.start(ctx)
-        prefill_time = time.perf_counter() - t_start
+            state.ctx.prefill = target_lm.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden,
+                                                        layers=method.feature_layers, logit_rows=[], prefill=True)
+        method.start(state.ctx)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        stop, error = StopReason.ERROR, f"out of memory while reading the prompt ({len(prompt_ids)} tokens)"
-    while stop is None:
-        if should_stop():
-            stop = StopReason.CANCELLED
-            break
+        state.stop = StopReason.ERROR
+        state.error = f"out of memory while reading the prompt ({len(prompt_ids)} tokens)"
+    state.prefill_s = time.perf_counter() - state.started
+
+
+def verify_draft(target_lm: CausalLM, method: Method, draft: Draft, state: RunState) -> tuple[ForwardOutput, Verdict]:
+    """One target pass over [root, draft nodes, aux tokens]; the verifier decides which nodes are accepted."""
+    tokens, positions, mask = _forward_inputs(draft, state.ctx.tokens[-1], target_lm.cache_len)
+    logit_rows = None
+    if draft.aux_tokens and draft.aux_logit_rows is not None:
+        n_verify = len(draft) + 1
+        logit_rows = list(range(n_verify)) + [n_verify + a for a in draft.aux_logit_rows]
+    out = target_lm.forward(tokens, positions, mask, hidden=method.needs_hidden, layers=method.feature_layers,
+                            logit_rows=logit_rows)
+    return out, verify(draft, out.logits, state.ctx.config.sampling, state.verify_generator, typical=method.typical)
+
+
+def commit(target_lm: CausalLM, draft: Draft, verdict: Verdict, state: RunState) -> tuple[list[int], list[str], str]:
+    """Keep the root and the accepted path in the target's cache; add the step's tokens to the run.
+
+    The step's tokens end at the first end-of-sequence token, the token budget or a completed
+    stop string (which sets ``state.stop``). Returns (the tokens added, the text each adds,
+    the text the step adds)."""
+    target_lm.commit(kept_rows(verdict))
+    new = [draft.tokens[i] for i in verdict.accepted] + [verdict.next_token]
+    new, state.stop = _truncate(new, state.eos, state.remaining)
+    new, pieces, step_text, state.text, hit = _cut_at_stop_string(new, state.detok.add(new), state.text,
+                                                                  state.ctx.config.stop_strings)
+    if hit:
+        state.stop = StopReason.STOP_STRING
+    state.ctx.tokens.extend(new)
+    state.text += step_text
+    return new, pieces, step_text
+
+
+def kept_rows(verdict: Verdict) -> list[int]:
+    """The forward rows a step commits to the target's cache: row 0 (the root), then the accepted path."""
+    return [0] + [i + 1 for i in verdict.accepted]
+
+
+def decode_step(target_lm: CausalLM, method: Method, state: RunState) -> StepEvent:
+    """One propose -> verify -> commit -> observe step; sets ``state.stop`` when the run must end."""
+    gate_state = state.gate.state()
+    t0 = time.perf_counter()
+    # propose: any number of draft nodes, as a tree; nothing while the gate stands down
+    draft = method.propose(state.ctx, state.remaining - 1 if gate_state.drafting else 0)
+    t1 = time.perf_counter()
+    # verify: one target pass over the root and the draft; only the verifier accepts tokens
+    out, verdict = verify_draft(target_lm, method, draft, state)
+    t2 = time.perf_counter()
+    # commit: the target keeps the root and the accepted path
+    new, pieces, step_text = commit(target_lm, draft, verdict, state)
+    t3 = time.perf_counter()
+    # observe: the method updates its drafting state (nothing to do once the run ends)
+    notes = None
+    if state.stop is None:
+        notes = method.observe(state.ctx, StepOutcome(draft=draft, verdict=verdict, target_out=out,
+                                                      kept_rows=kept_rows(verdict), new_tokens=new))
+    t4 = time.perf_counter()
+
+    timing = StepTiming(draft_s=(t1 - t0) + (t4 - t3), verify_s=t2 - t1, other_s=t3 - t2)
+    accepted_len = min(len(verdict.accepted), len(new))
+    rows = 1 + len(draft) + len(draft.aux_tokens)
+    curve = state.curve
+    state.gate.record(len(draft) > 0 or bool(draft.aux_tokens), len(new), t4 - t0,
+                      plain_estimate=lambda: (t2 - t1) / curve(rows) if curve else None)
+    state.metrics.add_step(len(new), len(draft), accepted_len, max(draft.depths(), default=0), timing.draft_s,
+                           timing.verify_s, timing.other_s)
+    event = StepEvent(
+        step=len(state.events), tokens=_token_events(draft, verdict, new, pieces, state.detok,
+                                                     draft.source or method.draft_source),
+        committed=new, text=step_text, num_drafted=len(draft), num_accepted=accepted_len, timing=timing,
+        elapsed_s=time.perf_counter() - state.started, total_new_tokens=state.ctx.new_tokens,
+        tree=_tree_of(draft, verdict), internals={**draft.shown, **notes} if notes else draft.shown,
+        stood_down=None if gate_state.drafting else _stood_down_note(gate_state),
+    )
+    state.events.append(event)
+    return event
+
+
+def _tree_of(draft: Draft, verdict: Verdict) -> dict:
+    """The whole draft with each node's fate, for tree views (empty when nothing was drafted)."""
+    if not len(draft):
+        return {}
+    return {"tokens": draft.tokens, "parents": draft.parents, "fates": [f.value for f in verdict.fates],
+            "accepted": verdict.accepted}
+
+
+def should_end(state: RunState, should_stop: Callable[[], bool]) -> bool:
+    """Whether the run ends before another step: a step ended it, or the caller cancels it."""
+    if state.stop is None and should_stop():
+        state.stop = StopReason.CANCELLED
+    return state.stop is not None
+
+
+def finish(method: Method, state: RunState) -> RunResult:
+    """The run as a result: its tokens, text, why it stopped and its metrics."""
+    ctx, events = state.ctx, state.events
+    wall = time.perf_counter() - state.started
+    metrics = state.metrics.finish(wall, state.prefill_s, events[0].elapsed_s if events else None,
+                                   state.gate.stood_down_steps)
+    return RunResult(
+        method=method.name, method_params=method.describe(), lossy=method.lossy,
+        prompt_ids=ctx.tokens[:ctx.prompt_len], token_ids=ctx.tokens[ctx.prompt_len:], text=state.text,
+        stop_reason=state.stop, metrics=metrics, config=ctx.config, events=events, error=state.error,
+        unrepeatable=_unrepeatable(method, ctx.config),
+    )
+
+
+def generate(target_lm: CausalLM, tokenizer, method: Method, prompt_ids: list[int], config: GenerationConfig,
+             should_stop: Callable[[], bool] | None = None) -> Generator[StepEvent, None, RunResult]:
+    """Decode ``prompt_ids`` with ``method``; yield one event per step, return the run."""
+    should_stop = should_stop or (lambda: False)
+    state = start_run(target_lm, tokenizer, method, prompt_ids, config)
+    prefill(target_lm, method, state)
+    while not should_end(state, should_stop):
         try:
-            event = _step()
+            event = decode_step(target_lm, method, state)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
-            stop, error = StopReason.ERROR, f"out of memory while generating (after {ctx.new_tokens} tokens)"
+            state.stop = StopReason.ERROR
+            state.error = f"out of memory while generating (after {state.ctx.new_tokens} tokens)"
             break
-        events.append(event)
-        step += 1
         yield event
-
-    wall = time.perf_counter() - t_start
-    return RunResult(
-        method=method.name, method_params=method.describe(), lossy=method.lossy, prompt_ids=list(prompt_ids),
-        token_ids=ctx.tokens[ctx.prompt_len:], text=text, stop_reason=stop,
-        metrics=metrics.finish(wall, prefill_time, events[0].elapsed_s if events else None, gate.stood_down_steps),
-        config=config,
-        events=events, error=error, unrepeatable=_unrepeatable(method, config),
-    )
+    return finish(method, state)
 
 
 def drain(run: Generator[StepEvent, None, RunResult], on_event: Callable[[StepEvent], None] | None = None) -> RunResult:

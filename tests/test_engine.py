@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from specplay.core.engine import drain, generate
+from specplay.core.engine import commit, decode_step, drain, finish, generate, prefill, should_end, start_run, verify_draft
 from specplay.core.errors import ConfigError
 from specplay.core.methods import build_method
 from specplay.core.costmodel import CostCurve, best_size
@@ -145,6 +145,52 @@ def test_prompt_lookup_greedy_equals_autoregressive(models):
         check_target_cache(target, res)
         # Greedy output of a tiny model repeats itself, so lookup must find matches that hold.
         assert cfg.adaptive or res.metrics.accepted > 0
+
+
+# ----------------------------------------------------------------------------------- the step functions alone
+def started(target, name, config=None, draft=None, max_new_tokens=20):
+    """A run of ``name`` on ``target``, set up and prefilled, before its first step."""
+    method = build_method(name, config, target, draft)
+    state = start_run(target.model, target.tokenizer, method, PROMPT,
+                      GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False, stand_down=False))
+    prefill(target.model, method, state)
+    return method, state
+
+
+def test_prefill_fills_the_cache_with_the_prompt_but_its_last_token(models):
+    target, near, *_ = models
+    method, state = started(target, "speculative", SpeculativeConfig(gamma=3), near)
+    assert target.model.cache_len == len(PROMPT) - 1 and state.ctx.prefill is not None
+    assert near.model.cache_len == len(PROMPT) - 1  # the method was started on the prompt too
+    assert state.stop is None and state.ctx.tokens == PROMPT and state.prefill_s > 0
+
+
+@pytest.mark.parametrize("draft_index,accepted", [(2, [0, 1, 2, 3]), (3, [])])
+def test_one_step_commits_exactly_the_tokens_the_verifier_accepted(models, draft_index, accepted):
+    """The target's own weights as the draft: all four accepted; an unrelated draft: none."""
+    target = models[0]
+    method, state = started(target, "speculative", SpeculativeConfig(gamma=4), models[draft_index])
+    draft = method.propose(state.ctx, state.remaining - 1)
+    out, verdict = verify_draft(target.model, method, draft, state)
+    new, pieces, text = commit(target.model, draft, verdict, state)
+    assert len(draft) == 4 and verdict.accepted == accepted
+    assert new == [draft.tokens[i] for i in verdict.accepted] + [verdict.next_token]
+    assert state.ctx.tokens == PROMPT + new and text == "".join(pieces) == state.text
+    assert target.model.cache_len == len(PROMPT) - 1 + len(new)  # the root and the accepted path
+
+
+def test_decode_step_adds_one_event_and_the_loop_ends_where_a_step_says(models):
+    target, near, *_ = models
+    base = run(target, "autoregressive")
+    method, state = started(target, "speculative", SpeculativeConfig(gamma=3), near, max_new_tokens=6)
+    while not should_end(state, lambda: False):
+        event = decode_step(target.model, method, state)
+        assert state.events[-1] is event and event.total_new_tokens == state.ctx.new_tokens
+    result = finish(method, state)
+    assert result.stop_reason is StopReason.MAX_TOKENS and result.token_ids == base.token_ids[:6]
+    assert sum(len(e.committed) for e in result.events) == 6 == result.metrics.new_tokens
+    method, state = started(target, "autoregressive")
+    assert should_end(state, lambda: True) and finish(method, state).cancelled
 
 
 def test_eos_inside_an_accepted_draft_stops_there(models):
