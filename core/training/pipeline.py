@@ -21,7 +21,7 @@ from specplay.core.atomic import write_text_atomic
 from specplay.core.errors import ModelError
 from specplay.core.heads import save_heads
 from specplay.core.models.cache import read_marker
-from specplay.core.models.convert import sha256_file
+from specplay.core.models.prepare import sha256_file
 from specplay.core.paths import assets_dir, cache_dir, data_dir
 from specplay.core.progress import Progress
 from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
