@@ -46,6 +46,32 @@ class AuditView(QWidget):
                        "tests them against its exact distribution (chi-square: the K tokens jointly, and each "
                        "position given the earlier ones). Use a temperature above 0: at 0 there is one answer.")
         intro.setWordWrap(True)
+        controls = self._build_controls()
+        self.title = QLabel("")
+        self.title.setTextFormat(Qt.TextFormat.RichText)
+        self.verdict = QLabel("No audit yet.")
+        self.verdict.setWordWrap(True)
+        self.verdict.setTextFormat(Qt.TextFormat.RichText)
+        self.power = QLabel("")
+        self.power.setWordWrap(True)
+        self.power.setStyleSheet("QLabel { color: #555555; }")
+        self.table = results_table(TEST_COLUMNS, TEST_TIPS)
+        split = QSplitter(Qt.Orientation.Vertical)
+        split.addWidget(self._build_chart())
+        split.addWidget(self.table)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 1)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 6, 6, 6)
+        layout.addWidget(intro)
+        layout.addLayout(controls)
+        layout.addWidget(self.title)
+        layout.addWidget(self.verdict)
+        layout.addWidget(self.power)
+        layout.addWidget(split, 1)
+
+    def _build_controls(self) -> QHBoxLayout:
+        """N and K, the Audit button and the progress bar."""
         self.samples = QSpinBox()
         self.samples.setRange(10, 1_000_000)
         self.samples.setValue(DEFAULT_SAMPLES)
@@ -67,20 +93,13 @@ class AuditView(QWidget):
             controls.addWidget(box)
         controls.addWidget(self.run_button)
         controls.addWidget(self.progress, 1)
+        return controls
 
-        self.title = QLabel("")
-        self.title.setTextFormat(Qt.TextFormat.RichText)
-        self.verdict = QLabel("No audit yet.")
-        self.verdict.setWordWrap(True)
-        self.verdict.setTextFormat(Qt.TextFormat.RichText)
-        self.power = QLabel("")
-        self.power.setWordWrap(True)
-        self.power.setStyleSheet("QLabel { color: #555555; }")
-        self.table = results_table(TEST_COLUMNS, TEST_TIPS)
+    def _build_chart(self) -> QWidget:
+        """The histogram of observed against expected counts, and the choice of test it shows."""
         self.test_choice = QComboBox()
         self.test_choice.setToolTip("Which test's bins the chart shows")
         self.test_choice.currentIndexChanged.connect(self._draw_chart)
-
         self.plot = pg.PlotWidget()
         self.plot.setLabel("left", "samples")
         self.plot.showGrid(x=False, y=True, alpha=0.25)
@@ -95,7 +114,6 @@ class AuditView(QWidget):
                                     pen=pg.mkPen("#333333", width=1))
         for item in (self.expected_bars, self.observed_bars, self.band):
             self.plot.addItem(item)
-
         chart_box = QWidget()
         chart_layout = QVBoxLayout(chart_box)
         chart_layout.setContentsMargins(0, 0, 0, 0)
@@ -105,19 +123,7 @@ class AuditView(QWidget):
         pick.addStretch(1)
         chart_layout.addLayout(pick)
         chart_layout.addWidget(self.plot, 1)
-        split = QSplitter(Qt.Orientation.Vertical)
-        split.addWidget(chart_box)
-        split.addWidget(self.table)
-        split.setStretchFactor(0, 3)
-        split.setStretchFactor(1, 1)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(6, 6, 6, 6)
-        layout.addWidget(intro)
-        layout.addLayout(controls)
-        layout.addWidget(self.title)
-        layout.addWidget(self.verdict)
-        layout.addWidget(self.power)
-        layout.addWidget(split, 1)
+        return chart_box
 
     def begin(self, title: str) -> None:
         """An audit starts: clear the last one's results."""

@@ -93,78 +93,14 @@ class CompareView(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.order = list(METHODS)
-        self.checks: dict[str, QCheckBox] = {}
-        choose = QHBoxLayout()
-        choose.addWidget(QLabel("Compare:"), 0, Qt.AlignmentFlag.AlignTop)
-        boxes = QGridLayout()  # a grid, so many methods do not force a wide window
-        boxes.setHorizontalSpacing(14)
-        boxes.setVerticalSpacing(2)
-        per_row = 4
-        for i, (name, spec) in enumerate(METHODS.items()):
-            box = QCheckBox(spec.title)
-            box.setToolTip(spec.summary)
-            self.checks[name] = box
-            boxes.addWidget(box, i // per_row, i % per_row)
-        choose.addLayout(boxes)
-        choose.addStretch(1)
-        self.run_button = QPushButton("Run comparison")
-        self.run_button.setObjectName("compare_button")
-        self.run_button.setToolTip("Run the checked methods one after another on the same prompt, seed and settings "
-                                   "(each after a short warm-up)")
-        self.run_button.clicked.connect(lambda: self.sig_run_requested.emit(self.selected()))
-        choose.addWidget(self.run_button, 0, Qt.AlignmentFlag.AlignTop)
-        self.endpoints_edit = QLineEdit()
-        self.endpoints_edit.setPlaceholderText("optional: OpenAI-compatible endpoints, e.g. "
-                                               "http://127.0.0.1:8000/v1,name=plain; http://127.0.0.1:8001/v1,name=eagle")
-        self.endpoints_edit.setToolTip(
-            "Remote engines (vLLM, SGLang, llama.cpp's server, …) to run on the same prompt after the checked methods, "
-            "separated by ';'. Options after a comma: model=NAME, name=LABEL, key-env=VAR, timeout=SECONDS, "
-            "deadline=SECONDS. An API key is sent only to an endpoint with one of its own: the variable its key-env= "
-            "names, else the OS keyring entry for its exact URL; never over plain http:// to another machine (use "
-            "https:// or a loopback address), and never saved. Endpoints are compared with the first endpoint; "
-            "speculation metrics appear where the engine exposes them.")
-        endpoints_row = QHBoxLayout()
-        endpoints_row.addWidget(QLabel("Endpoints:"))
-        endpoints_row.addWidget(self.endpoints_edit, 1)
-        self.note = QLabel("")
-        self.note.setWordWrap(True)
-        self.note.setStyleSheet("QLabel { color: #555555; }")
-        self.rejected_inline = QCheckBox("rejected drafts inline")
-        self.rejected_inline.setChecked(False)
-        self.rejected_inline.setToolTip(REJECTED_INLINE_TIP)
-        self.rejected_inline.toggled.connect(self._set_rejected_inline)
-        note_row = QHBoxLayout()
-        note_row.addWidget(self.note, 1)
-        note_row.addWidget(self.rejected_inline)
-        self.columns_box = QWidget()
-        self.columns_layout = QGridLayout(self.columns_box)
-        self.columns_layout.setContentsMargins(0, 0, 0, 0)
-        self.columns_layout.setSpacing(4)
+        self.records: list[dict] = []
         self.columns: dict[str, CompareColumn] = {}
-        placeholder = QLabel("Check two or more methods and press “Run comparison”. Include Autoregressive: it is the "
-                             "baseline for speedups and for the identical-output check at temperature 0.")
-        placeholder.setWordWrap(True)
-        placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        placeholder.setStyleSheet("QLabel { color: #777777; }")
-        self.placeholder = placeholder
-        self.columns_layout.addWidget(placeholder, 0, 0)
-
+        choose = self._build_choice()
+        endpoints_row = self._build_endpoints()
+        note_row = self._build_note()
+        self._build_columns()
         self.table = results_table(TABLE_COLUMNS, COLUMN_TIPS)
-        self.speedup_plot = pg.PlotWidget()
-        self.speedup_plot.setTitle("Speedup", size="10pt")
-        self.speedup_plot.setMenuEnabled(False)
-        self.speedup_plot.setMouseEnabled(x=False, y=False)
-        self.speedup_plot.showGrid(x=True, alpha=0.25)
-        self.speedup_plot.setLabel("bottom", "× the baseline's tokens/s")
-        self.speedup_plot.getAxis("bottom").enableAutoSIPrefix(False)
-        self.speedup_plot.setMinimumWidth(180)
-        # horizontal bars: method names read along the left axis, however many methods there are
-        self.speedup_bars = pg.BarGraphItem(x0=np.zeros(0), width=np.zeros(0), y=np.zeros(0), height=0.6,
-                                            brushes=[])
-        self.speedup_plot.addItem(self.speedup_bars)
-        self.speedup_plot.addItem(pg.InfiniteLine(pos=1.0, angle=90, pen=pg.mkPen("#555555", style=Qt.PenStyle.DashLine)))
-        self.speedup_labels: list[pg.TextItem] = []
-
+        self._build_speedup_plot()
         bottom = QSplitter(Qt.Orientation.Horizontal)
         bottom.addWidget(self.table)
         bottom.addWidget(self.speedup_plot)
@@ -183,7 +119,90 @@ class CompareView(QWidget):
         layout.addLayout(endpoints_row)
         layout.addLayout(note_row)
         layout.addWidget(split, 1)
-        self.records: list[dict] = []
+
+    def _build_choice(self) -> QHBoxLayout:
+        """A check box per method, and the button that compares the checked ones."""
+        choose = QHBoxLayout()
+        choose.addWidget(QLabel("Compare:"), 0, Qt.AlignmentFlag.AlignTop)
+        boxes = QGridLayout()  # a grid, so many methods do not force a wide window
+        boxes.setHorizontalSpacing(14)
+        boxes.setVerticalSpacing(2)
+        per_row = 4
+        self.checks: dict[str, QCheckBox] = {}
+        for i, (name, spec) in enumerate(METHODS.items()):
+            box = QCheckBox(spec.title)
+            box.setToolTip(spec.summary)
+            self.checks[name] = box
+            boxes.addWidget(box, i // per_row, i % per_row)
+        choose.addLayout(boxes)
+        choose.addStretch(1)
+        self.run_button = QPushButton("Run comparison")
+        self.run_button.setObjectName("compare_button")
+        self.run_button.setToolTip("Run the checked methods one after another on the same prompt, seed and settings "
+                                   "(each after a short warm-up)")
+        self.run_button.clicked.connect(lambda: self.sig_run_requested.emit(self.selected()))
+        choose.addWidget(self.run_button, 0, Qt.AlignmentFlag.AlignTop)
+        return choose
+
+    def _build_endpoints(self) -> QHBoxLayout:
+        self.endpoints_edit = QLineEdit()
+        self.endpoints_edit.setPlaceholderText("optional: OpenAI-compatible endpoints, e.g. "
+                                               "http://127.0.0.1:8000/v1,name=plain; http://127.0.0.1:8001/v1,name=eagle")
+        self.endpoints_edit.setToolTip(
+            "Remote engines (vLLM, SGLang, llama.cpp's server, …) to run on the same prompt after the checked methods, "
+            "separated by ';'. Options after a comma: model=NAME, name=LABEL, key-env=VAR, timeout=SECONDS, "
+            "deadline=SECONDS. An API key is sent only to an endpoint with one of its own: the variable its key-env= "
+            "names, else the OS keyring entry for its exact URL; never over plain http:// to another machine (use "
+            "https:// or a loopback address), and never saved. Endpoints are compared with the first endpoint; "
+            "speculation metrics appear where the engine exposes them.")
+        endpoints_row = QHBoxLayout()
+        endpoints_row.addWidget(QLabel("Endpoints:"))
+        endpoints_row.addWidget(self.endpoints_edit, 1)
+        return endpoints_row
+
+    def _build_note(self) -> QHBoxLayout:
+        """What the comparison holds equal, and the "rejected drafts inline" switch."""
+        self.note = QLabel("")
+        self.note.setWordWrap(True)
+        self.note.setStyleSheet("QLabel { color: #555555; }")
+        self.rejected_inline = QCheckBox("rejected drafts inline")
+        self.rejected_inline.setChecked(False)
+        self.rejected_inline.setToolTip(REJECTED_INLINE_TIP)
+        self.rejected_inline.toggled.connect(self._set_rejected_inline)
+        note_row = QHBoxLayout()
+        note_row.addWidget(self.note, 1)
+        note_row.addWidget(self.rejected_inline)
+        return note_row
+
+    def _build_columns(self) -> None:
+        """The grid the side-by-side columns go into; until the first comparison, a hint."""
+        self.columns_box = QWidget()
+        self.columns_layout = QGridLayout(self.columns_box)
+        self.columns_layout.setContentsMargins(0, 0, 0, 0)
+        self.columns_layout.setSpacing(4)
+        placeholder = QLabel("Check two or more methods and press “Run comparison”. Include Autoregressive: it is the "
+                             "baseline for speedups and for the identical-output check at temperature 0.")
+        placeholder.setWordWrap(True)
+        placeholder.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        placeholder.setStyleSheet("QLabel { color: #777777; }")
+        self.placeholder = placeholder
+        self.columns_layout.addWidget(placeholder, 0, 0)
+
+    def _build_speedup_plot(self) -> None:
+        self.speedup_plot = pg.PlotWidget()
+        self.speedup_plot.setTitle("Speedup", size="10pt")
+        self.speedup_plot.setMenuEnabled(False)
+        self.speedup_plot.setMouseEnabled(x=False, y=False)
+        self.speedup_plot.showGrid(x=True, alpha=0.25)
+        self.speedup_plot.setLabel("bottom", "× the baseline's tokens/s")
+        self.speedup_plot.getAxis("bottom").enableAutoSIPrefix(False)
+        self.speedup_plot.setMinimumWidth(180)
+        # horizontal bars: method names read along the left axis, however many methods there are
+        self.speedup_bars = pg.BarGraphItem(x0=np.zeros(0), width=np.zeros(0), y=np.zeros(0), height=0.6,
+                                            brushes=[])
+        self.speedup_plot.addItem(self.speedup_bars)
+        self.speedup_plot.addItem(pg.InfiniteLine(pos=1.0, angle=90, pen=pg.mkPen("#555555", style=Qt.PenStyle.DashLine)))
+        self.speedup_labels: list[pg.TextItem] = []
 
     def endpoints(self) -> list[str]:
         """The endpoint specs typed in (``URL[,option=value...]``), in order."""
