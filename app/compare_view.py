@@ -215,8 +215,15 @@ class CompareView(QWidget):
         for n, box in self.checks.items():
             box.setChecked(n in names)
 
-    def begin(self, names: list[str]) -> None:
-        """New comparison: one column per method or endpoint (token views are widgets; the charts stay)."""
+    def begin(self, names: list[str], greedy: bool) -> None:
+        """New comparison: one column per method or endpoint (``remote:LABEL``), and the note on what
+        to expect at this temperature (``greedy``: temperature 0)."""
+        endpoints = any(name.startswith("remote:") for name in names)
+        self.note.setText(
+            "Same prompt, seed and settings for every method, each after a short warm-up"
+            + (" (endpoints are compared with the first endpoint). " if endpoints else ". ")
+            + ("Temperature 0: every lossless method must match autoregressive token for token."
+               if greedy else "Temperature > 0: outputs differ run to run; the distribution is what is preserved."))
         for col in self.columns.values():
             col.setParent(None)
             col.deleteLater()

@@ -1,9 +1,10 @@
-"""The window's side of the engine: requests out as queued signals, results back as futures.
+"""The GUI thread's side of the engine: requests out as queued signals, results back as futures.
 
 All model work runs in one :class:`~specplay.app.worker.EngineWorker` thread. A coroutine sends a
 request and awaits its future; the worker's result signal (or its failure) resolves it. One
 request is awaited at a time, and each carries a job number, so a Stop pressed while a job
-is still queued reaches it (:meth:`EngineWorker.cancel`).
+is still queued reaches it (:meth:`EngineWorker.cancel`). What the worker reports along the way
+(steps, progress, the cost curve) comes out of the client's own signals, in the GUI thread.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ import logging
 
 from PySide6.QtCore import QObject, QThread, Signal
 
-from specplay.app.worker import AuditRequest, EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunRequest
-from specplay.core.audit import AuditResult
-from specplay.core.remote import RemoteRun
-from specplay.core.types import RunResult
+from specplay.app.worker import (AuditRequest, EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunDone,
+                                 RunRequest)
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +27,11 @@ class EngineFailed(Exception):
 class EngineClient(QObject):
     """Owns the engine thread and its worker.
 
-    Signals:
+    Signals (emitted in the GUI thread):
         sig_error(str): a worker error while no request was awaited (still for the user).
-    The worker's own progress, step and cost-curve signals are connected directly by the window.
+        sig_step(object): a ``StepEvent`` of the job that runs (a generation or a remote completion).
+        sig_progress(str, float): a loading, calibration or audit stage and its fraction (-1: unknown).
+        sig_cost_curve(object): the target's verification ``CostCurve``, measured before its first run.
     """
 
     sig_load = Signal(object)
@@ -38,6 +39,9 @@ class EngineClient(QObject):
     sig_generate_remote = Signal(object)
     sig_audit = Signal(object)
     sig_error = Signal(str)
+    sig_step = Signal(object)
+    sig_progress = Signal(str, float)
+    sig_cost_curve = Signal(object)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -55,21 +59,25 @@ class EngineClient(QObject):
         self.worker.sig_run_finished.connect(self._resolve)
         self.worker.sig_audit_finished.connect(self._resolve)
         self.worker.sig_failed.connect(self._on_failed)
+        self.worker.sig_step.connect(self.sig_step)
+        self.worker.sig_progress.connect(self.sig_progress)
+        self.worker.sig_cost_curve.connect(self.sig_cost_curve)
         self.thread.start()
 
     async def load(self, request: LoadRequest) -> ModelsLoaded:
         """Load the requested models (raises :class:`EngineFailed` with the worker's message)."""
         return await self._submit(self.sig_load, request)
 
-    async def generate(self, request: RunRequest, stop_first: bool = False) -> RunResult:
-        """Run one generation; ``stop_first``: Stop was already pressed, so the job ends at once."""
+    async def generate(self, request: RunRequest, stop_first: bool = False) -> RunDone:
+        """Run one generation (its ``RunResult`` and record); ``stop_first``: Stop was already pressed,
+        so the job ends at once."""
         return await self._submit(self.sig_generate, request, stop_first)
 
-    async def generate_remote(self, request: RemoteRequest, stop_first: bool = False) -> RemoteRun:
+    async def generate_remote(self, request: RemoteRequest, stop_first: bool = False) -> RunDone:
         """Stream one completion from a remote endpoint (its failures come back in the ``RemoteRun``)."""
         return await self._submit(self.sig_generate_remote, request, stop_first)
 
-    async def audit(self, request: AuditRequest, stop_first: bool = False) -> AuditResult:
+    async def audit(self, request: AuditRequest, stop_first: bool = False) -> RunDone:
         """Run one losslessness audit (stopped, it tests the samples drawn so far)."""
         return await self._submit(self.sig_audit, request, stop_first)
 

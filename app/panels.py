@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QStackedWidget, QStyle, QToolButton, QVBoxLayout, QWidget)
 
 from specplay.app.forms import ConfigForm
+from specplay.app.worker import LoadRequest, RemoteRequest, RunRequest
 from specplay.core.errors import ConfigError
 from specplay.core.memory import memory_text
 from specplay.core.methods import METHODS, method_title
@@ -22,6 +23,7 @@ from specplay.core.models.loader import DEVICES, DTYPES
 log = logging.getLogger(__name__)
 
 NO_DRAFT = "(no draft model)"
+REMOTE_WARMUP_TOKENS = 8  # an endpoint's short, unrecorded first request (a fair first-token time)
 DTYPE_TIPS = {
     "auto": "bfloat16 on a GPU; int8 weights on an x86 CPU (about 7x faster than float32), else float32",
     "int8": "int8 weights with float32 compute (x86 CPUs only)",
@@ -186,12 +188,32 @@ class ModelsPanel(QWidget):
         layout.addWidget(self.memory)
         layout.addStretch(1)
 
+    def load_request(self, target: str | None = None, draft: str | None = None, device: str | None = None,
+                     dtype: str | None = None) -> LoadRequest | None:
+        """A request to load these models (by default the ones chosen here), now shown as the choice;
+        None without a target (a device or dtype the lists lack is sent, not shown)."""
+        target = target if target is not None else self.target.spec()
+        draft = draft if draft is not None else self.draft.spec()
+        device = device or self.device.currentText()
+        dtype = dtype or self.dtype.currentText()
+        if not target:
+            return None
+        self.target.set_spec(target)
+        self.draft.set_spec(draft)
+        for box, value in ((self.device, device), (self.dtype, dtype)):
+            if box.findText(value) >= 0:
+                box.setCurrentText(value)
+        return LoadRequest(target=target, draft=draft or None, device=device, dtype=dtype,
+                           draft_backend=self.draft_engine.currentText())
+
     def set_loading(self, loading: bool) -> None:
         self.load_button.setEnabled(not loading)
         self.cancel_button.setEnabled(loading)
         if loading:
             self.progress.setRange(0, 0)
             self.messages.setText("")
+        elif self.progress.maximum() == 0:  # a load ended while its stage had no fraction
+            self.progress.setRange(0, 1000)
 
     def set_progress(self, stage: str, fraction: float) -> None:
         self.stage.setText(stage)
@@ -324,6 +346,26 @@ class PromptPanel(QWidget):
                                 sampling=SamplingConfig(temperature=self.temperature.value(), top_p=self.top_p.value(),
                                                         seed=self.seed.value()))
 
+    def run_request(self, method: str, method_config, warmup_tokens: int = 0) -> RunRequest:
+        """A request to run ``method`` (with its config) on this prompt; raises ConfigError for the user."""
+        gen = self.generation_config()
+        return RunRequest(prompt=self._prompt_to_send(), method=method, config=gen, method_config=method_config,
+                          chat_template=self.chat_template.isChecked(), warmup_tokens=warmup_tokens)
+
+    def remote_request(self, endpoint) -> RemoteRequest:
+        """A request to stream this prompt from ``endpoint`` (a :class:`specplay.core.remote.Endpoint`)."""
+        gen = self.generation_config()
+        s = gen.sampling
+        return RemoteRequest(endpoint=endpoint, prompt=self._prompt_to_send(), max_tokens=gen.max_new_tokens,
+                             temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                             chat=self.chat_template.isChecked(), warmup_tokens=REMOTE_WARMUP_TOKENS)
+
+    def _prompt_to_send(self) -> str:
+        prompt = self.prompt()
+        if not prompt.strip():
+            raise ConfigError("The prompt is empty.")
+        return prompt
+
 
 # ------------------------------------------------------------------------------------ methods
 class MethodsPanel(QWidget):
@@ -408,6 +450,14 @@ class MethodsPanel(QWidget):
         for name, vals in (values or {}).items():
             if name in self.forms and isinstance(vals, dict):
                 self.forms[name].set_values(vals)
+
+    def run_request(self, method: str, prompt: PromptPanel, warmup_tokens: int = 0) -> RunRequest:
+        """A request to run ``method`` with its settings here on ``prompt``'s prompt and sampling;
+        raises ConfigError with a message for the user."""
+        request = prompt.run_request(method, self.config_for(method), warmup_tokens)
+        if METHODS[method].needs_draft and not self.draft_available:
+            raise ConfigError(f"{method_title(method)} needs a draft model: choose one in Models and load it.")
+        return request
 
     def set_draft_available(self, available: bool) -> None:
         self.draft_available = available

@@ -38,6 +38,16 @@ class ModelsLoaded:
 
 
 @dataclass
+class RunDone:
+    """A generation, remote completion or audit that ended (finished, stopped, or cut short by an
+    error) with its history record. The record is made in the worker thread: it reads the models,
+    which only that thread touches."""
+
+    result: object  # RunResult, RemoteRun or AuditResult
+    record: dict
+
+
+@dataclass
 class RemoteRequest:
     """One streamed completion from an OpenAI-compatible endpoint (a :class:`specplay.core.remote.Endpoint`)."""
 
@@ -90,10 +100,10 @@ class EngineWorker(QObject):
         sig_progress(str, float): a loading or conversion stage and its fraction (-1: unknown).
         sig_models_loaded(object): a :class:`ModelsLoaded`.
         sig_step(object): a ``StepEvent`` of the current run.
-        sig_run_finished(object): the ``RunResult`` (finished or cancelled).
+        sig_run_finished(object): a :class:`RunDone` for a ``RunResult`` or ``RemoteRun`` (finished or cancelled).
         sig_failed(str): a message for the user (the job ended without a result).
         sig_cost_curve(object): the target's verification ``CostCurve``, measured before its first run.
-        sig_audit_finished(object): the ``AuditResult`` of an audit (finished or stopped).
+        sig_audit_finished(object): a :class:`RunDone` for the ``AuditResult`` of an audit (finished or stopped).
     """
 
     sig_progress = Signal(str, float)
@@ -184,6 +194,13 @@ class EngineWorker(QObject):
         except Exception as exc:  # the worker must survive any failure
             self._fail(exc)
 
+    def _draft_of(self, method: str):
+        """The draft model a record of ``method`` names: the loaded one if the method drafts with it."""
+        from specplay.core.methods import METHODS
+
+        spec = METHODS.get(method)
+        return self.draft if spec is not None and spec.needs_draft else None
+
     def _prompt_ids(self, request: RunRequest) -> list[int]:
         """The request's prompt as token ids, once the target's verification cost is known."""
         from specplay.core import costmodel
@@ -203,6 +220,7 @@ class EngineWorker(QObject):
         from specplay.core import compare
         from specplay.core.engine import drain, generate
         from specplay.core.methods import build_method
+        from specplay.core.runlog import run_record
 
         should_stop = self._stopper(request.job)
         try:
@@ -216,13 +234,15 @@ class EngineWorker(QObject):
                 compare.warm_up(self.target, method, ids, request.config.sampling, request.warmup_tokens, should_stop)
             result = drain(generate(self.target.model, self.target.tokenizer, method, ids, request.config, should_stop),
                            self.sig_step.emit)
-            self.sig_run_finished.emit(result)
+            record = run_record(result, target=self.target, draft=self._draft_of(result.method), prompt=request.prompt,
+                                include_events=True, extra={"chat_template": request.chat_template})
+            self.sig_run_finished.emit(RunDone(result, record))
         except Exception as exc:
             self._fail(exc)
 
     @Slot(object)
     def audit(self, request: AuditRequest) -> None:
-        from specplay.core.audit import AuditConfig, run_audit
+        from specplay.core.audit import AuditConfig, audit_record, run_audit
 
         should_stop = self._stopper(request.job)
         try:
@@ -236,14 +256,16 @@ class EngineWorker(QObject):
             # The audit builds its own method, over models that read the prompt once (core.audit.ReusedPrompt).
             result = run_audit(self.target, self.draft, run.method, run.method_config, ids, run.config.sampling,
                                config, should_stop, progress)
-            self.sig_audit_finished.emit(result)
+            record = audit_record(result, target=self.target, draft=self._draft_of(run.method), prompt=run.prompt,
+                                  extra={"chat_template": run.chat_template})
+            self.sig_audit_finished.emit(RunDone(result, record))
         except Exception as exc:
             self._fail(exc)
 
     @Slot(object)
     def generate_remote(self, request: RemoteRequest) -> None:
         """Stream from a remote endpoint: each chunk is a step event; the result is a ``RemoteRun``."""
-        from specplay.core.remote import chunk_event, stream_completion
+        from specplay.core.remote import chunk_event, remote_record, stream_completion
 
         should_stop = self._stopper(request.job)
         try:
@@ -259,7 +281,9 @@ class EngineWorker(QObject):
 
             run = stream_completion(request.endpoint, request.prompt, max_tokens=request.max_tokens, on_text=on_text,
                                     **kwargs)
-            self.sig_run_finished.emit(run)
+            record = remote_record(run, max_new_tokens=request.max_tokens, temperature=request.temperature,
+                                   top_p=request.top_p, seed=request.seed)
+            self.sig_run_finished.emit(RunDone(run, record))
         except Exception as exc:
             self._fail(exc)
 

@@ -116,7 +116,7 @@ def test_a_missing_model_fails_visibly_and_the_window_recovers(qtbot, aloop, tmp
     w = make_window(qtbot)
     assert run(qtbot, w.load_models(str(tmp_path / "nothing-here"), "", "cpu", "float32")) is None
     assert "Loading failed" in w.last_error and "nothing-here" in w.models_panel.messages.text()
-    assert not w.busy and not w.run_action.isEnabled() and w.models_panel.load_button.isEnabled()
+    assert not w.session.busy and not w.run_action.isEnabled() and w.models_panel.load_button.isEnabled()
     assert run(qtbot, w.load_models(str(model_dirs["target"]), "", "cpu", "float32")) is not None
     assert w.run_action.isEnabled()
     w.close()
@@ -165,7 +165,7 @@ def test_loading_shows_progress_and_cancel_stops_it(qtbot, aloop, monkeypatch):
     qtbot.waitUntil(task.done, timeout=TIMEOUT)
     assert task.result() is None
     assert "cancelled" in w.models_panel.messages.text() and "cancelled" in w.last_error
-    assert w.models_panel.load_button.isEnabled() and not w.busy
+    assert w.models_panel.load_button.isEnabled() and not w.session.busy
     w.close()
 
 
@@ -193,7 +193,7 @@ def test_a_method_is_built_once_per_loaded_models_and_runs_alike_again(window, q
 def test_each_method_streams_into_the_live_view(window, qtbot, method):
     window.methods_panel.set_method(method)
     steps = []
-    window.worker.sig_step.connect(steps.append)
+    window.session.engine.worker.sig_step.connect(steps.append)
     result = run(qtbot, window.run_single())
     assert result is not None and result.method == method
     assert len(result.token_ids) == 16
@@ -212,7 +212,7 @@ def test_each_method_streams_into_the_live_view(window, qtbot, method):
         assert tok.fate is not Fate.REJECTED and not fmt.fontStrikeOut()
         assert fmt.foreground().color().name() == FATE_STYLES[tok.fate].text
     # the run went to the history file and the panel
-    assert window.history.load()[-1]["token_ids"] == result.token_ids
+    assert window.session.history.load()[-1]["token_ids"] == result.token_ids
     assert window.history_panel.records[-1]["method"] == method
     # charts: one point per step, histogram counts all steps
     curve = window.charts.curves[method]
@@ -225,11 +225,11 @@ def test_step_events_are_drawn_per_frame_not_per_token(window, qtbot):
     but the window draws them in batches (drawing per token would slow the model on two cores)."""
     window.methods_panel.set_method("autoregressive")
     window.prompt_panel.max_new_tokens.setValue(200)
-    before = window.frames_drawn
+    before = window.session.frames
     result = run(qtbot, window.run_single())
     assert [e.step for e in window.live.view.steps] == [e.step for e in result.events]
     assert window.live.view.committed_text() == result.text
-    assert 0 < window.frames_drawn - before < len(result.events)
+    assert 0 < window.session.frames - before < len(result.events)
 
 
 def test_every_registered_method_runs_or_explains_why_not(window, qtbot):
@@ -245,7 +245,7 @@ def test_every_registered_method_runs_or_explains_why_not(window, qtbot):
             assert window.live.banner.text(), name
         else:
             assert window.live.view.committed_text() == result.text, name
-        assert not window.busy
+        assert not window.session.busy
 
 
 def test_lossless_methods_match_the_baseline_at_temperature_zero(window, qtbot):
@@ -492,7 +492,7 @@ def test_a_bad_method_setting_blocks_the_run_with_the_message(window, qtbot):
     form.editors["max_ngram"].set_value(2)
     assert "min n" in form.error.text()
     steps = []
-    window.worker.sig_step.connect(steps.append)
+    window.session.engine.worker.sig_step.connect(steps.append)
     assert run(qtbot, window.run_single()) is None
     assert "min n" in window.last_error and not steps
 
@@ -510,12 +510,12 @@ def test_stop_cancels_within_one_step(window, qtbot):
     def press_stop(event):  # runs in the worker thread, right after the step: the next check must stop
         seen.append(event)
         if len(seen) == 3:
-            window.engine.cancel()
+            window.session.engine.cancel()
 
-    window.worker.sig_step.connect(press_stop, _Qt.ConnectionType.DirectConnection)
+    window.session.engine.worker.sig_step.connect(press_stop, _Qt.ConnectionType.DirectConnection)
     result = run(qtbot, window.run_single())
     assert result.stop_reason is StopReason.CANCELLED and len(result.events) == 3
-    assert window.history.load()[-1]["cancelled"] is True
+    assert window.session.history.load()[-1]["cancelled"] is True
     assert "Cancelled" in window.status.text()
 
 
@@ -527,7 +527,7 @@ def test_stop_button_ends_a_long_run(window, qtbot):
     window.prompt_panel.max_new_tokens.setValue(450)
     window.methods_panel.set_method("autoregressive")
     # slow the tiny model down (in the worker thread) so the run cannot end before Stop is pressed
-    window.worker.sig_step.connect(lambda e: time.sleep(0.02), _Qt.ConnectionType.DirectConnection)
+    window.session.engine.worker.sig_step.connect(lambda e: time.sleep(0.02), _Qt.ConnectionType.DirectConnection)
     task = asyncio.ensure_future(window.run_single())
     qtbot.waitUntil(lambda: len(window.live.view.steps) >= 2, timeout=TIMEOUT)
     assert window.stop_action.isEnabled()
@@ -544,7 +544,7 @@ def test_engine_errors_appear_in_the_window(window, qtbot):
     assert run(qtbot, window.run_single()) is None
     assert "context" in window.live.banner.text() and window.live.banner_box.isVisibleTo(window)
     assert "context" in window.status.text()
-    assert not window.busy and window.run_action.isEnabled()
+    assert not window.session.busy and window.run_action.isEnabled()
     window.prompt_panel.editor.setPlainText("   ")
     assert run(qtbot, window.run_single()) is None and "empty" in window.last_error
 
@@ -566,7 +566,7 @@ def test_a_run_the_engine_ends_early_keeps_its_tokens_and_says_why(window, qtbot
     monkeypatch.setattr(core.engine, "drain", failing_drain)
     result = run(qtbot, window.run_single())
     assert result.token_ids and "out of memory while generating" in window.live.banner.text()
-    assert window.history.load()[-1]["stop_reason"] == "error"
+    assert window.session.history.load()[-1]["stop_reason"] == "error"
 
 
 # ----------------------------------------------------------------------------------- compare
@@ -589,7 +589,7 @@ def test_compare_fills_the_table_with_identical_flags(window, qtbot):
     bars = window.compare.speedup_bars.opts
     assert list(bars["width"]) == pytest.approx([r["speedup"] for r in records])
     # each run went to the history as soon as it ended
-    assert [r["method"] for r in window.history.load()[-3:]] == names
+    assert [r["method"] for r in window.session.history.load()[-3:]] == names
     # clicking a token of one column shows that run's step in the X-ray and the internals
     window.show()
     qtbot.waitExposed(window)
@@ -616,7 +616,7 @@ def test_compare_runs_remote_endpoints_beside_local_methods(window, qtbot):
     assert table.item(2, 5).text() == "3.00" and table.item(2, 4).text() == f"{records[2]['speedup']:.2f}×"
     assert table.item(1, 4).text() == "1.00×" and records[2]["identical_to_baseline"] is True
     assert window.compare.column("remote:spec").view.committed_text() == records[2]["text"]
-    assert [r["method"] for r in window.history.load()[-3:]] == ["autoregressive", "remote:plain", "remote:spec"]
+    assert [r["method"] for r in window.session.history.load()[-3:]] == ["autoregressive", "remote:plain", "remote:spec"]
     assert window.why.table.rowCount() == 1  # only local runs have step costs to explain
 
 
@@ -628,7 +628,7 @@ def test_an_unreachable_endpoint_is_a_message_and_the_window_stays_usable(window
     window.compare.endpoints_edit.setText(f"http://127.0.0.1:{port}/v1")
     records = run(qtbot, window.run_compare([]), timeout=30_000)
     assert len(records) == 1 and "cannot reach" in records[0]["error"]
-    assert "cannot reach" in window.live.banner.text() and not window.busy
+    assert "cannot reach" in window.live.banner.text() and not window.session.busy
     window.compare.endpoints_edit.setText("ftp://nowhere")
     assert run(qtbot, window.run_compare([])) is None and "Endpoint:" in window.last_error
 
@@ -641,12 +641,12 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
     from specplay.core.whyspeed import break_even_cost, explain
 
     seen = []
-    window.worker.sig_progress.connect(lambda stage, fraction: seen.append(stage))
+    window.session.engine.worker.sig_progress.connect(lambda stage, fraction: seen.append(stage))
     assert window.why.table.rowCount() == 0 and "first run measures" in window.why.summary.text()
     names = ["autoregressive", "speculative", "prompt_lookup"]
     records = run(qtbot, window.run_compare(names), timeout=60_000)
     assert sum("verification cost, once" in s for s in seen) == 1
-    curve = cost_curve(window.models.target.model)
+    curve = cost_curve(window.session.models.target.model)
     xs, ys = window.why.cost_line.getOriginalDataset()
     assert list(xs) == list(curve.sizes) and list(ys) == pytest.approx(curve.relative)
     _, even = window.why.even_lines[5].getData()
@@ -729,8 +729,8 @@ def test_history_runs_reopen_exactly(window, qtbot):
     window.methods_panel.set_method("speculative")
     result = run(qtbot, window.run_single())
     window.live.view.clear_run()
-    record = window.history.load()[-1]
-    window.open_record(record)
+    record = window.session.history.load()[-1]
+    window.run_views.show_saved(record)
     view = window.live.view
     assert view.committed_text() == result.text
     assert [t.fate for t in view.shown_tokens()] == [t.fate for e in result.events for t in e.tokens]
@@ -747,31 +747,31 @@ def test_export_writes_the_selected_runs(window, qtbot, tmp_path):
     chosen = window.history_panel.selected_records()
     assert [r["method"] for r in chosen] == ["autoregressive", "prompt_lookup"]
     out = tmp_path / "runs.jsonl"
-    assert run(qtbot, window.export_runs(out, chosen, "jsonl"))
+    assert run(qtbot, window.session.export_runs(out, chosen, "jsonl"))
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(x["method"], x["token_ids"], x["text"]) for x in lines] == [(r.method, r.token_ids, r.text)
                                                                            for r in results]
     assert all(len(x["events"]) == len(r.events) for x, r in zip(lines, results))
     out_csv = tmp_path / "runs.csv"
-    assert run(qtbot, window.export_runs(out_csv, chosen, "csv"))
+    assert run(qtbot, window.session.export_runs(out_csv, chosen, "csv"))
     rows = list(csv.DictReader(out_csv.open(newline="")))
     assert [(r["method"], int(r["new_tokens"]), r["text"]) for r in rows] == [
         (r.method, len(r.token_ids), r.text) for r in results]
     png = tmp_path / "charts.png"
-    assert run(qtbot, window.export_png(png, window.charts))
+    assert run(qtbot, window.session.export_png(png, window.charts.grab().toImage()))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_failed_export_says_so_and_keeps_the_old_file(window, qtbot, tmp_path, monkeypatch):
     run(qtbot, window.run_single())
-    records = window.history.load()
+    records = window.session.history.load()
     # no such directory (a file stands where the folder should be)
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     for kind in ("jsonl", "csv"):
-        assert not run(qtbot, window.export_runs(blocker / f"runs.{kind}", records, kind))
+        assert not run(qtbot, window.session.export_runs(blocker / f"runs.{kind}", records, kind))
         assert "Could not write" in window.last_error and "not-a-dir" in window.last_error
-    assert not run(qtbot, window.export_png(blocker / "c.png", window.charts))
+    assert not run(qtbot, window.session.export_png(blocker / "c.png", window.charts.grab().toImage()))
     # the disk fills up at the last moment: the existing file keeps its content, no temp file is left
     old = tmp_path / "keep.jsonl"
     old.write_text("precious\n")
@@ -780,11 +780,11 @@ def test_a_failed_export_says_so_and_keeps_the_old_file(window, qtbot, tmp_path,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full)
-    assert not run(qtbot, window.export_runs(old, records, "jsonl"))
+    assert not run(qtbot, window.session.export_runs(old, records, "jsonl"))
     assert "No space left on device" in window.last_error
     assert old.read_text() == "precious\n" and sorted(p.name for p in tmp_path.iterdir()) == ["keep.jsonl",
                                                                                                "not-a-dir"]
-    assert window.history.load() == records  # nothing lost
+    assert window.session.history.load() == records  # nothing lost
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root ignores directory permissions")
@@ -794,8 +794,8 @@ def test_export_into_a_read_only_folder_says_so(window, qtbot, tmp_path):
     ro.mkdir()
     ro.chmod(0o555)
     try:
-        assert not run(qtbot, window.export_runs(ro / "runs.csv", window.history.load(), "csv"))
-        assert not run(qtbot, window.export_runs(ro / "runs.jsonl", window.history.load(), "jsonl"))
+        assert not run(qtbot, window.session.export_runs(ro / "runs.csv", window.session.history.load(), "csv"))
+        assert not run(qtbot, window.session.export_runs(ro / "runs.jsonl", window.session.history.load(), "jsonl"))
         assert "Could not write" in window.last_error
     finally:
         ro.chmod(0o755)
@@ -928,7 +928,7 @@ def test_an_audit_shows_its_verdict_and_histogram_and_goes_into_the_history_and_
     window.prompt_panel.temperature.setValue(1.0)
     record = run(qtbot, window.run_audit(200, 2), timeout=120_000)
     view = window.audit_view
-    assert window.tabs.currentWidget() is view and not window.busy and view.run_button.isEnabled()
+    assert window.tabs.currentWidget() is view and not window.session.busy and view.run_button.isEnabled()
     assert (record["kind"], record["method"], record["samples"], record["depth"], record["temperature"]) == (
         "audit", "speculative", 200, 2, 1.0)
     assert record["verdict"] == "consistent" and "Consistent with the target" in view.verdict.text()
@@ -942,16 +942,16 @@ def test_an_audit_shows_its_verdict_and_histogram_and_goes_into_the_history_and_
     view.test_choice.setCurrentIndex(2)  # position 2's bins
     assert view.shown_bins() and view.shown_bins() != bins
 
-    saved = window.history.load()[-1]
+    saved = window.session.history.load()[-1]
     assert saved["kind"] == "audit" and saved["p_values"] == record["p_values"]
     assert window.history_panel.table.item(0, 1).text().startswith("Audit: ")
     assert window.history_panel.table.item(0, 7).text().startswith("consistent (p = ")
     window.tabs.setCurrentWidget(window.live)
     view.begin("something else")
-    window.open_record(saved)
+    window.run_views.show_saved(saved)
     assert window.tabs.currentWidget() is view and view.record == saved and view.shown_bins() == bins
     out = tmp_path / "audit.csv"
-    assert run(qtbot, window.export_runs(out, [saved], "csv"))
+    assert run(qtbot, window.session.export_runs(out, [saved], "csv"))
     row = next(csv.DictReader(out.open(newline="")))
     assert row["method"] == "speculative" and row["text"] == record["text"] and row["new_tokens"] == "400"
 
@@ -966,5 +966,5 @@ def test_stop_ends_an_audit_and_the_samples_drawn_are_tested(window, qtbot):
     qtbot.waitUntil(task.done, timeout=TIMEOUT)
     record = task.result()
     assert record["cancelled"] and 100 <= record["samples"] < 100_000 and record["p_value"] is not None
-    assert "stopped early" in window.audit_view.title.text() and window.history.load()[-1]["cancelled"]
+    assert "stopped early" in window.audit_view.title.text() and window.session.history.load()[-1]["cancelled"]
     assert window.run_action.isEnabled() and not window.stop_action.isEnabled()
