@@ -42,9 +42,9 @@ class RunViews(QObject):
         self.session = session
         self.tabs, self.live, self.compare, self.audit_view = tabs, live, compare, audit_view
         self.charts, self.internals, self.xray = charts, internals, xray
-        self.internals_view: TokenView | None = None  # the token view whose run the internals panel shows
+        self._internals_view: TokenView | None = None  # the token view whose run the internals panel shows
         self._stream_to: tuple[TokenView, QLabel] | None = None  # the streaming run's token view and stats line
-        self.connect_token_view(live.view)
+        self._connect_token_view(live.view)
         session.sig_run_started.connect(self._on_run_started)
         session.sig_steps.connect(self._on_steps)
         session.sig_run_finished.connect(self._on_run_finished)
@@ -52,29 +52,29 @@ class RunViews(QObject):
         session.sig_compare_updated.connect(compare.set_records)
         session.sig_audit_finished.connect(lambda rec: audit_view.show_record(rec, method_title(rec["method"])))
 
-    def connect_token_view(self, view: TokenView) -> None:
+    def _connect_token_view(self, view: TokenView) -> None:
         """A hovered token of ``view`` shows in the X-ray; a clicked one also selects its step in the internals."""
         view.sig_token_hovered.connect(self.xray.show_token)
         view.sig_token_clicked.connect(lambda token, step, v=view: self._on_token_clicked(token, step, v))
 
     def _on_token_clicked(self, token, step, view: TokenView) -> None:
         self.xray.show_token(token, step)
-        if self.internals_view is not view:  # a token of another run (a compare column): show that run
-            self.internals_view = view
+        if self._internals_view is not view:  # a token of another run (a compare column): show that run
+            self._internals_view = view
             self.internals.set_steps(view.steps)
         self.internals.select_step(step)
 
     def show_tab(self, view) -> None:
-        """Bring ``view`` (the live, compare or audit view) to the front, its last error cleared."""
+        """Bring ``view`` (the live, compare or audit view) to the front for a new run; the last error banner goes."""
         self.live.clear_error()
         self.tabs.setCurrentWidget(view)
 
-    def begin_live(self, method: str, title: str | None = None) -> None:
+    def _begin_live(self, method: str, title: str | None = None) -> None:
         """The live view, charts and internals start afresh for a run of ``method``."""
         self.live.title.setText(f"<b>{title or method_title(method)}</b>")
         self.live.stats.setText("")
         self.live.view.clear_run()
-        self.internals_view = self.live.view
+        self._internals_view = self.live.view
         self.internals.clear()
         self.charts.begin_run(method)
         self.xray.show_token(None, None)
@@ -83,7 +83,7 @@ class RunViews(QObject):
     def _on_run_started(self, name: str, waiting: str) -> None:
         """A run streams into the live view, or in a comparison into its own column."""
         if self.session.activity != "compare":
-            self.begin_live(name)
+            self._begin_live(name)
             self._stream_to = (self.live.view, self.live.stats)
             return
         col = self.compare.column(name)
@@ -91,8 +91,8 @@ class RunViews(QObject):
         col.stats.setText(waiting)
         self.charts.begin_run(name)
         if name in METHODS:  # not an endpoint: its tokens open in the X-ray and the internals
-            self.connect_token_view(col.view)
-            self.internals_view = col.view
+            self._connect_token_view(col.view)
+            self._internals_view = col.view
             self.internals.clear()
 
     def _on_steps(self, name: str, events: list[StepEvent]) -> None:
@@ -100,7 +100,7 @@ class RunViews(QObject):
         for event in events:
             view.append_step(event)
             self.charts.add_step(name, event)
-            if self.internals_view is view:
+            if self._internals_view is view:
                 self.internals.add_step(event)
         e = events[-1]
         rate = e.total_new_tokens / e.elapsed_s if e.elapsed_s > 0 else 0.0
@@ -117,7 +117,7 @@ class RunViews(QObject):
             stats.setText(stats_line(record) if not result.error else f"error: {result.error}")
             return
         self.charts.finish_run(name, result.metrics.to_dict())
-        if view is self.live.view and self.internals_view is view:
+        if view is self.live.view and self._internals_view is view:
             self.internals.set_steps(result.events)
         stats.setText(stats_line(record))
 
@@ -143,7 +143,7 @@ class RunViews(QObject):
                                 "instead.")
             events = []
         self.tabs.setCurrentWidget(self.live)
-        self.begin_live(method, title)
+        self._begin_live(method, title)
         self.live.clear_error()
         if events:
             self.live.view.set_steps(events)
