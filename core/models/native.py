@@ -3,7 +3,9 @@
 It loads the same weights as ``transformers`` and is tested against it, but owns what
 speculation needs: a preallocated KV cache written by slot, explicit positions and masks,
 commit of any subset of a block (chain prefix or tree path), and the choice of weight
-storage (float, or row-exact int8 on x86 CPUs; see :mod:`specplay.core.models.linear`).
+storage (float, or row-exact int8 on x86 CPUs; see :mod:`specplay.core.models.linear`). A
+layer's arithmetic is :mod:`specplay.core.models.layers`'; this module reads the weights into
+layers and runs them over its cache.
 
 Batch invariance. Lossless speculation at temperature 0 needs a token's logits to be the
 same whether the token is decoded alone or verified inside a block. Float kernels choose
