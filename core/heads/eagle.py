@@ -34,7 +34,11 @@ def head_config(target_cfg: DecoderConfig, intermediate: int | None = None) -> D
 
 
 class EagleHead(nn.Module):
-    """Trainable EAGLE head (batched, causal over a window of positions)."""
+    """Trainable EAGLE head (batched, causal over a window of positions).
+
+    Its layer keeps the projections apart, as its files store them; :class:`EagleDrafter` runs the
+    same weights fused (:data:`FUSED`) through the decoder's layer code.
+    """
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
