@@ -17,7 +17,7 @@ from pathlib import Path
 from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QSaveFile
 from PySide6.QtGui import QImage
 
-from specplay.core.runlog import write_jsonl_atomic
+from specplay.core.runlog import RunRecord, write_jsonl_atomic
 
 CSV_COLUMNS = ("method", "lossy", "tokens_per_s", "speedup", "mean_accepted", "acceptance_rate", "new_tokens",
                "steps", "wall_time", "prefill_time", "identical_to_baseline", "stop_reason", "temperature", "top_p",
@@ -48,12 +48,13 @@ def write_runs_jsonl(path: str | Path, records: list[dict]) -> None:
 
 
 def csv_row(record: dict) -> dict:
-    target, draft = record.get("target") or {}, record.get("draft") or {}
+    """A run record's CSV cells: its own keys, and its models' ids, device and dtype."""
+    run = RunRecord.from_dict(record)
     row = {k: record.get(k) for k in CSV_COLUMNS}
-    row["draft_id"] = draft.get("id")
-    row["device"] = target.get("device")
-    row["dtype"] = target.get("dtype")
-    row["params"] = json.dumps(record.get("params") or {}, ensure_ascii=False, sort_keys=True)
+    row["draft_id"] = (run.draft or {}).get("id")
+    row["device"] = (run.target or {}).get("device")
+    row["dtype"] = (run.target or {}).get("dtype")
+    row["params"] = json.dumps(run.params or {}, ensure_ascii=False, sort_keys=True)
     return row
 
 

@@ -9,6 +9,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from specplay.core.methods import method_title
+from specplay.core.runlog import RunRecord
 
 COLUMNS = ("When", "Method", "Target", "Tokens", "tok/s", "τ", "Temp.", "Stop", "Prompt")
 
@@ -80,27 +81,27 @@ class HistoryPanel(QWidget):
     def _update_count(self) -> None:
         self.count.setText(f"{len(self.records)} run(s) · double-click to reopen · select several to export")
 
-    def _insert_row(self, r: dict) -> None:
+    def _insert_row(self, record: dict) -> None:
         self.table.insertRow(0)  # newest first
-        method = r.get("method", "?")
-        title = method_title(method)
-        if r.get("lossy"):
+        r = RunRecord.from_dict(record)
+        title = method_title(r.method or "?")
+        if r.lossy:
             title += " (LOSSY)"
-        prompt = (r.get("prompt") or "").replace("\n", " ")
-        stop = str(r.get("stop_reason", ""))
-        if r.get("kind") == "audit":  # a losslessness audit (core/audit.py): its verdict stands for a stop reason
+        prompt = (r.prompt or "").replace("\n", " ")
+        stop = str(r.stop_reason or "")
+        if r.extra.get("kind") == "audit":  # a losslessness audit (core/audit.py): its verdict stands for a stop reason
+            p_value = r.extra.get("p_value")
             title = f"Audit: {title}"
-            stop = str(r.get("verdict", "")) + ("" if r.get("p_value") is None else f" (p = {r['p_value']:.2g})")
-        values = (_when(r.get("tstamp")), title, str(r.get("model_id") or ""), str(r.get("new_tokens", "")),
-                  _num(r.get("tokens_per_s")), _num(r.get("mean_accepted")), _num(r.get("temperature")),
-                  stop, prompt[:80])
+            stop = str(r.extra.get("verdict", "")) + ("" if p_value is None else f" (p = {p_value:.2g})")
+        values = (_when(r.tstamp), title, str(r.model_id or ""), "" if r.new_tokens is None else str(r.new_tokens),
+                  _num(r.tokens_per_s), _num(r.mean_accepted), _num(r.temperature), stop, prompt[:80])
         for col, v in enumerate(values):
             item = QTableWidgetItem(v)
             if col in (3, 4, 5, 6):
                 item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
             item.setData(Qt.ItemDataRole.UserRole, len(self.records) - 1)
             if col == 8:
-                item.setToolTip(r.get("prompt") or "")
+                item.setToolTip(r.prompt or "")
             self.table.setItem(0, col, item)
 
     def selected_records(self) -> list[dict]:

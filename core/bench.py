@@ -312,8 +312,8 @@ class RemotePeer:
         run = stream_completion(self.endpoint, tok.decode(prompt_ids), max_tokens=gen.max_new_tokens,
                                 temperature=s.temperature, top_p=s.top_p, seed=s.seed, chat=False)
         ids = tok(run.text, add_special_tokens=False)["input_ids"]
-        spec = run.spec
-        drafted, accepted = ((spec.drafted or 0), (spec.accepted or 0)) if spec else (0, 0)
+        stats = run.speculation
+        drafted, accepted = ((stats.drafted or 0), (stats.accepted or 0)) if stats else (0, 0)
         return TurnResult(ids, run.text, run.wall_time, None, drafted, accepted, run.error, run.time_to_first_token)
 
 

@@ -49,18 +49,18 @@ def method_options() -> dict[str, dict]:
     from specplay.core.methods.base import field_type
 
     opts: dict[str, dict] = {}
-    for spec in METHODS.values():
-        for f in dataclasses.fields(spec.config_class):
+    for method_spec in METHODS.values():
+        for f in dataclasses.fields(method_spec.config_class):
             flag = f.metadata.get("cli") or "--" + f.name.replace("_", "-")
-            typ = field_type(spec.config_class, f)[0] or str
+            typ = field_type(method_spec.config_class, f)[0] or str
             if typ is bool and f.default is True:  # a switch that is on by default is turned off
                 flag = "--no-" + flag[2:]
             entry = opts.setdefault(flag, {"dest": "m_" + flag[2:].replace("-", "_"), "type": typ, "helps": [],
                                            "fields": []})
             if entry["type"] is not typ:
                 raise TypeError(f"option {flag} has different types across methods")
-            entry["helps"].append(f"{spec.name}: {f.metadata.get('help', '')} (default {f.default})")
-            entry["fields"].append((spec.name, f.name))
+            entry["helps"].append(f"{method_spec.name}: {f.metadata.get('help', '')} (default {f.default})")
+            entry["fields"].append((method_spec.name, f.name))
     return opts
 
 
@@ -79,14 +79,14 @@ def config_for(method: str, args: argparse.Namespace):
     """Build ``method``'s typed configuration from the command-line options that apply to it."""
     from specplay.core.methods import get_spec
 
-    spec = get_spec(method)
+    method_spec = get_spec(method)
     values = {}
     for o in method_options().values():
         value = getattr(args, o["dest"], None)
         for m, field_name in o["fields"]:
             if m == method and value is not None:
                 values[field_name] = value
-    return spec.config_class(**values)
+    return method_spec.config_class(**values)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -172,18 +172,18 @@ def _methods_from(text: str) -> list[str]:
 def cmd_run(args) -> int:
     from specplay.core.engine import drain, generate
     from specplay.core.methods import build_method, get_spec
-    from specplay.core.runlog import dumps, run_record, stats_line
+    from specplay.core.runlog import RunRecord, dumps, stats_line
     from specplay.core.text import encode_prompt
 
     if args.engine:
         return _run_remote(args)
-    spec = get_spec(args.method)
+    method_spec = get_spec(args.method)
     method_config = config_for(args.method, args)
     gen_config = _generation_config(args)
     prompt = _prompt_text(args)
     if not prompt.strip():
         raise SpecPlayError("the prompt is empty")
-    target, draft = _load_models(args, spec.needs_draft)
+    target, draft = _load_models(args, method_spec.needs_draft)
     ids = encode_prompt(target.tokenizer, prompt, chat_template=not args.no_chat_template)
     method = build_method(args.method, method_config, target, draft)
 
@@ -193,14 +193,15 @@ def cmd_run(args) -> int:
             sys.stdout.flush()
 
     result = drain(generate(target.model, target.tokenizer, method, ids, gen_config), stream)
-    record = run_record(result, target=target, draft=draft, prompt=prompt)
+    record = RunRecord.of_run(result, target=target, draft=draft, prompt=prompt)
     if args.json:
-        print(dumps(record))
+        print(dumps(record.to_dict()))
     else:
         print(file=sys.stdout)
         print(f"[{result.method}] {stats_line(record)} · {result.metrics.steps} steps", file=sys.stderr)
     if args.log:
-        _write_log(args.log, [run_record(result, target=target, draft=draft, prompt=prompt, include_events=True)])
+        record = RunRecord.of_run(result, target=target, draft=draft, prompt=prompt, include_events=True)
+        _write_log(args.log, [record.to_dict()])
     if result.error:
         raise SpecPlayError(result.error)
     return 0
@@ -268,7 +269,7 @@ def cmd_compare(args) -> int:
 
 def _compare_remote(args) -> int:
     from specplay.core.remote import Endpoint, compare_endpoints, format_remote_table
-    from specplay.core.runlog import dumps
+    from specplay.core.runlog import RunRecord, dumps
 
     if args.methods:
         raise SpecPlayError("compare either local methods (--methods) or endpoints (--engine), not both in one run")
@@ -289,15 +290,15 @@ def _compare_remote(args) -> int:
         print(format_remote_table(records))
     if args.log:
         _write_log(args.log, records)
-    failed = [r for r in records if r["error"]]
+    failed = [r for r in map(RunRecord.from_dict, records) if r.error]
     if failed:
-        raise SpecPlayError(f"{failed[0]['method']}: {failed[0]['error']}")
+        raise SpecPlayError(f"{failed[0].method}: {failed[0].error}")
     return 0
 
 
 def _run_remote(args) -> int:
     from specplay.core.remote import Endpoint, remote_record, stream_completion
-    from specplay.core.runlog import dumps, stats_line
+    from specplay.core.runlog import RunRecord, dumps, stats_line
 
     endpoint = Endpoint.parse(args.engine)
     prompt = _prompt_text(args)
@@ -315,8 +316,9 @@ def _run_remote(args) -> int:
         print(dumps(record))
     else:
         print(file=sys.stdout)
-        spec = "" if record["spec_source"] else " · speculation: not exposed"
-        print(f"[{record['method']}] {stats_line(record)}{spec}", file=sys.stderr)
+        typed = RunRecord.from_dict(record)
+        exposed = "" if typed.spec_source else " · speculation: not exposed"
+        print(f"[{typed.method}] {stats_line(typed)}{exposed}", file=sys.stderr)
     if args.log:
         _write_log(args.log, [record])
     if run.error:
@@ -381,12 +383,12 @@ def cmd_bench(args) -> int:
     need_draft = any(n == "hf_assisted" or (n not in PEERS and get_spec(n).needs_draft) for n in names)
     temperatures = _temperatures(args.temperatures) if args.temperatures else ()
     target, draft = _load_models(args, need_draft)
-    spec = BenchSpec(methods=names + list(endpoints), endpoints=endpoints, configs=configs,
-                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                     top_p=args.top_p, seed=args.seed, warmup=args.warmup, repeats=args.repeats,
-                     chat_template=not args.no_chat_template, temperatures=temperatures,
-                     stand_down=not args.no_stand_down)
-    result = run_bench(target, draft, questions, spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    bench_spec = BenchSpec(methods=names + list(endpoints), endpoints=endpoints, configs=configs,
+                           max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, seed=args.seed, warmup=args.warmup, repeats=args.repeats,
+                           chat_template=not args.no_chat_template, temperatures=temperatures,
+                           stand_down=not args.no_stand_down)
+    result = run_bench(target, draft, questions, bench_spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
     from specplay.core.environment import format_card
 
     print(format_card(result["environment"]))
@@ -408,14 +410,14 @@ def cmd_audit(args) -> int:
     from specplay.core.text import encode_prompt
     from specplay.core.types import SamplingConfig
 
-    spec = get_spec(args.method)
+    method_spec = get_spec(args.method)
     method_config = config_for(args.method, args)
     sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     config = AuditConfig(samples=args.samples, depth=args.tokens, min_expected=args.min_expected, alpha=args.alpha)
     prompt = DEFAULT_PROMPT if args.prompt is None and args.prompt_file is None else _prompt_text(args)
     if not prompt.strip():
         raise SpecPlayError("the prompt is empty")
-    target, draft = _load_models(args, spec.needs_draft)
+    target, draft = _load_models(args, method_spec.needs_draft)
     ids = encode_prompt(target.tokenizer, prompt, chat_template=not args.no_chat_template)
     result = run_audit(target, draft, args.method, method_config, ids, sampling, config, progress=_Progress())
     record = audit_record(result, target=target, draft=draft, prompt=prompt)

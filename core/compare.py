@@ -14,7 +14,7 @@ from typing import Callable
 
 from specplay.core.engine import drain, generate
 from specplay.core.methods import build_method
-from specplay.core.runlog import run_record
+from specplay.core.runlog import RunRecord, run_record
 from specplay.core.types import GenerationConfig, RunResult, SamplingConfig
 
 #: Tokens of the untimed warm-up run before each method's timed run.
@@ -31,15 +31,16 @@ class Comparison:
 def annotate(records: list[dict], greedy: bool, baseline: str = "autoregressive") -> None:
     """Add ``speedup`` and ``identical_to_baseline`` to each local run record, in place (remote
     runs are compared with each other: :func:`specplay.core.remote.annotate_remote`)."""
-    base = next((r for r in records if r["method"] == baseline), None)
-    for r in records:
-        if r.get("token_ids") is None:
+    runs = [(r, RunRecord.from_dict(r)) for r in records]
+    base = next((run for _, run in runs if run.method == baseline), None)
+    for r, run in runs:
+        if run.token_ids is None:
             continue
         if base is None:
             r["speedup"], r["identical_to_baseline"] = None, None
             continue
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
-        r["identical_to_baseline"] = (r["token_ids"] == base["token_ids"]) if greedy else None
+        r["speedup"] = run.tokens_per_s / base.tokens_per_s if base.tokens_per_s else None
+        r["identical_to_baseline"] = (run.token_ids == base.token_ids) if greedy else None
 
 
 def warm_up(target, method, prompt_ids: list[int], sampling: SamplingConfig, tokens: int = WARMUP_TOKENS,
@@ -75,11 +76,11 @@ def compare_methods(target, draft, names: list[str], configs: dict, prompt_ids: 
 def format_table(records: list[dict]) -> str:
     head = f"{'method':16s} {'tok/s':>8s} {'speedup':>8s} {'τ':>6s} {'accept':>7s} {'tokens':>7s}  identical"
     lines = [head, "-" * len(head)]
-    for r in records:
-        sp = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
-        acc = "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.0%}"
-        ident = {True: "✓", False: "✗ DIFFERENT", None: "-"}[r.get("identical_to_baseline")]
-        lossy = " (lossy)" if r.get("lossy") else ""
-        lines.append(f"{r['method'] + lossy:16s} {r['tokens_per_s']:8.2f} {sp:>8s} {r['mean_accepted']:6.2f} "
-                     f"{acc:>7s} {r['new_tokens']:7d}  {ident}")
+    for r in map(RunRecord.from_dict, records):
+        sp = "-" if r.speedup is None else f"{r.speedup:.2f}x"
+        acc = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.0%}"
+        ident = {True: "✓", False: "✗ DIFFERENT", None: "-"}[r.identical_to_baseline]
+        lossy = " (lossy)" if r.lossy else ""
+        lines.append(f"{r.method + lossy:16s} {r.tokens_per_s:8.2f} {sp:>8s} {r.mean_accepted:6.2f} "
+                     f"{acc:>7s} {r.new_tokens:7d}  {ident}")
     return "\n".join(lines)

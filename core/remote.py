@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specplay.core.errors import ConfigError, SpecPlayError
+from specplay.core.runlog import COMPARISON_ONLY, LOCAL_ONLY, RunRecord
 from specplay.core.types import Fate, StepEvent, StepTiming, TokenEvent
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -492,7 +493,7 @@ class RemoteRun:
     completion_tokens: int | None = None  # the server's count (usage), when it gives one
     finish_reason: str | None = None
     wall_time: float = 0.0
-    spec: SpecStats | None = None
+    speculation: SpecStats | None = None  # what the engine reported of its speculative decoding
     error: str | None = None
     cancelled: bool = False
     model: str = ""
@@ -604,43 +605,43 @@ def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, tempe
         run.wall_time = time.perf_counter() - start
         conn.close()
     if run.error is None or run.chunks:
-        run.spec = llamacpp_spec_stats(timings)
-        if run.spec is None and before:
+        run.speculation = llamacpp_spec_stats(timings)
+        if run.speculation is None and before:
             after = read_metrics(endpoint, deadline)
-            run.spec = vllm_spec_stats(before, after) or sglang_spec_stats(after)
+            run.speculation = vllm_spec_stats(before, after) or sglang_spec_stats(after)
     return run
 
 
 def remote_record(run: RemoteRun, *, max_new_tokens: int, temperature: float, top_p: float,
                   seed: int | None) -> dict:
-    """A run record in the same format as a local run's (:func:`specplay.core.runlog.run_record`)."""
-    spec = run.spec
+    """A run record in the same format as a local run's (:class:`specplay.core.runlog.RunRecord`)."""
+    stats = run.speculation
     stop = ("cancelled" if run.cancelled else "error" if run.error else
             "eos" if run.finish_reason == "stop" else "max_tokens")
     steps = None
-    if spec is not None and spec.mean_accepted:
-        steps = max(1, round(run.new_tokens / spec.mean_accepted))
-    return {
-        "question_id": None, "answer_id": uuid.uuid4().hex, "model_id": run.model, "tstamp": time.time(),
-        "method": f"remote:{run.endpoint.label}", "params": {"endpoint": run.endpoint.describe()}, "lossy": False,
-        "engine": {**run.endpoint.describe(), "served_model": run.model}, "target": None, "draft": None,
-        "prompt": run.prompt, "prompt_tokens": None, "text": run.text, "token_ids": None,
-        "stop_reason": stop, "cancelled": run.cancelled, "error": run.error,
-        "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": max_new_tokens,
-        "new_tokens": run.new_tokens, "wall_time": run.wall_time, "accept_lengths": None,
-        "choices": [{"index": 0, "turns": [run.text], "decoding_steps": [steps], "new_tokens": [run.new_tokens],
-                     "wall_time": [run.wall_time], "accept_lengths": [None]}],
-        "steps": steps, "tokens_per_s": run.tokens_per_s, "prefill_time": None,
-        "time_to_first_token": run.time_to_first_token, "inter_token_latency": run.inter_token_latency,
-        "mean_accepted": spec.mean_accepted if spec else None,
-        "mean_acceptance_length": spec.mean_accepted if spec else None,
-        "acceptance_rate": spec.acceptance_rate if spec else None,
-        "draft_acceptance_rate": spec.acceptance_rate if spec else None,
-        "drafted": spec.drafted if spec else None, "accepted": spec.accepted if spec else None,
-        "acceptance_by_position": spec.by_position if spec else None, "acceptance_histogram": None,
-        "spec_source": spec.source if spec else None,
-        "time_split": None, "environment": None,
-    }
+    if stats is not None and stats.mean_accepted:
+        steps = max(1, round(run.new_tokens / stats.mean_accepted))
+    return RunRecord(
+        question_id=None, answer_id=uuid.uuid4().hex, model_id=run.model, tstamp=time.time(),
+        method=f"remote:{run.endpoint.label}", params={"endpoint": run.endpoint.describe()}, lossy=False,
+        engine={**run.endpoint.describe(), "served_model": run.model}, target=None, draft=None,
+        prompt=run.prompt, prompt_tokens=None, text=run.text, token_ids=None,
+        stop_reason=stop, cancelled=run.cancelled, error=run.error,
+        temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+        new_tokens=run.new_tokens, wall_time=run.wall_time, accept_lengths=None,
+        choices=[{"index": 0, "turns": [run.text], "decoding_steps": [steps], "new_tokens": [run.new_tokens],
+                  "wall_time": [run.wall_time], "accept_lengths": [None]}],
+        steps=steps, tokens_per_s=run.tokens_per_s, prefill_time=None,
+        time_to_first_token=run.time_to_first_token, inter_token_latency=run.inter_token_latency,
+        mean_accepted=stats.mean_accepted if stats else None,
+        mean_acceptance_length=stats.mean_accepted if stats else None,
+        acceptance_rate=stats.acceptance_rate if stats else None,
+        draft_acceptance_rate=stats.acceptance_rate if stats else None,
+        drafted=stats.drafted if stats else None, accepted=stats.accepted if stats else None,
+        acceptance_by_position=stats.by_position if stats else None, acceptance_histogram=None,
+        spec_source=stats.source if stats else None, time_split=None, environment=None,
+        absent=LOCAL_ONLY | COMPARISON_ONLY | {"events"},
+    ).to_dict()
 
 
 def compare_endpoints(endpoints: list[Endpoint], prompt: str, *, max_tokens: int, temperature: float = 0.0,
@@ -670,14 +671,14 @@ def annotate_remote(records: list[dict], greedy: bool) -> None:
     """Add ``speedup`` and ``identical_to_baseline`` (same text, at temperature 0) to remote run
     records, in place, against the first of them: endpoints are compared with each other (a
     local run's token ids and a server's text are not the same measure)."""
-    remote = [r for r in records if r["method"].startswith("remote:")]
+    remote = [(r, RunRecord.from_dict(r)) for r in records if r["method"].startswith("remote:")]
     if not remote:
         return
-    base = remote[0]
-    for r in remote:
-        ok = base["tokens_per_s"] > 0 and not r["error"]
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if ok else None
-        r["identical_to_baseline"] = (r["text"] == base["text"]) if greedy and not r["error"] else None
+    base = remote[0][1]
+    for r, run in remote:
+        ok = base.tokens_per_s > 0 and not run.error
+        r["speedup"] = run.tokens_per_s / base.tokens_per_s if ok else None
+        r["identical_to_baseline"] = (run.text == base.text) if greedy and not run.error else None
 
 
 def chunk_event(index: int, piece: str, elapsed: float, total_tokens: int) -> StepEvent:
@@ -692,19 +693,20 @@ def format_remote_table(records: list[dict]) -> str:
     head = (f"{'endpoint':28s} {'tok/s':>7s} {'speedup':>8s} {'TTFT':>7s} {'ITL':>8s} {'τ':>5s} {'accept':>7s} "
             f"{'tokens':>6s}  {'identical':9s} speculation")
     lines = [head, "-" * len(head)]
-    for r in records:
-        def num(v, fmt):
-            return "–" if v is None else format(v, fmt)
-        itl = None if r.get("inter_token_latency") is None else r["inter_token_latency"] * 1000
-        ident = {True: "✓", False: "✗ differs", None: "–"}[r.get("identical_to_baseline")]
-        source = r.get("spec_source") or "not exposed"
-        if r.get("acceptance_by_position"):
-            source += " · by position " + " ".join(f"{a:.0%}" for a in r["acceptance_by_position"])
-        if r.get("error"):
-            source = f"ERROR: {r['error']}"
-        name = r["method"].removeprefix("remote:")
-        lines.append(f"{name[:28]:28s} {r['tokens_per_s']:7.2f} {num(r.get('speedup'), '.2f') + 'x':>8s} "
-                     f"{num(r.get('time_to_first_token'), '.2f') + 's':>7s} {num(itl, '.1f') + 'ms':>8s} "
-                     f"{num(r.get('mean_accepted'), '.2f'):>5s} {num(r.get('acceptance_rate'), '.0%'):>7s} "
-                     f"{r['new_tokens']:6d}  {ident:9s} {source}")
+    def num(v, fmt):
+        return "–" if v is None else format(v, fmt)
+
+    for r in map(RunRecord.from_dict, records):
+        itl = None if r.inter_token_latency is None else r.inter_token_latency * 1000
+        ident = {True: "✓", False: "✗ differs", None: "–"}[r.identical_to_baseline]
+        source = r.spec_source or "not exposed"
+        if r.acceptance_by_position:
+            source += " · by position " + " ".join(f"{a:.0%}" for a in r.acceptance_by_position)
+        if r.error:
+            source = f"ERROR: {r.error}"
+        name = r.method.removeprefix("remote:")
+        lines.append(f"{name[:28]:28s} {r.tokens_per_s:7.2f} {num(r.speedup, '.2f') + 'x':>8s} "
+                     f"{num(r.time_to_first_token, '.2f') + 's':>7s} {num(itl, '.1f') + 'ms':>8s} "
+                     f"{num(r.mean_accepted, '.2f'):>5s} {num(r.acceptance_rate, '.0%'):>7s} "
+                     f"{r.new_tokens:6d}  {ident:9s} {source}")
     return "\n".join(lines)

@@ -15,8 +15,9 @@ import os
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from specplay.core.atomic import replacing
 from specplay.core.environment import environment
@@ -55,22 +56,159 @@ def event_from_dict(d: dict, total_before: int = 0) -> StepEvent:
                      internals=d.get("internals", {}), stood_down=d.get("stood_down"))
 
 
-def stats_line(record: dict) -> str:
+@dataclass
+class RunRecord:
+    """One run as the run logs, the history and the exports keep it (a JSON object on disk).
+
+    Every key the project writes is a field, in the order it is written. A local run
+    (:meth:`of_run`) and an endpoint's (:func:`specplay.core.remote.remote_record`) each leave out
+    the keys the other has: the keys a record does not carry are listed in ``absent`` and left
+    out of :meth:`to_dict` (they read as None here), so a record is written back as it was read,
+    old files included. Keys this class does not know (an audit's, a newer version's, the app's
+    ``chat_template``) stay in ``extra`` and are written after the rest.
+    """
+
+    question_id: Any = None
+    answer_id: str | None = None
+    model_id: str | None = None  # the target's id (a local run) or the served model's (an endpoint)
+    tstamp: float | None = None
+    method: str | None = None
+    params: dict | None = None
+    lossy: bool | None = None
+    engine: dict | None = None  # an endpoint: where it is and the model it served
+    target: dict | None = None  # a local run's models: id, architecture, backend, device, dtype, ...
+    draft: dict | None = None
+    prompt: str | None = None
+    prompt_tokens: int | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    stop_reason: str | None = None
+    cancelled: bool | None = None
+    error: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    # Spec-Bench's answer fields (one turn)
+    new_tokens: int | None = None
+    wall_time: float | None = None
+    accept_lengths: list[int] | None = None
+    choices: list[dict] | None = None
+    # metrics
+    steps: int | None = None
+    tokens_per_s: float | None = None
+    prefill_time: float | None = None
+    time_to_first_token: float | None = None
+    inter_token_latency: float | None = None  # an endpoint's mean seconds between tokens
+    mean_accepted: float | None = None
+    # vLLM's: 1 + accepted draft tokens per draft (plain steps left out, unlike τ above).
+    mean_acceptance_length: float | None = None
+    acceptance_rate: float | None = None
+    draft_acceptance_rate: float | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    acceptance_by_position: list[float] | None = None
+    acceptance_histogram: dict[str, int] | None = None
+    spec_source: str | None = None  # an endpoint: where its speculation figures came from, None if not exposed
+    # The names vLLM's speculative-decoding metrics use (llama.cpp's server reads the same):
+    num_drafts: int | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+    acceptance_rate_per_position: list[float] | None = None
+    stood_down_steps: int | None = None
+    repeatable: bool | None = None
+    unrepeatable_because: str | None = None
+    tokens_by_source: dict[str, int] | None = None
+    time_split: dict[str, float] | None = None
+    environment: dict | None = None
+    events: list[dict] | None = None  # every step (event_to_dict), where the record keeps them
+    # a comparison's (core/compare.py, core/remote.py)
+    speedup: float | None = None
+    identical_to_baseline: bool | None = None
+    absent: set[str] = field(default_factory=set, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in _KEYS and "absent" in self.__dict__:
+            self.absent.discard(name)  # a key set after construction is carried from then on
+
+    def to_dict(self) -> dict:
+        """The record as it is written: the keys it carries, in order, then ``extra``."""
+        out = {k: getattr(self, k) for k in _KEYS if k not in self.absent}
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunRecord":
+        """A record as read (from a log, the history or another version): missing keys read as None."""
+        return cls(**{k: v for k, v in d.items() if k in _KEYS}, absent=set(_KEYS) - d.keys(),
+                   extra={k: v for k, v in d.items() if k not in _KEYS})
+
+    @classmethod
+    def of_run(cls, result: RunResult, *, target, draft=None, prompt: str | None = None, question_id=None,
+               include_events: bool = False, extra: dict | None = None) -> "RunRecord":
+        """A local run's record; ``target`` and ``draft`` are the LoadedModels it ran, ``extra`` more keys."""
+        m = result.metrics
+        s = result.config.sampling
+        record = cls(
+            question_id=question_id, answer_id=uuid.uuid4().hex, model_id=target.spec if target is not None else None,
+            tstamp=time.time(), method=result.method, params=result.method_params, lossy=result.lossy,
+            target=_model_entry(target), draft=_model_entry(draft), prompt=prompt,
+            prompt_tokens=len(result.prompt_ids), text=result.text, token_ids=result.token_ids,
+            stop_reason=result.stop_reason.value, cancelled=result.cancelled, error=result.error,
+            temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_new_tokens=result.config.max_new_tokens,
+            new_tokens=m.new_tokens, wall_time=m.wall_time, accept_lengths=m.accept_lengths,
+            choices=[{"index": 0, "turns": [result.text], "decoding_steps": [m.steps], "new_tokens": [m.new_tokens],
+                      "wall_time": [m.wall_time], "accept_lengths": [m.accept_lengths]}],
+            steps=m.steps, tokens_per_s=m.tokens_per_s, prefill_time=m.prefill_time,
+            time_to_first_token=m.time_to_first_token, mean_accepted=m.mean_accepted,
+            mean_acceptance_length=1 + m.accepted / m.num_drafts if m.num_drafts else None,
+            acceptance_rate=m.acceptance_rate, draft_acceptance_rate=m.acceptance_rate, drafted=m.drafted,
+            accepted=m.accepted, acceptance_by_position=m.acceptance_by_position,
+            acceptance_histogram={str(k): v for k, v in sorted(Counter(m.accept_lengths).items())},
+            num_drafts=m.num_drafts, num_draft_tokens=m.drafted, num_accepted_tokens=m.accepted,
+            acceptance_rate_per_position=[a / m.num_drafts for a in m.accepted_per_position] if m.num_drafts else [],
+            stood_down_steps=m.stood_down_steps, repeatable=result.unrepeatable is None,
+            unrepeatable_because=result.unrepeatable, tokens_by_source=tokens_by_source(result.events),
+            time_split={"draft": m.draft_s, "verify": m.verify_s, "other": m.other_s},
+            environment=environment(target, draft),
+            events=[event_to_dict(e) for e in result.events] if include_events else None,
+            absent=ENDPOINT_ONLY | COMPARISON_ONLY | (set() if include_events else {"events"}),
+        )
+        for key, value in (extra or {}).items():
+            if key in _KEYS:
+                setattr(record, key, value)
+            else:
+                record.extra[key] = value
+        return record
+
+
+_KEYS = tuple(f.name for f in fields(RunRecord) if f.name not in ("absent", "extra"))
+#: Keys only an endpoint's record carries, and only a local run's.
+ENDPOINT_ONLY = frozenset({"engine", "inter_token_latency", "spec_source"})
+LOCAL_ONLY = frozenset({"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_per_position",
+                        "stood_down_steps", "repeatable", "unrepeatable_because", "tokens_by_source"})
+#: Keys a comparison adds to its records (:func:`specplay.core.compare.annotate`).
+COMPARISON_ONLY = frozenset({"speedup", "identical_to_baseline"})
+
+
+def stats_line(record: RunRecord | dict) -> str:
     """One line that sums up a run record (the CLI prints it after a run; the app shows it under the text)."""
-    acc = record.get("acceptance_rate")
-    parts = [f"{record['new_tokens']} tokens in {record['wall_time']:.2f} s", f"{record['tokens_per_s']:.1f} tok/s"]
-    if record.get("time_to_first_token") is not None:
-        parts.append(f"first token {record['time_to_first_token']:.2f} s")
-    if record.get("mean_accepted") is not None:
-        parts.append(f"τ {record['mean_accepted']:.2f}")
-    if acc is not None:
-        parts.append(f"acceptance {acc:.0%}")
-    if record.get("stood_down_steps"):
-        parts.append(f"drafting stood down for {record['stood_down_steps']} steps")
-    if record.get("tokens_by_source"):
-        parts.append("offered by " + ", ".join(f"{k} {v}" for k, v in record["tokens_by_source"].items()))
-    parts.append(f"stop: {record['stop_reason']}")
-    if record.get("lossy"):
+    r = record if isinstance(record, RunRecord) else RunRecord.from_dict(record)
+    parts = [f"{r.new_tokens} tokens in {r.wall_time:.2f} s", f"{r.tokens_per_s:.1f} tok/s"]
+    if r.time_to_first_token is not None:
+        parts.append(f"first token {r.time_to_first_token:.2f} s")
+    if r.mean_accepted is not None:
+        parts.append(f"τ {r.mean_accepted:.2f}")
+    if r.acceptance_rate is not None:
+        parts.append(f"acceptance {r.acceptance_rate:.0%}")
+    if r.stood_down_steps:
+        parts.append(f"drafting stood down for {r.stood_down_steps} steps")
+    if r.tokens_by_source:
+        parts.append("offered by " + ", ".join(f"{k} {v}" for k, v in r.tokens_by_source.items()))
+    parts.append(f"stop: {r.stop_reason}")
+    if r.lossy:
         parts.append("LOSSY")
     return " · ".join(parts)
 
@@ -83,64 +221,9 @@ def tokens_by_source(events) -> dict[str, int]:
 
 def run_record(result: RunResult, *, target, draft=None, prompt: str | None = None, question_id=None,
                include_events: bool = False, extra: dict | None = None) -> dict:
-    m = result.metrics
-    s = result.config.sampling
-    record = {
-        "question_id": question_id,
-        "answer_id": uuid.uuid4().hex,
-        "model_id": target.spec if target is not None else None,
-        "tstamp": time.time(),
-        "method": result.method,
-        "params": result.method_params,
-        "lossy": result.lossy,
-        "target": _model_entry(target),
-        "draft": _model_entry(draft),
-        "prompt": prompt,
-        "prompt_tokens": len(result.prompt_ids),
-        "text": result.text,
-        "token_ids": result.token_ids,
-        "stop_reason": result.stop_reason.value,
-        "cancelled": result.cancelled,
-        "error": result.error,
-        "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
-        "max_new_tokens": result.config.max_new_tokens,
-        # Spec-Bench answer fields (one turn)
-        "new_tokens": m.new_tokens,
-        "wall_time": m.wall_time,
-        "accept_lengths": m.accept_lengths,
-        "choices": [{"index": 0, "turns": [result.text], "decoding_steps": [m.steps], "new_tokens": [m.new_tokens],
-                     "wall_time": [m.wall_time], "accept_lengths": [m.accept_lengths]}],
-        # metrics
-        "steps": m.steps,
-        "tokens_per_s": m.tokens_per_s,
-        "prefill_time": m.prefill_time,
-        "time_to_first_token": m.time_to_first_token,
-        "mean_accepted": m.mean_accepted,
-        # vLLM's: 1 + accepted draft tokens per draft (plain steps left out, unlike τ above).
-        "mean_acceptance_length": 1 + m.accepted / m.num_drafts if m.num_drafts else None,
-        "acceptance_rate": m.acceptance_rate,
-        "draft_acceptance_rate": m.acceptance_rate,
-        "drafted": m.drafted,
-        "accepted": m.accepted,
-        "acceptance_by_position": m.acceptance_by_position,
-        "acceptance_histogram": {str(k): v for k, v in sorted(Counter(m.accept_lengths).items())},
-        # The names vLLM's speculative-decoding metrics use (llama.cpp's server reads the same):
-        "num_drafts": m.num_drafts,
-        "num_draft_tokens": m.drafted,
-        "num_accepted_tokens": m.accepted,
-        "acceptance_rate_per_position": [a / m.num_drafts for a in m.accepted_per_position] if m.num_drafts else [],
-        "stood_down_steps": m.stood_down_steps,
-        "repeatable": result.unrepeatable is None,
-        "unrepeatable_because": result.unrepeatable,
-        "tokens_by_source": tokens_by_source(result.events),
-        "time_split": {"draft": m.draft_s, "verify": m.verify_s, "other": m.other_s},
-        "environment": environment(target, draft),
-    }
-    if include_events:
-        record["events"] = [event_to_dict(e) for e in result.events]
-    if extra:
-        record.update(extra)
-    return record
+    """A local run's record as it is written (:meth:`RunRecord.of_run`)."""
+    return RunRecord.of_run(result, target=target, draft=draft, prompt=prompt, question_id=question_id,
+                            include_events=include_events, extra=extra).to_dict()
 
 
 def dumps(record: dict) -> str:

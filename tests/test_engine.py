@@ -6,6 +6,7 @@ tested below and, on a deterministic cost model, in test_standdown.py.
 """
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -441,6 +442,28 @@ def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(
     assert asked[0] == [] and asked[1] == []  # the target's prefill, then the draft's
     m = res.metrics
     assert m.prefill_time < m.time_to_first_token == res.events[0].elapsed_s < m.wall_time
+
+
+def test_a_run_record_is_written_back_as_it_was_read(models):
+    """A record read from a log, the history or an older version writes back key for key: the keys it
+    lacks stay out, keys the schema does not know stay in, a key set later is written."""
+    from specplay.core.runlog import RunRecord, run_record
+
+    target, near, *_ = models
+    res = run(target, "speculative", SpeculativeConfig(gamma=3), near)
+    for include_events in (False, True):
+        written = json.loads(json.dumps(run_record(res, target=target, draft=near, prompt="p",
+                                                   include_events=include_events, extra={"chat_template": True})))
+        record = RunRecord.from_dict(written)
+        assert record.to_dict() == written and list(record.to_dict()) == list(written)
+        assert record.new_tokens == len(res.token_ids) and record.extra == {"chat_template": True}
+        assert ("events" in written) == include_events and "speedup" not in written and "engine" not in written
+    old = {"method": "speculative", "new_tokens": 3, "wall_time": 1.5, "tokens_per_s": 2.0, "stop_reason": "eos",
+           "from_the_future": [1]}
+    record = RunRecord.from_dict(old)
+    assert record.to_dict() == old and record.mean_accepted is None and record.extra == {"from_the_future": [1]}
+    record.speedup = 1.25
+    assert record.to_dict() == {**old, "speedup": 1.25}
 
 
 def test_token_events_and_run_logs_carry_the_rule_per_draft_token(models):

@@ -15,6 +15,7 @@ from specplay.core import remote
 from specplay.core.errors import ConfigError
 from specplay.core.remote import (Endpoint, RemoteError, api_key, compare_endpoints, format_remote_table, llamacpp_spec_stats,
                          parse_prometheus, remote_record, sglang_spec_stats, stream_completion, vllm_spec_stats)
+from specplay.core.runlog import LOCAL_ONLY, RunRecord
 
 FIXTURES = Path(__file__).parent / "fixtures" / "remote"
 
@@ -173,12 +174,15 @@ def test_a_streamed_run_is_timed_and_its_speculation_read_from_the_counters(monk
     assert run.error is None and run.text == "".join(seen) == "".join(f"w{i} " for i in range(10))
     assert run.new_tokens == 10 and run.model == "qwen-test"  # the server's first model, asked for
     assert 0 < run.time_to_first_token <= run.wall_time and run.inter_token_latency > 0
-    assert run.spec.mean_accepted == pytest.approx(1 + 8 / 4) and run.spec.by_position == [1.0, 0.75, 0.25]
+    assert run.speculation.mean_accepted == pytest.approx(1 + 8 / 4) and run.speculation.by_position == [1.0, 0.75, 0.25]
     assert engine.auth == ["Bearer sk-secret"]
     record = remote_record(run, max_new_tokens=10, temperature=0.0, top_p=1.0, seed=0)
     assert "sk-secret" not in json.dumps(record)  # the key never reaches a record
     assert record["method"].startswith("remote:") and record["choices"][0]["turns"] == [run.text]
     assert record["acceptance_by_position"] == [1.0, 0.75, 0.25] and record["spec_source"] == "vllm-metrics"
+    # An endpoint's record carries its own keys and none of a local run's; it reads back as written.
+    assert {"engine", "inter_token_latency"} <= record.keys() and not record.keys() & LOCAL_ONLY
+    assert RunRecord.from_dict(record).to_dict() == record and list(RunRecord.from_dict(record).to_dict()) == list(record)
 
 
 class FakeKeyring:
@@ -470,7 +474,7 @@ def test_a_stalled_body_times_out_with_a_message():
     routes = {"GET /metrics": stalled(text_head), **streaming(word(0), finish)}
     with RawServer(routes) as server:  # metrics are optional: a stalled /metrics only loses them
         run = stream_completion(Endpoint(server.url, model="m", timeout_s=0.5), "hi", max_tokens=8)
-    assert run.error is None and run.text == "w0 " and run.spec is None
+    assert run.error is None and run.text == "w0 " and run.speculation is None
     with RawServer(streaming(word(0), every(0.05, b""))) as server:
         run = stream_completion(Endpoint(server.url, model="m", timeout_s=0.5), "hi", max_tokens=8)
     assert "timed out" in run.error and run.text == "w0 "
