@@ -5,8 +5,8 @@ One concept, two forms of the same weights: :class:`EagleHead` is the trainable 
 head at inference, with its own KV cache and tree masks (:mod:`specplay.core.methods.eagle`
 drafts with it, training's simulated τ too). The head keeps the q/k/v and gate/up projections
 apart, as its files store them; the drafter runs them fused, as the decoder's layers do
-(:data:`FUSED` says how, in both directions). The layer is shaped like the target's, so it can
-start from the target's last layer (:func:`init_from_target_layer`).
+(:data:`specplay.core.models.layers.FUSED` says how, in both directions). The layer is shaped
+like the target's, so it can start from the target's last layer (:func:`init_from_target_layer`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specplay.core.models.layers import DecoderConfig, LayerWeights, apply_rope, layer_forward, rms_norm, rope_tables
+from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, apply_rope, layer_forward, rms_norm,
+                                         rope_tables)
 from specplay.core.models.linear import make_linear
-
-#: The decoder layer's fused projections (:class:`LayerWeights`) and the head's own ones they are
-#: made of, in order: the drafter concatenates them so, a head started from a target layer splits them so.
-FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-         "down": ("down_proj",)}
 
 
 def head_config(target_cfg: DecoderConfig, intermediate: int | None = None) -> DecoderConfig:
@@ -37,7 +33,7 @@ class EagleHead(nn.Module):
     """Trainable EAGLE head (batched, causal over a window of positions).
 
     Its layer keeps the projections apart, as its files store them; :class:`EagleDrafter` runs the
-    same weights fused (:data:`FUSED`) through the decoder's layer code.
+    same weights fused (:data:`~specplay.core.models.layers.FUSED`) through the decoder's layer code.
     """
 
     def __init__(self, cfg: DecoderConfig):

@@ -135,6 +135,13 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
     return (emb.cos() * scaling).to(dtype)[None], (emb.sin() * scaling).to(dtype)[None]
 
 
+#: A layer's projections as it computes them (:class:`LayerWeights`), and the separate matrices,
+#: by their checkpoint names, each is made of, in order: the decoder fuses a checkpoint's so, an
+#: EAGLE drafter its head's, and a head started from a target layer splits them back so.
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}
+
+
 class LayerWeights:
     """One decoder layer's weights: fused q/k/v and gate/up projections, output and down, two norms."""
 

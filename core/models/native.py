@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
-from specplay.core.models.layers import DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
+from specplay.core.models.layers import FUSED, DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
 from specplay.core.models.linear import Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
@@ -86,17 +86,14 @@ class _WeightBuilder:
         return self.linears[name]
 
     def decoder_layer(self, cfg: DecoderConfig, i: int) -> dict:
-        """Layer ``i``'s parts: futures for its linear layers, its two norms' weights."""
+        """Layer ``i``'s parts: futures for its linear layers (:data:`FUSED`), its two norms' weights."""
         p = f"model.layers.{i}"
-        attn = f"{p}.self_attn"
-        return dict(
-            qkv=self.linear([f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], cfg.qkv_bias),
-            o=self.linear([f"{attn}.o_proj"], cfg.o_bias),
-            gate_up=self.linear([f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], cfg.mlp_bias),
-            down=self.linear([f"{p}.mlp.down_proj"], cfg.mlp_bias),
-            ln_in=self.tensor(f"{p}.input_layernorm.weight"),
-            ln_post=self.tensor(f"{p}.post_attention_layernorm.weight"),
-        )
+        block = {"qkv": f"{p}.self_attn", "o": f"{p}.self_attn", "gate_up": f"{p}.mlp", "down": f"{p}.mlp"}
+        bias = {"qkv": cfg.qkv_bias, "o": cfg.o_bias, "gate_up": cfg.mlp_bias, "down": cfg.mlp_bias}
+        parts = {fused: self.linear([f"{block[fused]}.{name}" for name in names], bias[fused])
+                 for fused, names in FUSED.items()}
+        return dict(**parts, ln_in=self.tensor(f"{p}.input_layernorm.weight"),
+                    ln_post=self.tensor(f"{p}.post_attention_layernorm.weight"))
 
 
 class NativeDecoder(CausalLM):
