@@ -505,72 +505,75 @@ class BenchSpec:
         return tuple(self.temperatures) or (self.temperature,)
 
 
-def run_bench(target, draft, questions: list[Question], spec: BenchSpec, out_dir: Path,
+def run_bench(target, draft, questions: list[Question], bench_spec: BenchSpec, out_dir: Path,
               log: Callable[[str], None] = print) -> dict:
     """Run every method on every question, appending each answer to its method's file in ``out_dir``
     as it finishes, then write ``summary.json``. Answers already there under the same settings are
     read back, not run again (see :func:`_resume`).
 
-    A temperature sweep (``spec.temperatures``) runs every question at each temperature in turn;
+    A temperature sweep (``bench_spec.temperatures``) runs every question at each temperature in turn;
     each method's answers at temperature T go to ``<method>-T<T>.jsonl``. The result's and
     ``summary.json``'s ``summary`` is then the first temperature's, and ``by_temperature`` has
     every temperature's (keyed ``"0"``, ``"1"``, ...): a single temperature writes what it always did.
     """
     from specplay.core.text import encode_messages, encode_prompt
 
-    if "autoregressive" not in spec.methods:
-        spec.methods.insert(0, "autoregressive")
+    if "autoregressive" not in bench_spec.methods:
+        bench_spec.methods.insert(0, "autoregressive")
     out_dir.mkdir(parents=True, exist_ok=True)
-    runners, load_errors = _load_runners(spec, target, draft, log)
+    runners, load_errors = _load_runners(bench_spec, target, draft, log)
     verify_cost = measure_verify_cost(target.model)
     log(f"target verify cost T(8)/T(1) = {verify_cost['ratio']:.2f}")
     tok = target.tokenizer
 
     def prompt_ids(history: list[dict]) -> list[int]:
-        if spec.chat_template and getattr(tok, "chat_template", None):
+        if bench_spec.chat_template and getattr(tok, "chat_template", None):
             return encode_messages(tok, history)
         return encode_prompt(tok, history[-1]["content"], chat_template=False)
 
-    temperatures = spec.sweep()
+    temperatures = bench_spec.sweep()
     params = {name: _plain(runner.params()) for name, runner in runners.items()}
     warm: set[str] = set()
     by_temperature, files = {}, {}
     for temperature in temperatures:
-        at = replace(spec, temperature=temperature, temperatures=())
+        at = replace(bench_spec, temperature=temperature, temperatures=())
         suffix = f"-T{temperature:g}" if len(temperatures) > 1 else ""
-        files[temperature] = {name: out_dir / f"{stem}{suffix}.jsonl" for name, stem in file_stems(spec.methods).items()}
+        files[temperature] = {name: out_dir / f"{stem}{suffix}.jsonl"
+                              for name, stem in file_stems(bench_spec.methods).items()}
         where = f" at temperature {temperature:g}" if len(temperatures) > 1 else ""
         answers = _run_questions(runners, questions, at, target, draft, files[temperature], params, prompt_ids, warm,
                                  lambda m: log(m + where))
         for name, error in load_errors.items():
             answers[name] = [_record(q, rep, [TurnResult([], "", 0.0, None, error=error)])
-                             for rep in range(spec.repeats) for q in questions]
-        by_temperature[temperature] = summarize(answers, questions, by_text=set(spec.endpoints))
-    env = _write_summary(out_dir, by_temperature, verify_cost, target, draft, spec, params, files)
+                             for rep in range(bench_spec.repeats) for q in questions]
+        by_temperature[temperature] = summarize(answers, questions, by_text=set(bench_spec.endpoints))
+    env = _write_summary(out_dir, by_temperature, verify_cost, target, draft, bench_spec, params, files)
     return {"summary": by_temperature[temperatures[0]], "verify_cost": verify_cost, "environment": env,
             "by_temperature": by_temperature}
 
 
-def _run_questions(runners: dict, questions: list[Question], spec: BenchSpec, target, draft, files: dict[str, Path],
-                   params: dict, prompt_ids: Callable, warm: set[str], log: Callable[[str], None]) -> dict:
-    """Every runner's answer to every question at ``spec.temperature``: read back, or run and appended."""
+def _run_questions(runners: dict, questions: list[Question], bench_spec: BenchSpec, target, draft,
+                   files: dict[str, Path], params: dict, prompt_ids: Callable, warm: set[str],
+                   log: Callable[[str], None]) -> dict:
+    """Every runner's answer to every question at ``bench_spec.temperature``: read back, or run and appended."""
     from specplay.core.types import GenerationConfig, SamplingConfig
 
-    gen = GenerationConfig(max_new_tokens=spec.max_new_tokens, stand_down=spec.stand_down,
-                           sampling=SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed))
-    settings = _settings(spec, target, draft)
-    wanted = {(rep, q.question_id): list(q.turns) for rep in range(spec.repeats) for q in questions}
+    gen = GenerationConfig(max_new_tokens=bench_spec.max_new_tokens, stand_down=bench_spec.stand_down,
+                           sampling=SamplingConfig(temperature=bench_spec.temperature, top_p=bench_spec.top_p,
+                                                   seed=bench_spec.seed))
+    settings = _settings(bench_spec, target, draft)
+    wanted = {(rep, q.question_id): list(q.turns) for rep in range(bench_spec.repeats) for q in questions}
     done = {name: _resume(files[name], name, settings, params[name], wanted, log) for name in runners}
-    answers: dict[str, list[dict]] = {name: [] for name in spec.methods}
+    answers: dict[str, list[dict]] = {name: [] for name in bench_spec.methods}
     started = time.perf_counter()
     # Methods interleave per question, so slow drifts of a shared machine hit all of them alike.
-    for rep in range(spec.repeats):
+    for rep in range(bench_spec.repeats):
         for qi, q in enumerate(questions):
             for name, runner in runners.items():
                 rec = done[name].get((rep, q.question_id))
                 if rec is None:
                     if name not in warm:  # before its first timed run; a method read back in full needs none
-                        for _ in range(spec.warmup):
+                        for _ in range(bench_spec.warmup):
                             _run_turn(runner, prompt_ids([{"role": "user", "content": q.turns[0]}]), gen)
                         warm.add(name)
                     rec = _record(q, rep, _answer(runner, q, prompt_ids, gen))
@@ -579,25 +582,25 @@ def _run_questions(runners: dict, questions: list[Question], spec: BenchSpec, ta
                     _append_line(files[name], _answer_line(rec, name, target.spec, settings, params[name]))
                 answers[name].append(rec)
             done_count = rep * len(questions) + qi + 1
-            log(f"[{done_count}/{spec.repeats * len(questions)}] question {q.question_id} "
+            log(f"[{done_count}/{bench_spec.repeats * len(questions)}] question {q.question_id} "
                 f"({time.perf_counter() - started:.0f}s)")
     return answers
 
 
-def _load_runners(spec: BenchSpec, target, draft, log: Callable[[str], None]) -> tuple[dict, dict[str, str]]:
+def _load_runners(bench_spec: BenchSpec, target, draft, log: Callable[[str], None]) -> tuple[dict, dict[str, str]]:
     """Each method's runner, and the reason of each that could not load (the others still run)."""
     hf_models: dict = {}
     runners, errors = {}, {}
-    for name in spec.methods:
+    for name in bench_spec.methods:
         try:
             if name in HF_PEERS:
                 runners[name] = HFPeer(name, target, draft, hf_models)
             elif name in LLAMACPP_PEERS:
                 runners[name] = LlamaCppPeer(name, target)
-            elif name in spec.endpoints:
-                runners[name] = RemotePeer(spec.endpoints[name], target)
+            elif name in bench_spec.endpoints:
+                runners[name] = RemotePeer(bench_spec.endpoints[name], target)
             else:
-                runners[name] = OurMethod(name, spec.configs.get(name), target, draft)
+                runners[name] = OurMethod(name, bench_spec.configs.get(name), target, draft)
         except Exception as exc:
             errors[name] = f"could not load: {_reason(exc)}"
             log(f"{name} {errors[name]}")
@@ -661,11 +664,11 @@ def file_stems(names: list[str]) -> dict[str, str]:
             else f"{s[:_MAX_STEM]}-{hashlib.sha256(n.encode()).hexdigest()[:8]}" for n, s in plain.items()}
 
 
-def _settings(spec: BenchSpec, target, draft) -> dict:
+def _settings(bench_spec: BenchSpec, target, draft) -> dict:
     """What shapes an answer besides the method's own parameters: answers are reused only under the same."""
-    return {"target": target.spec, "draft": draft.spec if draft else None, "max_new_tokens": spec.max_new_tokens,
-            "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
-            "chat_template": spec.chat_template, "stand_down": spec.stand_down}
+    return {"target": target.spec, "draft": draft.spec if draft else None, "max_new_tokens": bench_spec.max_new_tokens,
+            "temperature": bench_spec.temperature, "top_p": bench_spec.top_p, "seed": bench_spec.seed,
+            "chat_template": bench_spec.chat_template, "stand_down": bench_spec.stand_down}
 
 
 def _plain(value):
@@ -677,12 +680,12 @@ _CHOICE_FIELDS = ("turns", "new_tokens", "wall_time", "accept_lengths", "token_i
                   "time_to_first_token")
 
 
-def _answer_line(rec: dict, name: str, target_spec: str, settings: dict, params: dict) -> dict:
+def _answer_line(rec: dict, name: str, target_id: str, settings: dict, params: dict) -> dict:
     """A Spec-Bench answer record, with what it takes to read it back and to check it was made the same way."""
     choice = {"index": 0, **{k: rec[k] for k in _CHOICE_FIELDS},
               "decoding_steps": None if rec["accept_lengths"] is None else [len(a) for a in rec["accept_lengths"]]}
     return {"question_id": rec["question_id"], "category": rec["category"], "answer_id": uuid.uuid4().hex,
-            "model_id": f"{target_spec}/{name}", "repeat": rec["repeat"], "method": name, "params": params,
+            "model_id": f"{target_id}/{name}", "repeat": rec["repeat"], "method": name, "params": params,
             "settings": settings, "question_turns": rec["question_turns"], "choices": [choice],
             "error": rec["error"], "tstamp": time.time()}
 
@@ -778,16 +781,17 @@ def _resume(path: Path, name: str, settings: dict, params: dict, wanted: dict, l
 
 
 def _write_summary(out_dir: Path, by_temperature: dict[float, dict], verify_cost: dict, target, draft,
-                   spec: BenchSpec, params: dict, files: dict[float, dict[str, Path]]) -> dict:
+                   bench_spec: BenchSpec, params: dict, files: dict[float, dict[str, Path]]) -> dict:
     """Write ``summary.json`` (a sweep adds every temperature's summary and files); return its environment card."""
     from specplay.core.environment import environment
 
-    first = spec.sweep()[0]
+    first = bench_spec.sweep()[0]
     doc = {"summary": by_temperature[first], "verify_cost": verify_cost, "baseline": "autoregressive",
            "target": target.spec, "draft": draft.spec if draft else None,
-           "settings": {"methods": spec.methods, "max_new_tokens": spec.max_new_tokens,
-                        "temperature": first, "top_p": spec.top_p, "seed": spec.seed,
-                        "warmup": spec.warmup, "repeats": spec.repeats, "chat_template": spec.chat_template},
+           "settings": {"methods": bench_spec.methods, "max_new_tokens": bench_spec.max_new_tokens,
+                        "temperature": first, "top_p": bench_spec.top_p, "seed": bench_spec.seed,
+                        "warmup": bench_spec.warmup, "repeats": bench_spec.repeats,
+                        "chat_template": bench_spec.chat_template},
            "params": params, "answer_files": {name: files[first][name].name for name in params},
            "environment": environment(target, draft, measure=True)}
     if len(by_temperature) > 1:

@@ -195,7 +195,7 @@ def start_run(target_lm: CausalLM, tokenizer, method: Method, prompt_ids: list[i
         )
     eos = set(target_lm.info.eos_token_ids) if config.stop_at_eos else set()
     seed = config.sampling.seed
-    ctx = RunContext(target=target_lm, tokens=list(prompt_ids), prompt_len=len(prompt_ids), config=config,
+    ctx = RunContext(target_lm=target_lm, tokens=list(prompt_ids), prompt_len=len(prompt_ids), config=config,
                      draft_generator=torch.Generator().manual_seed(seed + 1), eos_token_ids=tuple(eos))
     gate = StandDownGate(enabled=config.stand_down and method.name != "autoregressive")
     curve = cost_curve(target_lm) if gate.enabled else None

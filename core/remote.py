@@ -76,10 +76,10 @@ class Endpoint:
         self.check()
 
     @staticmethod
-    def parse(spec: str) -> "Endpoint":
+    def parse(text: str) -> "Endpoint":
         """``URL[,model=NAME][,name=LABEL][,key-env=VAR][,timeout=SECONDS][,deadline=SECONDS]`` (the
         command line's form)."""
-        parts = [p.strip() for p in spec.split(",") if p.strip()]
+        parts = [p.strip() for p in text.split(",") if p.strip()]
         if not parts:
             raise ConfigError("an endpoint needs a URL, e.g. http://127.0.0.1:8000/v1")
         url, fields_ = parts[0], {}

@@ -52,7 +52,7 @@ def test_one_pass_mask_equals_running_each_context_alone(target, w, n, g):
     model = target.model
     method = Lookahead(LookaheadConfig(window=w, ngram=n, guesses=g))
     seq = PROMPT + [5, 6, 3, 7, 8]
-    ctx = RunContext(target=model, tokens=list(seq), prompt_len=len(PROMPT), config=GenerationConfig(),
+    ctx = RunContext(target_lm=model, tokens=list(seq), prompt_len=len(PROMPT), config=GenerationConfig(),
                      draft_generator=torch.Generator())
     method.start(ctx)
     method.levels = [[(3 * j + i) % 60 + 3 for i in range(w)] for j in range(n - 1)]  # a full window

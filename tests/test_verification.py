@@ -57,8 +57,8 @@ def test_greedy_tree_on_chain_shaped_tree_equals_chain(seed):
     k = int(torch.randint(0, 5, (1,), generator=g))
     tokens = argmax[:k] + [(argmax[k] + 1) % V] if k < 4 else argmax[:4]
     chain = Draft.chain(tokens)
-    spec = TreeSpec.from_paths([(0,) * i for i in range(1, len(tokens) + 1)])
-    tree = Draft(tokens=tokens, parents=list(spec.parents))
+    tree_spec = TreeSpec.from_paths([(0,) * i for i in range(1, len(tokens) + 1)])
+    tree = Draft(tokens=tokens, parents=list(tree_spec.parents))
     a, b = verify_greedy(chain, logits), verify_greedy(tree, logits)
     assert (a.accepted, a.next_token, a.fates) == (b.accepted, b.next_token, b.fates)
 

@@ -28,7 +28,7 @@ class RunContext:
     last, which is the root of the next draft.
     """
 
-    target: CausalLM
+    target_lm: CausalLM
     tokens: list[int]
     prompt_len: int
     config: GenerationConfig

@@ -73,7 +73,7 @@ def path_value(path: tuple[int, ...], accuracy: list[list[float]]) -> float:
     return value
 
 
-def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top_k: int, target=None) -> TreeSpec:
+def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top_k: int, target_lm=None) -> TreeSpec:
     if tree in ("chain", "dynamic"):  # for "dynamic", a placeholder as deep as the heads: each step chooses its own
         return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
     accuracy = [row[:top_k] for row in accuracy]  # the chosen tree's nodes are each head's top-k candidates
@@ -81,7 +81,7 @@ def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top
         return TreeSpec.from_paths(choose_tree(accuracy, _BUDGETS[tree]))
     if tree == "auto":
         paths = choose_tree(accuracy, _AUTO_MAX)  # best first, parents before children
-        curve = cost_curve(target) if target is not None else CostCurve.linear(0.035)
+        curve = cost_curve(target_lm) if target_lm is not None else CostCurve.linear(0.035)
         size = max(1, best_size([path_value(p, accuracy) for p in paths], curve))
         return TreeSpec.from_paths(paths[:size])
     path = Path(tree).expanduser()
@@ -89,13 +89,13 @@ def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top
         raise ConfigError(f"unknown tree '{tree}': use {', '.join(NAMED_TREES)} or a JSON file of rank paths")
     try:
         paths = json.loads(path.read_text(encoding="utf-8"))
-        spec = TreeSpec.from_paths(paths)
+        tree_spec = TreeSpec.from_paths(paths)
     except (json.JSONDecodeError, ValueError, TypeError) as exc:
         raise ConfigError(f"{path} is not a valid tree (a JSON list of rank paths like [[0], [1], [0, 0]]): {exc}") \
             from None
-    if spec.max_depth > num_heads:
-        raise ConfigError(f"tree {path} is {spec.max_depth} deep but the heads predict {num_heads} positions")
-    return spec
+    if tree_spec.max_depth > num_heads:
+        raise ConfigError(f"tree {path} is {tree_spec.max_depth} deep but the heads predict {num_heads} positions")
+    return tree_spec
 
 
 class Medusa(Method):
@@ -103,31 +103,31 @@ class Medusa(Method):
     draft_source = "Medusa head {depth}"
     needs_hidden = True
 
-    def __init__(self, config: MedusaConfig, target, target_spec: str):
+    def __init__(self, config: MedusaConfig, target_lm, target_id: str):
         super().__init__(config)
-        path = resolve_heads_path(config.heads, "medusa", target_spec)
-        tensors, manifest = load_heads(path, "medusa", target)
+        path = resolve_heads_path(config.heads, "medusa", target_id)
+        tensors, manifest = load_heads(path, "medusa", target_lm)
         self.manifest = manifest
         num_heads = manifest["num_heads"]
         self.hydra = manifest.get("recipe") == "hydra"
         if self.hydra and config.tree == "dynamic":
             raise ConfigError("the dynamic tree reads every head at once, which Hydra heads (each reading the token "
                               "drafted before its own) cannot do; use a static tree")
-        self.heads = (HydraHeads if self.hydra else MedusaHeads)(target.info.hidden_size, num_heads)
-        self.embed = target.embed
+        self.heads = (HydraHeads if self.hydra else MedusaHeads)(target_lm.info.hidden_size, num_heads)
+        self.embed = target_lm.embed
         try:
             self.heads.load_state_dict({k: v for k, v in tensors.items() if k.startswith("blocks.")})
         except RuntimeError as exc:
             raise ModelError(f"{path}: weights do not fit {num_heads} Medusa heads: {exc}") from None
-        device = torch.device(target.info.device)
+        device = torch.device(target_lm.info.device)
         self.heads.eval().to(device)
         self.vocab_ids = tensors["vocab_ids"].to(device)
-        self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
-        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads, config.top_k, target)
+        self.lm_rows = draft_lm_rows(target_lm, self.vocab_ids, path)
+        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads, config.top_k, target_lm)
         self.max_draft_nodes = len(self.tree)
         self.cost: CostCurve | None = None
         if config.tree == "dynamic":
-            self.cost = cost_curve(target)
+            self.cost = cost_curve(target_lm)
             self.max_draft_nodes = _AUTO_MAX
         if config.tree in ("auto", "dynamic"):
             self.timing_sized = "the tree's size follows the measured verification cost"
@@ -183,12 +183,12 @@ class Medusa(Method):
         confidence = top_p.tolist()
         paths = choose_tree(confidence, _AUTO_MAX)
         size = max(1, best_size([path_value(p, confidence) for p in paths], self.cost))
-        spec = TreeSpec.from_paths(paths[:size])
+        tree_spec = TreeSpec.from_paths(paths[:size])
         ids = self.vocab_ids[top_i].tolist()
-        nodes = list(zip(spec.depth_of, spec.ranks))
-        return Draft(tokens=[ids[d - 1][r] for d, r in nodes], parents=list(spec.parents),
+        nodes = list(zip(tree_spec.depth_of, tree_spec.ranks))
+        return Draft(tokens=[ids[d - 1][r] for d, r in nodes], parents=list(tree_spec.parents),
                      q_token=[confidence[d - 1][r] for d, r in nodes],
-                     shown={"tree_nodes": len(spec), "heads": len(self.heads.blocks)})
+                     shown={"tree_nodes": len(tree_spec), "heads": len(self.heads.blocks)})
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
         self.last_hidden = outcome.target_out.hidden[outcome.kept_rows[-1]]

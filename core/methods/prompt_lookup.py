@@ -64,10 +64,10 @@ class PromptLookup(Method):
     name = "prompt_lookup"
     draft_source = "copy"
 
-    def __init__(self, config: PromptLookupConfig, target=None):
+    def __init__(self, config: PromptLookupConfig, target_lm=None):
         super().__init__(config)
         self.max_draft_nodes = config.num_tokens
-        self.cost = cost_curve(target) if (config.adaptive and target is not None) else None
+        self.cost = cost_curve(target_lm) if (config.adaptive and target_lm is not None) else None
         if self.cost is not None:
             self.timing_sized = "proposal lengths follow the measured verification cost"
 

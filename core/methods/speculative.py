@@ -75,20 +75,20 @@ class Speculative(Method):
     name = "speculative"
     draft_source = "draft model"
 
-    def __init__(self, config: SpeculativeConfig, draft_model: CausalLM, target: CausalLM | None = None):
+    def __init__(self, config: SpeculativeConfig, draft_model: CausalLM, target_lm: CausalLM | None = None):
         super().__init__(config)
         self.draft_model = draft_model
         self.gamma = config.gamma
         self._offset = 0
         self.max_draft_nodes = config.max_gamma if (config.adaptive or config.cost_sized) else config.gamma
-        self.cost = cost_curve(target) if (config.cost_sized and target is not None) else None
+        self.cost = cost_curve(target_lm) if (config.cost_sized and target_lm is not None) else None
         self._sizing = _SizingStats()
         self.head = self._reduced_head(draft_model, config.draft_vocab)
         # Copies of earlier text, proposed with prompt lookup's learnt, cost-sized lengths.
         self.lookup = None
         if config.lookup_ngram:
             n = config.lookup_ngram
-            self.lookup = PromptLookup(PromptLookupConfig(min_ngram=n, max_ngram=max(n, 3)), target)
+            self.lookup = PromptLookup(PromptLookupConfig(min_ngram=n, max_ngram=max(n, 3)), target_lm)
             self.max_draft_nodes = max(self.max_draft_nodes, self.lookup.max_draft_nodes)
         if self.cost is not None:
             self.timing_sized = "γ follows this run's timings"
@@ -144,7 +144,7 @@ class Speculative(Method):
                 return copy
         dm = self.draft_model
         sampling = ctx.config.sampling
-        vocab = ctx.target.info.vocab_size
+        vocab = ctx.target_lm.info.vocab_size
         started = time.perf_counter()
         # Feed what the draft cache lacks: the root, and any token the target added last step.
         logits = self._next_logits(self._readable(ctx.tokens[self._offset + dm.cache_len:]), vocab)
