@@ -214,12 +214,12 @@ def prefill(target_lm: CausalLM, method: Method, state: RunState) -> None:
             state.ctx.prefill = target_lm.forward_chain(prompt_ids[:-1], hidden=method.needs_hidden,
                                                         layers=method.feature_layers, logit_rows=[], prefill=True)
         method.start(state.ctx)
+        state.prefill_s = time.perf_counter() - state.started
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
         state.stop = StopReason.ERROR
         state.error = f"out of memory while reading the prompt ({len(prompt_ids)} tokens)"
-    state.prefill_s = time.perf_counter() - state.started
 
 
 def verify_draft(target_lm: CausalLM, method: Method, draft: Draft, state: RunState) -> tuple[ForwardOutput, Verdict]:
