@@ -320,7 +320,7 @@ class RemotePeer:
 def gguf_file(target) -> Path:
     """The GGUF file a target was loaded from: a ``.gguf`` path, or a catalog model's assembled file."""
     from specplay.core.models.catalog import CATALOG
-    from specplay.core.models.convert import catalog_gguf
+    from specplay.core.models.prepare import catalog_gguf
 
     if target.spec in CATALOG:
         return catalog_gguf(CATALOG[target.spec])

@@ -328,7 +328,7 @@ def _run_remote(args) -> int:
 
 def cmd_models(args) -> int:
     from specplay.core.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
-    from specplay.core.models.convert import cached_entries, catalog_status, models_root, prepare_catalog_model, prune
+    from specplay.core.models.prepare import cached_entries, catalog_status, models_root, prepare_catalog_model, prune
 
     if args.models_command == "list":
         sizes = cached_entries()

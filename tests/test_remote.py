@@ -539,7 +539,7 @@ def test_llamacpp_server_with_and_without_its_draft(tmp_path):
             pytest.fail(message)
         pytest.skip(message)
     from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
-    from specplay.core.models.convert import catalog_gguf
+    from specplay.core.models.prepare import catalog_gguf
 
     if not CATALOG[DEFAULT_TARGET].installed():
         pytest.skip("the default target is not installed")
