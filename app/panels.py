@@ -17,7 +17,7 @@ from specplay.core.errors import ConfigError
 from specplay.core.memory import memory_text
 from specplay.core.methods import METHODS, method_title
 from specplay.core.models.catalog import CATALOG
-from specplay.core.models.convert import catalog_status
+from specplay.core.models.prepare import catalog_status
 from specplay.core.models.loader import DEVICES, DTYPES
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class ModelPicker(QWidget):
             if spec and self.combo.findData(spec) < 0:
                 self.combo.addItem(spec, spec)
 
-    def spec(self) -> str:
+    def model_id(self) -> str:
         text = self.combo.currentText().strip()
         i = self.combo.findText(text)
         if i >= 0 and self.combo.itemData(i) is not None:
@@ -192,8 +192,8 @@ class ModelsPanel(QWidget):
                      dtype: str | None = None) -> LoadRequest | None:
         """A request to load these models (by default the ones chosen here), now shown as the choice;
         None without a target (a device or dtype the lists lack is sent, not shown)."""
-        target = target if target is not None else self.target.spec()
-        draft = draft if draft is not None else self.draft.spec()
+        target = target if target is not None else self.target.model_id()
+        draft = draft if draft is not None else self.draft.model_id()
         device = device or self.device.currentText()
         dtype = dtype or self.dtype.currentText()
         if not target:
@@ -228,9 +228,9 @@ class ModelsPanel(QWidget):
         self.progress.setRange(0, 1000)
         self.progress.setValue(1000)
         self.stage.setText("Ready.")
-        self.target_info.setText(f"<b>Target</b> {loaded.target.spec}<br>{model_summary(loaded.target)}")
+        self.target_info.setText(f"<b>Target</b> {loaded.target.model_id}<br>{model_summary(loaded.target)}")
         if loaded.draft is not None:
-            self.draft_info.setText(f"<b>Draft</b> {loaded.draft.spec}<br>{model_summary(loaded.draft)}")
+            self.draft_info.setText(f"<b>Draft</b> {loaded.draft.model_id}<br>{model_summary(loaded.draft)}")
         else:
             self.draft_info.setText("<b>Draft</b> none (methods that need one are unavailable)")
         notes = [f"<span style='color:#555'>{n}</span>" for m in (loaded.target, loaded.draft) if m is not None

@@ -330,7 +330,7 @@ class MainWindow(QMainWindow):
         self.why.set_curve(loaded.cost_curve)
         self.why.set_records([])
         self.models_panel.set_loaded(loaded)
-        self.setWindowTitle(f"SpecPlay — {loaded.target.spec}" + (f" + {loaded.draft.spec}" if loaded.draft else ""))
+        self.setWindowTitle(f"SpecPlay — {loaded.target.model_id}" + (f" + {loaded.draft.model_id}" if loaded.draft else ""))
         self.live.clear_error()
         self._refresh_memory()
 

@@ -42,8 +42,8 @@ def collect_from_window(window) -> AppSettings:
     mp, pp = window.models_panel, window.prompt_panel
     s.geometry = QByteArray(window.saveGeometry())
     s.window_state = QByteArray(window.saveState())
-    s.target = mp.target.spec()
-    s.draft = mp.draft.spec()
+    s.target = mp.target.model_id()
+    s.draft = mp.draft.model_id()
     s.device = mp.device.currentText()
     s.dtype = mp.dtype.currentText()
     s.draft_engine = mp.draft_engine.currentText()

@@ -506,7 +506,7 @@ def audit_record(result: AuditResult, *, target, draft=None, prompt: str | None 
     record = {
         "kind": "audit", "answer_id": uuid.uuid4().hex, "tstamp": time.time(),
         "method": result.method, "params": result.method_params, "lossy": result.lossy,
-        "model_id": target.spec if target is not None else None,
+        "model_id": target.model_id if target is not None else None,
         "target": _model_entry(target), "draft": _model_entry(draft),
         "prompt": prompt, "prompt_tokens": len(result.prompt_ids),
         "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed, "seeds": f"{s.seed} + 2i",

@@ -322,11 +322,11 @@ def gguf_file(target) -> Path:
     from specplay.core.models.catalog import CATALOG
     from specplay.core.models.prepare import catalog_gguf
 
-    if target.spec in CATALOG:
-        return catalog_gguf(CATALOG[target.spec])
-    if target.spec.lower().endswith(".gguf"):
-        return Path(target.spec).expanduser()
-    raise ConfigError(f"the llama.cpp peers need a GGUF file; target '{target.spec}' is not one (use a catalog id "
+    if target.model_id in CATALOG:
+        return catalog_gguf(CATALOG[target.model_id])
+    if target.model_id.lower().endswith(".gguf"):
+        return Path(target.model_id).expanduser()
+    raise ConfigError(f"the llama.cpp peers need a GGUF file; target '{target.model_id}' is not one (use a catalog id "
                       "or a .gguf file)")
 
 
@@ -336,7 +336,7 @@ def _hf_model(loaded, cache: dict):
 
     from specplay.core.models.loader import float_weights_dir, quantize_hf_linears
 
-    key = str(float_weights_dir(loaded.spec, loaded.path))
+    key = str(float_weights_dir(loaded.model_id, loaded.path))
     if key not in cache:
         info = loaded.model.info
         # A 4-bit draft (on llama.cpp, or SpecPlay's int4 layers) runs in transformers in int8, the nearest
@@ -579,7 +579,7 @@ def _run_questions(runners: dict, questions: list[Question], bench_spec: BenchSp
                     rec = _record(q, rep, _answer(runner, q, prompt_ids, gen))
                     if rec["error"]:
                         log(f"{name} failed on question {q.question_id}: {rec['error']}")
-                    _append_line(files[name], _answer_line(rec, name, target.spec, settings, params[name]))
+                    _append_line(files[name], _answer_line(rec, name, target.model_id, settings, params[name]))
                 answers[name].append(rec)
             done_count = rep * len(questions) + qi + 1
             log(f"[{done_count}/{bench_spec.repeats * len(questions)}] question {q.question_id} "
@@ -666,7 +666,7 @@ def file_stems(names: list[str]) -> dict[str, str]:
 
 def _settings(bench_spec: BenchSpec, target, draft) -> dict:
     """What shapes an answer besides the method's own parameters: answers are reused only under the same."""
-    return {"target": target.spec, "draft": draft.spec if draft else None, "max_new_tokens": bench_spec.max_new_tokens,
+    return {"target": target.model_id, "draft": draft.model_id if draft else None, "max_new_tokens": bench_spec.max_new_tokens,
             "temperature": bench_spec.temperature, "top_p": bench_spec.top_p, "seed": bench_spec.seed,
             "chat_template": bench_spec.chat_template, "stand_down": bench_spec.stand_down}
 
@@ -787,7 +787,7 @@ def _write_summary(out_dir: Path, by_temperature: dict[float, dict], verify_cost
 
     first = bench_spec.sweep()[0]
     doc = {"summary": by_temperature[first], "verify_cost": verify_cost, "baseline": "autoregressive",
-           "target": target.spec, "draft": draft.spec if draft else None,
+           "target": target.model_id, "draft": draft.model_id if draft else None,
            "settings": {"methods": bench_spec.methods, "max_new_tokens": bench_spec.max_new_tokens,
                         "temperature": first, "top_p": bench_spec.top_p, "seed": bench_spec.seed,
                         "warmup": bench_spec.warmup, "repeats": bench_spec.repeats,

@@ -145,13 +145,13 @@ def _load_models(args, need_draft: bool):
     progress = _Progress()
     target = load_model(args.target, args.device, args.dtype, backend=args.backend, progress=progress)
     for note in target.notes:
-        print(f"note: {target.spec}: {note}", file=sys.stderr)
+        print(f"note: {target.model_id}: {note}", file=sys.stderr)
     draft = None
     if need_draft:
         backend = args.backend if args.draft_backend == "auto" else args.draft_backend
         draft = load_model(args.draft, args.device, args.dtype, backend=backend, role="draft", progress=progress)
         for note in draft.notes:
-            print(f"note: {draft.spec}: {note}", file=sys.stderr)
+            print(f"note: {draft.model_id}: {note}", file=sys.stderr)
         for warning in check_draft_compatible(target, draft):
             print(f"warning: {warning}", file=sys.stderr)
     return target, draft
@@ -467,12 +467,12 @@ def cmd_train(args) -> int:
         from specplay.core.training.data import save_corpus
         from specplay.core.training.pipeline import answers_dir, default_workdir, prepare_data, target_key
 
-        workdir = args.workdir or default_workdir(target.spec)
+        workdir = args.workdir or default_workdir(target.model_id)
         _, stats = prepare_data(target, data, workdir, progress, lambda: False, args.corpus)
         print(json.dumps(stats))
         if args.save_corpus:
             # This target's answers only: a shared work folder may also hold another target's.
-            n = save_corpus(answers_dir(workdir, data), args.save_corpus, target.spec,
+            n = save_corpus(answers_dir(workdir, data), args.save_corpus, target.model_id,
                             key=target_key(target.path, progress))
             print(f"{args.save_corpus} holds {n} answers", file=sys.stderr)
         return 0

@@ -75,7 +75,7 @@ def environment(target=None, draft=None, *, measure: bool = False) -> dict:
     for role, loaded in (("target", target), ("draft", draft)):
         if loaded is not None:
             info = loaded.model.info
-            card[role] = {"name": loaded.spec, "backend": info.backend, "dtype": info.dtype,
+            card[role] = {"name": loaded.model_id, "backend": info.backend, "dtype": info.dtype,
                           "device": info.device, "notes": list(loaded.notes)}
     return card
 

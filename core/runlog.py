@@ -28,7 +28,7 @@ def _model_entry(loaded) -> dict | None:
     if loaded is None:
         return None
     info = loaded.model.info
-    return {"id": loaded.spec, "architecture": info.architecture, "backend": info.backend, "device": info.device,
+    return {"id": loaded.model_id, "architecture": info.architecture, "backend": info.backend, "device": info.device,
             "dtype": info.dtype, "parameters": info.num_parameters, "notes": list(loaded.notes)}
 
 
@@ -152,7 +152,7 @@ class RunRecord:
         m = result.metrics
         s = result.config.sampling
         record = cls(
-            question_id=question_id, answer_id=uuid.uuid4().hex, model_id=target.spec if target is not None else None,
+            question_id=question_id, answer_id=uuid.uuid4().hex, model_id=target.model_id if target is not None else None,
             tstamp=time.time(), method=result.method, params=result.method_params, lossy=result.lossy,
             target=_model_entry(target), draft=_model_entry(draft), prompt=prompt,
             prompt_tokens=len(result.prompt_ids), text=result.text, token_ids=result.token_ids,

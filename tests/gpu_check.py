@@ -214,9 +214,9 @@ def main(argv: list[str] | None = None) -> dict:
     target_shape, draft_shape = SHAPES[args.scale]
     target_embedding, draft_embedding = embeddings(target_shape, draft_shape, args.device)
     target = LoadedModel(random_decoder(target_shape, "random-target", args.device, dtype, 0, target_embedding),
-                         IdTokenizer(), spec="random-target", path=None)
+                         IdTokenizer(), model_id="random-target", path=None)
     draft = LoadedModel(random_decoder(draft_shape, "random-draft", args.device, dtype, 1, draft_embedding,
-                                       DRAFT_WRITE_SCALE), IdTokenizer(), spec="random-draft", path=None)
+                                       DRAFT_WRITE_SCALE), IdTokenizer(), model_id="random-draft", path=None)
     g = torch.Generator().manual_seed(2)
     chunk = torch.randint(0, target_shape["vocab"], (40,), generator=g).tolist()
     prompt = chunk + torch.randint(0, target_shape["vocab"], (20,), generator=g).tolist() + chunk[:20]

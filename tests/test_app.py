@@ -837,7 +837,7 @@ def test_settings_round_trip(qtbot, aloop, tmp_path, model_dirs):
 
     w2 = MainWindow()  # reads the same file
     qtbot.addWidget(w2)
-    assert w2.models_panel.target.spec() == str(model_dirs["target"]) and w2.models_panel.draft.spec() == ""
+    assert w2.models_panel.target.model_id() == str(model_dirs["target"]) and w2.models_panel.draft.model_id() == ""
     assert w2.prompt_panel.prompt() == "line one\nline, two = \"quoted\""
     assert w2.prompt_panel.max_new_tokens.value() == 77 and w2.prompt_panel.seed.value() == 1234
     assert not w2.prompt_panel.stand_down.isChecked()

@@ -73,7 +73,7 @@ def test_run_bench_writes_answer_files_and_feeds_answers_back(tmp_path):
 
     from specplay.core.methods.prompt_lookup import PromptLookupConfig
 
-    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), model_id="tiny")
     questions = [Question(7, "code", ("ab cd ab", "cd ab")), Question(8, "qa", ("ab ab",))]
     spec = BenchSpec(methods=["prompt_lookup"], configs={"prompt_lookup": PromptLookupConfig()}, max_new_tokens=12,
                      chat_template=False)
@@ -99,7 +99,7 @@ def test_multi_turn_history_contains_the_methods_own_answer(tmp_path, monkeypatc
 
     import specplay.core.text as text
 
-    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), model_id="tiny")
     target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     calls = []
     real = text.encode_messages
@@ -121,7 +121,7 @@ def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monk
     from specplay.core.bench import format_summary
     from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 
-    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), model_id="tiny")
     marker = target.tokenizer.convert_tokens_to_ids("z")
     real = PromptLookup.propose
 
@@ -204,7 +204,7 @@ def _check_int8_assistant(tmp_path, **draft_info):
     target = load_model(str(folder), "cpu", "float32")
     stored = type("Draft", (), {"info": replace(target.model.info, **draft_info)})()
     copy = save_tiny_model(tmp_path / "draft")  # the same weights in the draft's own folder
-    draft = LoadedModel(model=stored, tokenizer=target.tokenizer, spec=str(copy), path=copy)
+    draft = LoadedModel(model=stored, tokenizer=target.tokenizer, model_id=str(copy), path=copy)
     hf_models: dict = {}
     assisted = HFPeer("hf_assisted", target, draft, hf_models)
     assert type(assisted.assistant.model.layers[0].mlp.down_proj).__name__ == "_Int8"
@@ -227,7 +227,7 @@ def test_assisted_generation_takes_a_native_int4_draft_as_an_int8_transformers_a
 def tiny_target():
     import torch
 
-    return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
+    return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), model_id="tiny")
 
 
 def answer_lines(path):
@@ -403,7 +403,7 @@ def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_wh
     from specplay.core.cli import _temperatures
     from specplay.core.errors import SpecPlayError
 
-    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), spec="tiny")
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), model_id="tiny")
     questions = [Question(7, "code", ("ab cd ab",)), Question(8, "qa", ("ab ab cd",))]
     settings = dict(methods=["prompt_lookup"], max_new_tokens=12, chat_template=False, warmup=0)
     sweep = run_bench(target, None, questions, BenchSpec(**settings, temperatures=(0.0, 1.0)), tmp_path / "sweep",

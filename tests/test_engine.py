@@ -29,10 +29,10 @@ PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
 @pytest.fixture(scope="module")
 def models():
     base = tiny_hf_model(seed=0, dtype=torch.float64)
-    target = loaded(native_from_hf(base), spec="target")
-    near = loaded(native_from_hf(perturbed_copy(base, 0.08)), spec="near-draft")
-    same = loaded(native_from_hf(base), spec="same-draft")
-    unrelated = loaded(native_from_hf(tiny_hf_model(seed=9, layers=1, dtype=torch.float64)), spec="bad-draft")
+    target = loaded(native_from_hf(base), model_id="target")
+    near = loaded(native_from_hf(perturbed_copy(base, 0.08)), model_id="near-draft")
+    same = loaded(native_from_hf(base), model_id="same-draft")
+    unrelated = loaded(native_from_hf(tiny_hf_model(seed=9, layers=1, dtype=torch.float64)), model_id="bad-draft")
     return target, near, same, unrelated
 
 
@@ -324,7 +324,7 @@ def test_adaptive_prompt_lookup_learns_to_propose_less_after_rejections(models):
 def test_runs_past_the_first_cache_allocation_commit_tree_paths():
     """A run longer than the first 256 cache slots grows the cache inside a forward pass;
     committing a tree path afterwards (a copy inside the cache) must still work and stay exact."""
-    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)), spec="target")
+    target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)), model_id="target")
     gen = GenerationConfig(max_new_tokens=300, stop_at_eos=False, stand_down=False)
     base = run(target, "autoregressive", gen=gen)
     target.model._kv, target.model._capacity = torch.empty(0), 0  # start from the first allocation again
@@ -374,7 +374,7 @@ def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
     tokenizer = tiny_tokenizer(60)
     target = loaded(native_from_hf(tiny_hf_model(seed=0, vocab=64, dtype=torch.float64)), tokenizer=tokenizer)
     draft = loaded(native_from_hf(tiny_hf_model(seed=3, vocab=draft_rows, layers=1, dtype=torch.float64)),
-                   tokenizer=tokenizer, spec="draft")
+                   tokenizer=tokenizer, model_id="draft")
     warnings = check_draft_compatible(target, draft)
     assert any(f"{draft_rows:,} vocabulary rows" in w for w in warnings)
     base = run(target, "autoregressive")
@@ -399,7 +399,7 @@ def test_a_draft_with_more_vocabulary_rows_samples_the_target_and_never_its_own_
     wide = tiny_hf_model(seed=5, vocab=vocab + 4, layers=1, dtype=torch.float64)
     with torch.no_grad():
         wide.lm_head.weight[vocab:] *= 3
-    draft = loaded(native_from_hf(wide), tokenizer=tokenizer, spec="draft")
+    draft = loaded(native_from_hf(wide), tokenizer=tokenizer, model_id="draft")
     extra = sum(p for t, p in next_token_probabilities(draft.model, prompt).items() if t >= vocab)
     assert extra > 0.3, "the draft's own extra tokens must be likely, or dropping them would go untested"
 

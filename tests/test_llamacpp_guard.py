@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specplay.core.models import llamacpp, loader
+from specplay.core.models.cache import DRAFT_GGUF
 from specplay.core.models.llamacpp import LlamaSettings, probe, usable_settings
-from specplay.core.models.llamacpp_draft import DRAFT_GGUF, prepare_draft_gguf
+from specplay.core.models.prepare import prepare_draft_gguf
 from tiny import need_llama_cpp, tiny_hf_model, write_tiny_gguf
 
 _DIE_BY_SIGILL = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]

@@ -16,7 +16,7 @@ def test_without_the_peers_extra_the_message_names_the_install(monkeypatch):
 
 def test_a_target_that_is_not_a_gguf_file_is_refused_clearly():
     class Folder:
-        spec = "/some/model-folder"
+        model_id = "/some/model-folder"
 
     with pytest.raises(ConfigError, match="need a GGUF file"):
         gguf_file(Folder())
@@ -49,7 +49,7 @@ def _tiny_target(tmp_path):
     model = tiny_hf_model(seed=3, dtype=torch.float32, vocab=64, hidden=32, inter=64)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(model, path)
-    return loaded(native_from_hf(model), spec=str(path))
+    return loaded(native_from_hf(model), model_id=str(path))
 
 
 def test_llamacpp_generate_decodes_greedily_and_survives_a_crashing_setting(tmp_path, monkeypatch):

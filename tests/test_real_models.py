@@ -125,7 +125,7 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
 def test_cancelling_the_first_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     """Cancel while the child process dequantizes: Cancelled, no model folder, no temporary files."""
     from specplay.core.errors import Cancelled
-    from specplay.core.models.convert import models_root, prepare_catalog_model
+    from specplay.core.models.prepare import models_root, prepare_catalog_model
 
     _require(DEFAULT_DRAFT)
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))

@@ -91,11 +91,11 @@ def perturbed_copy(model, scale: float = 0.05, seed: int = 123):
     return other
 
 
-def loaded(native, tokenizer=None, spec: str = "tiny"):
+def loaded(native, tokenizer=None, model_id: str = "tiny"):
     """Wrap a model as ``LoadedModel`` (what methods and the CLI take)."""
     from specplay.core.models.loader import LoadedModel
 
-    return LoadedModel(model=native, tokenizer=tokenizer or tiny_tokenizer(native.info.vocab_size), spec=spec,
+    return LoadedModel(model=native, tokenizer=tokenizer or tiny_tokenizer(native.info.vocab_size), model_id=model_id,
                        path=None)
 
 

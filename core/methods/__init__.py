@@ -38,9 +38,9 @@ METHODS: dict[str, MethodSpec] = {
                    "Copies what followed an earlier occurrence of the last n tokens; no extra model."),
         MethodSpec("lookahead", "Lookahead", LookaheadConfig, False, lambda c, t, d: Lookahead(c),
                    "Jacobi iteration over a window collects n-grams; matching ones are verified in the same pass."),
-        MethodSpec("medusa", "Medusa", MedusaConfig, False, lambda c, t, d: Medusa(c, t.model, t.spec),
+        MethodSpec("medusa", "Medusa", MedusaConfig, False, lambda c, t, d: Medusa(c, t.model, t.model_id),
                    "Extra heads on the target's last hidden state propose a tree of candidates."),
-        MethodSpec("eagle", "EAGLE", EagleConfig, False, lambda c, t, d: Eagle(c, t.model, t.spec),
+        MethodSpec("eagle", "EAGLE", EagleConfig, False, lambda c, t, d: Eagle(c, t.model, t.model_id),
                    "A one-layer head drafts at the feature level and grows a dynamic tree (EAGLE-2)."),
     )
 }

@@ -26,7 +26,6 @@ from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo
 from specplay.core.models.cache import DRAFT_GGUF
 from specplay.core.models.llamacpp import LlamaCppFileError, LlamaCppSession, LlamaSettings, ProbeResult, usable_settings
 from specplay.core.models.prepare import make_draft_gguf
-from specplay.core.models.prepare import prepare_draft_gguf  # noqa: F401  (its old home: tests/test_llamacpp_guard.py)
 from specplay.core.progress import Progress, log_progress
 
 log = logging.getLogger(__name__)

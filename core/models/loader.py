@@ -37,13 +37,13 @@ class LoadedModel:
 
     model: CausalLM
     tokenizer: object
-    spec: str
+    model_id: str  # what the user named: a catalog id, a folder, a .gguf file or a hub id
     path: Path
     notes: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
-        return self.spec
+        return self.model_id
 
 
 def pick_device(device: str = "auto") -> str:
@@ -147,9 +147,9 @@ def draft_storage() -> str:
     return "int4-draft" if has_bf16_units() else "int8-draft"
 
 
-def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
+def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
                progress: Progress = log_progress, should_cancel: ShouldCancel = never) -> LoadedModel:
-    """Load ``spec`` for decoding on ``device`` with ``dtype`` (see :func:`pick_dtype`).
+    """Load ``model_id`` for decoding on ``device`` with ``dtype`` (see :func:`pick_dtype`).
 
     A ``draft`` model's numerics never affect losslessness (the verifier sees the q that was
     sampled), so in int8 it takes the faster, not batch-invariant, draft layers
@@ -172,13 +172,13 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
     # Every quantized storage is built from the cache's int8 rows; an int4 draft's packed layers
     # are kept too, once made.
     weights = "float32" if storage == "float" else "int4-draft" if storage == "int4-draft" else "int8"
-    path = resolve(spec, progress, should_cancel, weights)
-    progress(f"Loading {spec}", None)
+    path = resolve(model_id, progress, should_cancel, weights)
+    progress(f"Loading {model_id}", None)
     try:
         config = AutoConfig.from_pretrained(str(path))
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
-        raise ModelError(f"cannot read the config or tokenizer of {spec} at {path}: {exc}") from exc
+        raise ModelError(f"cannot read the config or tokenizer of {model_id} at {path}: {exc}") from exc
     eos = _eos_ids(path, config, tokenizer)
     notes: list[str] = []
     if storage != "float" and torch.device(dev).type == "cpu":
@@ -188,26 +188,26 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, backend:
         if storage == "int8":  # a target's: what its decoding and verification cost depend on
             notes.append(describe_quant_engine())
     if role == "draft" and backend in ("auto", "llamacpp"):
-        why_not = _llamacpp_draft_unavailable(spec, dev, storage)
+        why_not = _llamacpp_draft_unavailable(model_id, dev, storage)
         if why_not is None:
-            model = _draft_on_llamacpp(spec, path, config, eos, storage, backend, notes, progress)
+            model = _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, progress)
             if model is not None:
-                progress(f"{spec} loaded", 1.0)
-                return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
+                progress(f"{model_id} loaded", 1.0)
+                return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
         elif backend == "llamacpp":
-            raise ModelError(f"{spec}: the llama.cpp draft is unavailable: {why_not}")
-    model, path = _build_model(spec, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
+            raise ModelError(f"{model_id}: the llama.cpp draft is unavailable: {why_not}")
+    model, path = _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
                                should_cancel)
     if compute_dtype in (torch.bfloat16, torch.float16):
         notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
                      "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
                      "float32 is exact")
     release_freed_memory()
-    progress(f"{spec} loaded", 1.0)
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, path=path, notes=notes)
+    progress(f"{model_id} loaded", 1.0)
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
 
 
-def _build_model(spec, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
+def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
                  should_cancel) -> tuple[CausalLM, Path]:
     """The model on the native decoder where it implements the architecture, else on transformers."""
     from specplay.core.models.layers import DecoderConfig, unsupported_reason
@@ -216,39 +216,39 @@ def _build_model(spec, path, config, eos, dev, dtype, compute_dtype, storage, ba
     reason = unsupported_reason(config)
     use_native = backend == "native" or (backend == "auto" and reason is None)
     if backend == "native" and reason:
-        raise ModelError(f"{spec}: {reason}")
+        raise ModelError(f"{model_id}: {reason}")
     if use_native:
         try:
             reader = _weights_reader(path, storage, progress)
         except FileNotFoundError:
             if backend == "native":
-                raise ModelError(f"{spec}: the native path needs .safetensors weights") from None
+                raise ModelError(f"{model_id}: the native path needs .safetensors weights") from None
             use_native = False
             reason = "no .safetensors weights"
     try:
         if use_native:
             try:
-                model: CausalLM = NativeDecoder(DecoderConfig.from_hf(config), reader.get, name=spec, device=dev,
+                model: CausalLM = NativeDecoder(DecoderConfig.from_hf(config), reader.get, name=model_id, device=dev,
                                                 dtype=compute_dtype, storage=storage, eos_token_ids=eos)
             except KeyError as exc:
-                raise ModelError(f"{spec}: {exc.args[0]} (is the weights file complete?)") from None
+                raise ModelError(f"{model_id}: {exc.args[0]} (is the weights file complete?)") from None
             if storage == "int4-draft" and getattr(reader, "path", None) == path / INT8_WEIGHTS:
                 store_int4_layers(model, reader, path, progress)
             return model, path
-        _check_fallback_storage(spec, dtype, storage, reason, notes)
-        path = float_weights_dir(spec, path, progress, should_cancel)  # transformers reads float weights
+        _check_fallback_storage(model_id, dtype, storage, reason, notes)
+        path = float_weights_dir(model_id, path, progress, should_cancel)  # transformers reads float weights
         notes.append(f"native path unavailable ({reason}); using transformers")
-        log.warning("%s: native path unavailable (%s); using transformers", spec, reason)
-        return _load_hf(path, spec, dev, compute_dtype, eos), path
+        log.warning("%s: native path unavailable (%s); using transformers", model_id, reason)
+        return _load_hf(path, model_id, dev, compute_dtype, eos), path
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        raise ModelError(f"not enough memory to load {spec} on {dev} ({dtype}); close other programs, or on a CPU "
+        raise ModelError(f"not enough memory to load {model_id} on {dev} ({dtype}); close other programs, or on a CPU "
                          "use --dtype int8 (int8 rows with a scale each, embedding included: about 30% of float32's "
                          "memory for a 1.5B model)") from None
 
 
-def _draft_on_llamacpp(spec, path, config, eos, storage, backend, notes, progress):
+def _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, progress):
     """The draft on llama.cpp, or None (with a note saying why) when the native draft is to run.
 
     llama.cpp runs only with settings a child process survived on this machine. With ``auto``
@@ -258,19 +258,19 @@ def _draft_on_llamacpp(spec, path, config, eos, storage, backend, notes, progres
     from specplay.core.models.llamacpp import describe
     from specplay.core.models.llamacpp_draft import load_llamacpp_draft
 
-    model, probes = load_llamacpp_draft(spec, path, config, eos, progress)
+    model, probes = load_llamacpp_draft(model_id, path, config, eos, progress)
     if model is None:
         why = f"llama.cpp is unsafe on this CPU ({describe(probes)})"
         if backend == "llamacpp":
-            raise ModelError(f"{spec}: {why}")
+            raise ModelError(f"{model_id}: {why}")
         notes.append(f"{why}: the draft runs on SpecPlay's own {storage} layers")
-        log.warning("%s: %s", spec, why)
+        log.warning("%s: %s", model_id, why)
         return None
     llama_ms = min(p.ms_per_token for p in probes if p.ok)
     if backend == "llamacpp":
         notes.append(f"draft engine llama.cpp, {model.settings.label} ({describe(probes)})")
         return model
-    native_ms = _native_draft_ms(spec, path, config, eos, storage, progress)
+    native_ms = _native_draft_ms(model_id, path, config, eos, storage, progress)
     if native_ms < llama_ms:
         model.close()
         notes.append(f"draft engine native {storage}: {native_ms:.1f} ms/token against llama.cpp's "
@@ -281,17 +281,17 @@ def _draft_on_llamacpp(spec, path, config, eos, storage, backend, notes, progres
     return model
 
 
-def _native_draft_ms(spec, path, config, eos, storage, progress) -> float:
+def _native_draft_ms(model_id, path, config, eos, storage, progress) -> float:
     """The native draft's cost per token here, measured once (the same protocol as llama.cpp's probe)."""
     from specplay.core.models.engines import measured
 
     def measure() -> dict:
-        progress(f"Timing the native {storage} draft of {spec} (once)", None)
-        model, _ = _build_model(spec, path, config, eos, "cpu", "int8", torch.float32, storage, "native", [],
+        progress(f"Timing the native {storage} draft of {model_id} (once)", None)
+        model, _ = _build_model(model_id, path, config, eos, "cpu", "int8", torch.float32, storage, "native", [],
                                 progress, never)
         return {"ms_per_token": time_decoding(model)}
 
-    return float(measured(f"native draft {spec} {storage}", measure)["ms_per_token"])
+    return float(measured(f"native draft {model_id} {storage}", measure)["ms_per_token"])
 
 
 def time_decoding(model: CausalLM, prompt: int = 24, tokens: int = 12) -> float:
@@ -310,13 +310,13 @@ def time_decoding(model: CausalLM, prompt: int = 24, tokens: int = 12) -> float:
     return statistics.median(times) * 1e3
 
 
-def _llamacpp_draft_unavailable(spec: str, dev, storage: str) -> str | None:
+def _llamacpp_draft_unavailable(model_id: str, dev, storage: str) -> str | None:
     """Why a draft cannot run on llama.cpp (a quantized CPU draft from a GGUF source), or None."""
     from specplay.core.models.llamacpp import available
 
     if torch.device(dev).type != "cpu" or storage == "float":
         return "it runs quantized drafts on the CPU only"
-    if not (spec in CATALOG or spec.lower().endswith(".gguf")):
+    if not (model_id in CATALOG or model_id.lower().endswith(".gguf")):
         return "it needs a GGUF source (a catalog id or a .gguf file)"
     return available()
 
@@ -336,7 +336,7 @@ def _weights_reader(path: Path, storage: str, progress: Progress):
     return CachedWeightsReader(path / INT8_WEIGHTS)
 
 
-def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:
+def _check_fallback_storage(model_id: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:
     """The ``transformers`` fallback keeps float weights: it has no row-exact int8 path.
 
     Its attention runs in float over int8 linears, so a verified block and a single token
@@ -346,12 +346,12 @@ def _check_fallback_storage(spec: str, dtype: str, storage: str, reason: str | N
     if storage == "float":
         return
     if dtype == "int8":
-        raise ModelError(f"{spec}: int8 storage is exact only on the native decoder, which cannot run this model "
+        raise ModelError(f"{model_id}: int8 storage is exact only on the native decoder, which cannot run this model "
                          f"({reason}); use --dtype auto or float32")
     notes.append("float32 weights: int8 is exact only on the native decoder")
 
 
-def _load_hf(path: Path, spec: str, device: str, dtype: torch.dtype, eos) -> CausalLM:
+def _load_hf(path: Path, model_id: str, device: str, dtype: torch.dtype, eos) -> CausalLM:
     from transformers import AutoModelForCausalLM
 
     from specplay.core.models.hf_backend import HFCausalLM
@@ -359,9 +359,9 @@ def _load_hf(path: Path, spec: str, device: str, dtype: torch.dtype, eos) -> Cau
     try:
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     except Exception as exc:
-        raise ModelError(f"cannot load {spec} with transformers: {exc}") from exc
+        raise ModelError(f"cannot load {model_id} with transformers: {exc}") from exc
     hf.to(device)
-    return HFCausalLM(hf, name=spec, eos_token_ids=eos)
+    return HFCausalLM(hf, name=model_id, eos_token_ids=eos)
 
 
 def quantize_hf_linears(hf_model) -> None:
@@ -393,7 +393,7 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> list[str]
     if tv != dv:
         only_t = len(set(tv.items()) - set(dv.items()))
         raise TokenizerMismatchError(
-            f"draft '{draft.spec}' does not share the tokenizer of target '{target.spec}' "
+            f"draft '{draft.model_id}' does not share the tokenizer of target '{target.model_id}' "
             f"({len(dv)} vs {len(tv)} tokens, {only_t} target entries differ); "
             "speculative decoding needs the same vocabulary"
         )
@@ -401,12 +401,12 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> list[str]
     t_rows, d_rows = target.model.info.vocab_size, draft.model.info.vocab_size
     if t_rows != d_rows:
         warnings.append(
-            f"draft '{draft.spec}' has {d_rows:,} vocabulary rows and target '{target.spec}' {t_rows:,} (the same "
+            f"draft '{draft.model_id}' has {d_rows:,} vocabulary rows and target '{target.model_id}' {t_rows:,} (the same "
             f"tokenizer, padded differently): drafts are aligned to the target's rows, still lossless"
         )
     if draft.model.info.num_parameters >= target.model.info.num_parameters:
         warnings.append(
-            f"draft '{draft.spec}' ({draft.model.info.num_parameters / 1e9:.2f}B parameters) is not smaller than "
-            f"target '{target.spec}' ({target.model.info.num_parameters / 1e9:.2f}B): drafting will cost more than it saves"
+            f"draft '{draft.model_id}' ({draft.model.info.num_parameters / 1e9:.2f}B parameters) is not smaller than "
+            f"target '{target.model_id}' ({target.model.info.num_parameters / 1e9:.2f}B): drafting will cost more than it saves"
         )
     return warnings

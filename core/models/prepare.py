@@ -70,19 +70,19 @@ _TYPE_Q4_0 = 2
 
 
 # ---------------------------------------------------------------------------- what the user named
-def resolve(spec: str, progress: Progress = log_progress, should_cancel: ShouldCancel = never,
+def resolve(model_id: str, progress: Progress = log_progress, should_cancel: ShouldCancel = never,
             weights: str = "int8") -> Path:
-    """Return a local Hugging Face-style directory for ``spec``, preparing it if needed.
+    """Return a local Hugging Face-style directory for ``model_id``, preparing it if needed.
 
     A catalog model or a ``.gguf`` file is converted into the cache with ``weights``
     (``"int8"``, ``"float32"``, or ``"int4-draft"``: its packed layers if already made, else
     int8; see :mod:`specplay.core.models.cache`).
     """
-    if not spec or not spec.strip():
+    if not model_id or not model_id.strip():
         raise ModelError("no model given")
-    if spec in CATALOG:
-        return prepare_catalog_model(get_entry(spec), progress, should_cancel, weights)
-    path = Path(spec).expanduser()
+    if model_id in CATALOG:
+        return prepare_catalog_model(get_entry(model_id), progress, should_cancel, weights)
+    path = Path(model_id).expanduser()
     if path.suffix.lower() == ".gguf":
         return prepare_gguf_file(path, progress, should_cancel, weights)
     if path.is_dir():
@@ -91,30 +91,30 @@ def resolve(spec: str, progress: Progress = log_progress, should_cancel: ShouldC
         return path
     if path.exists():
         raise ModelError(f"{path} is neither a model folder nor a .gguf file")
-    if "/" in spec and not spec.startswith((".", "/", "~")):
+    if "/" in model_id and not model_id.startswith((".", "/", "~")):
         try:
             from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(repo_id=spec, local_files_only=True))
+            return Path(snapshot_download(repo_id=model_id, local_files_only=True))
         except Exception:
             raise ModelError(
-                f"'{spec}' is not in the local Hugging Face cache, and SpecPlay does not download; "
+                f"'{model_id}' is not in the local Hugging Face cache, and SpecPlay does not download; "
                 "copy the model folder here and pass its path"
             ) from None
-    raise ModelError(f"unknown model '{spec}': not a catalog id ({', '.join(CATALOG)}), folder, .gguf file or cached hub id")
+    raise ModelError(f"unknown model '{model_id}': not a catalog id ({', '.join(CATALOG)}), folder, .gguf file or cached hub id")
 
 
-def float_weights_dir(spec: str, path: Path, progress: Progress = log_progress,
+def float_weights_dir(model_id: str, path: Path, progress: Progress = log_progress,
                       should_cancel: ShouldCancel = never) -> Path:
-    """A folder of model ``spec`` (resolved to ``path``) that ``transformers`` can read: with float weights.
+    """A folder of model ``model_id`` (resolved to ``path``) that ``transformers`` can read: with float weights.
 
     The cache keeps int8 weights for int8 models; a catalog model or ``.gguf`` file gets its
     float32 weights written on demand (the fallback backend, the benchmark's ``transformers``
     peers, training data). A folder the user named is returned as it is.
     """
-    if (path / FLOAT_WEIGHTS).is_file() or not (spec in CATALOG or spec.lower().endswith(".gguf")):
+    if (path / FLOAT_WEIGHTS).is_file() or not (model_id in CATALOG or model_id.lower().endswith(".gguf")):
         return path
-    return resolve(spec, progress, should_cancel, weights="float32")
+    return resolve(model_id, progress, should_cancel, weights="float32")
 
 
 # ---------------------------------------------------------------------- conversion into the cache
@@ -311,15 +311,15 @@ def _link_or_copy(src: Path, dest: Path) -> None:
 
 
 # --------------------------------------------------------------------- files made on a first load
-def make_draft_gguf(spec: str, folder: Path, progress: Progress) -> None:
+def make_draft_gguf(model_id: str, folder: Path, progress: Progress) -> None:
     """Make the draft's 4-bit file in ``folder`` unless it is there (it is made once)."""
     if (folder / DRAFT_GGUF).is_file():
         return
-    if spec not in CATALOG:
-        prepare_draft_gguf(Path(spec).expanduser(), folder, progress)
+    if model_id not in CATALOG:
+        prepare_draft_gguf(Path(model_id).expanduser(), folder, progress)
     else:
-        kept = (models_root() / "gguf" / f"{spec}.gguf").is_file()
-        original = catalog_gguf(CATALOG[spec], progress)
+        kept = (models_root() / "gguf" / f"{model_id}.gguf").is_file()
+        original = catalog_gguf(CATALOG[model_id], progress)
         try:
             prepare_draft_gguf(original, folder, progress)
         finally:

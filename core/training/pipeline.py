@@ -120,7 +120,7 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
     if settings.answers > 0:
         prompts = instruction_prompts(settings.answers, settings.seed)
         started = time.perf_counter()
-        known = load_corpus(corpus or shipped_corpus(target.spec), target.spec, key)
+        known = load_corpus(corpus or shipped_corpus(target.model_id), target.model_id, key)
         answers = generate_answers(target.model, target.tokenizer, prompts, settings.answer_tokens,
                                    answers_dir(workdir, settings), target_key=key, slots=settings.slots,
                                    corpus=known, progress=progress, should_cancel=should_cancel)
@@ -165,8 +165,8 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
         if on_step:
             on_step(p)
 
-    workdir = workdir or default_workdir(target.spec)
-    out = out or default_output(kind, target.spec)
+    workdir = workdir or default_workdir(target.model_id)
+    out = out or default_output(kind, target.model_id)
     if head_recipe != "classic":  # EAGLE-3 and Hydra learn from the target's layers and distribution
         from specplay.core.training.recipes import train_recipe
 
@@ -179,7 +179,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     vocab_ids, coverage = held_out_vocabulary(features, draft_vocab, tuple(model.info.eos_token_ids),
                                               settings.eval_fraction)
     lm_rows = model.lm_head_weight()[vocab_ids]
-    manifest = {"kind": kind, "recipe": "classic", "target": target.spec, "hidden_size": model.info.hidden_size,
+    manifest = {"kind": kind, "recipe": "classic", "target": target.model_id, "hidden_size": model.info.hidden_size,
                 "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
                 "draft_vocab_coverage": round(coverage, 4), "command": command, "data": stats,
                 "settings": settings.to_dict(), "feature_dtype": model.info.dtype}

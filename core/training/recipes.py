@@ -45,7 +45,7 @@ def teacher_data(target, data, workdir: Path, progress: Progress, should_cancel:
     if data.answers > 0:
         texts = instruction_prompts(data.answers, data.seed)
         prompts = [chat_prompt_ids(target.tokenizer, p) for p in texts]
-        known = load_corpus(corpus or shipped_corpus(target.spec), target.spec, key)
+        known = load_corpus(corpus or shipped_corpus(target.model_id), target.model_id, key)
         stop = set(target.model.info.eos_token_ids)
         answers = [usable_answer(known[k], ids, data.answer_tokens, stop) if k in known else None
                    for k, ids in enumerate(prompts)]
@@ -123,7 +123,7 @@ def train_recipe(kind: str, recipe: str, target, data, settings: TrainSettings, 
         if on_step:
             on_step(p)
 
-    manifest = {"kind": kind, "recipe": recipe, "target": target.spec, "hidden_size": model.info.hidden_size,
+    manifest = {"kind": kind, "recipe": recipe, "target": target.model_id, "hidden_size": model.info.hidden_size,
                 "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
                 "draft_vocab_coverage": round(coverage, 4), "command": command, "data": stats,
                 "settings": settings.to_dict(), "feature_dtype": model.info.dtype, "teacher_weight": teacher_weight}
