@@ -23,3 +23,18 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
     data = tmp_path_factory.mktemp("data")
     monkeypatch.setenv("SPECPLAY_DATA_DIR", str(data))
     yield
+
+
+@pytest.fixture()
+def aloop(qapp):
+    """A qasync event loop on the test's QApplication, for the app's coroutines (tests/test_app.py,
+    tests/test_session.py); Qt is imported only by the tests that ask for it."""
+    import asyncio
+
+    import qasync
+
+    loop = qasync.QEventLoop(qapp, already_running=True)
+    asyncio.set_event_loop(loop)
+    yield loop
+    asyncio.events._set_running_loop(None)
+    asyncio.set_event_loop(None)

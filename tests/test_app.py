@@ -40,15 +40,6 @@ def model_dirs(tmp_path_factory):
     }
 
 
-@pytest.fixture()
-def aloop(qapp):
-    loop = qasync.QEventLoop(qapp, already_running=True)
-    asyncio.set_event_loop(loop)
-    yield loop
-    asyncio.events._set_running_loop(None)
-    asyncio.set_event_loop(None)
-
-
 def run(qtbot, coro, timeout=TIMEOUT):
     task = asyncio.ensure_future(coro)
     qtbot.waitUntil(task.done, timeout=timeout)

@@ -35,15 +35,6 @@ def target_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("models") / "target", seed=0)
 
 
-@pytest.fixture()
-def aloop(qapp):
-    loop = qasync.QEventLoop(qapp, already_running=True)
-    asyncio.set_event_loop(loop)
-    yield loop
-    asyncio.events._set_running_loop(None)
-    asyncio.set_event_loop(None)
-
-
 def run(qtbot, coro, timeout=TIMEOUT):
     task = asyncio.ensure_future(coro)
     qtbot.waitUntil(task.done, timeout=timeout)
