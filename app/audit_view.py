@@ -133,7 +133,9 @@ class AuditView(QWidget):
         self.power.setText("")
         self.table.setRowCount(0)
         self.test_choice.clear()
+        self.progress.setRange(0, 1000)
         self.progress.setValue(0)
+        self.progress.setFormat("%p%")
         self._draw_chart()
 
     def set_progress(self, stage: str, fraction: float) -> None:
@@ -149,7 +151,9 @@ class AuditView(QWidget):
         """Show an audit record (:func:`specplay.core.audit.audit_record`)."""
         self.record = record
         self.progress.setRange(0, 1000)
-        self.progress.setValue(1000 if not record.get("cancelled") else self.progress.value())
+        asked = record.get("samples_requested") or record["samples"]
+        self.progress.setValue(round(1000 * record["samples"] / asked) if asked else 1000)
+        self.progress.setFormat(f"{'Stopped' if record.get('cancelled') else 'Done'}: {record['samples']} samples tested")
         lossy = " <span style='color:#b00020'>(LOSSY options on)</span>" if record.get("lossy") else ""
         stopped = " · stopped early" if record.get("cancelled") else ""
         self.title.setText(

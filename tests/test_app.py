@@ -924,6 +924,7 @@ def test_an_audit_shows_its_verdict_and_histogram_and_goes_into_the_history_and_
         "audit", "speculative", 200, 2, 1.0)
     assert record["verdict"] == "consistent" and "Consistent with the target" in view.verdict.text()
     assert "Power: at N = 200" in view.power.text()
+    assert view.progress.text() == "Done: 200 samples tested"  # not the last stage's name left standing
     assert [view.table.item(r, 0).text() for r in range(view.table.rowCount())] == ["joint", "position 1",
                                                                                    "position 2"]
     assert view.table.item(0, 1).text() == f"{record['p_value']:.3g}"
@@ -958,4 +959,5 @@ def test_stop_ends_an_audit_and_the_samples_drawn_are_tested(window, qtbot):
     record = task.result()
     assert record["cancelled"] and 100 <= record["samples"] < 100_000 and record["p_value"] is not None
     assert "stopped early" in window.audit_view.title.text() and window.session.history.load()[-1]["cancelled"]
+    assert window.audit_view.progress.text() == f"Stopped: {record['samples']} samples tested"
     assert window.run_action.isEnabled() and not window.stop_action.isEnabled()
