@@ -11,7 +11,7 @@ import torch
 from scipy import stats as scipy_stats
 
 from specplay.core import audit
-from specplay.core.audit import AuditConfig, audit_record, fit_known, format_audit, pearson_test, run_audit, score_samples
+from specplay.core.audit import AuditConfig, audit_record, fit_known, format_audit, run_audit, score_samples
 from specplay.core.errors import ConfigError
 from specplay.core.heads import MedusaHeads, save_heads
 from specplay.core.methods import build_method

@@ -428,8 +428,8 @@ def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_wh
     # A single temperature writes summary.json and the answer files as before a sweep existed,
     # and its answers are the sweep's at that temperature (same seed, same settings; compared on the
     # baseline, whose steps never depend on timing as a drafting method's may, see core/standdown.py).
-    single = run_bench(target, None, questions, BenchSpec(**settings, temperature=1.0), tmp_path / "single",
-                       log=lambda m: None)
+    run_bench(target, None, questions, BenchSpec(**settings, temperature=1.0), tmp_path / "single",
+              log=lambda m: None)
     doc = json.loads((tmp_path / "single" / "summary.json").read_text())
     assert "by_temperature" not in doc and doc["settings"]["temperature"] == 1.0
     assert doc["answer_files"]["prompt_lookup"] == "prompt_lookup.jsonl"

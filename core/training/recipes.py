@@ -19,7 +19,7 @@ import torch
 
 from specplay.core.heads import save_heads
 from specplay.core.progress import Progress
-from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
+from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings
 from specplay.core.training.data import FeatureSet
 from specplay.core.training.teacher import TeacherSet, capture_teacher, default_layers
 
@@ -96,7 +96,7 @@ def tau_fields(result: dict) -> dict:
 
 
 def held_out(data: TeacherSet, eval_fraction: float) -> TeacherSet:
-    """The held-out sequences (:func:`split_sequences`), on which τ_sim is measured."""
+    """The held-out sequences (:func:`specplay.core.training.common.split_sequences`), on which τ_sim is measured."""
     n_seq = data.starts.numel() - 1
     n_eval = max(1, int(round(n_seq * eval_fraction)))
     return data.sequences(list(range(n_seq - n_eval, n_seq)))
