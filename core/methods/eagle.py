@@ -137,44 +137,45 @@ class Eagle(Method):
     draft_source = "EAGLE level {depth}"
     needs_hidden = True
 
-    def __init__(self, config: EagleConfig, target, target_spec: str):
+    def __init__(self, config: EagleConfig, target_lm, target_id: str):
         super().__init__(config)
         from specplay.core.models.native import NativeDecoder
 
-        path = resolve_heads_path(config.head, "eagle", target_spec)
-        tensors, manifest = load_heads(path, "eagle", target)
-        if not isinstance(target, NativeDecoder):
+        path = resolve_heads_path(config.head, "eagle", target_id)
+        tensors, manifest = load_heads(path, "eagle", target_lm)
+        if not isinstance(target_lm, NativeDecoder):
             raise ModelError("EAGLE needs the native Llama/Qwen2 path (the head copies the target's layer shape)")
         self.manifest = manifest
-        cfg = head_config(target.cfg, manifest.get("intermediate_size"))
+        cfg = head_config(target_lm.cfg, manifest.get("intermediate_size"))
         try:
-            self.drafter = EagleDrafter(cfg, tensors, storage_of(target.info), target.embed, target.info.device)
+            self.drafter = EagleDrafter(cfg, tensors, storage_of(target_lm.info), target_lm.embed,
+                                        target_lm.info.device)
         except (KeyError, RuntimeError) as exc:
-            raise ModelError(f"{path}: weights do not fit an EAGLE head for '{target_spec}': {exc}") from None
-        self.vocab_ids = tensors["vocab_ids"].to(target.info.device)
-        self.lm_rows = draft_lm_rows(target, self.vocab_ids, path)
-        self.fuse, self.out_norm, self.feature_layers = self._eagle3_parts(tensors, manifest, target, path)
-        self.eps = target.cfg.rms_norm_eps
+            raise ModelError(f"{path}: weights do not fit an EAGLE head for '{target_id}': {exc}") from None
+        self.vocab_ids = tensors["vocab_ids"].to(target_lm.info.device)
+        self.lm_rows = draft_lm_rows(target_lm, self.vocab_ids, path)
+        self.fuse, self.out_norm, self.feature_layers = self._eagle3_parts(tensors, manifest, target_lm, path)
+        self.eps = target_lm.cfg.rms_norm_eps
         c = config
         self.max_draft_nodes = c.depth if c.tree == "chain" else c.total_tokens
-        self.cost = cost_curve(target) if (c.auto_size and c.tree == "dynamic") else None
+        self.cost = cost_curve(target_lm) if (c.auto_size and c.tree == "dynamic") else None
         if self.cost is not None:
             self.timing_sized = "the tree's size follows the measured verification cost"
-        self.features = torch.zeros(0, target.info.hidden_size, device=target.info.device)
+        self.features = torch.zeros(0, target_lm.info.hidden_size, device=target_lm.info.device)
         self.n_features = 0
 
     @staticmethod
-    def _eagle3_parts(tensors: dict, manifest: dict, target, path):
+    def _eagle3_parts(tensors: dict, manifest: dict, target_lm, path):
         """An EAGLE-3 head (:mod:`specplay.core.heads.eagle3`) reads the target's fused layers, not its final
         hidden state, and puts its states through its own norm before the LM head rows."""
         if manifest.get("recipe") != "eagle3":
             return None, None, ()
         layers = tuple(int(i) for i in manifest.get("layers", ()))
         if "fuse.weight" not in tensors or "out_norm" not in tensors or not layers \
-                or any(not 0 <= i < target.info.num_layers for i in layers):
+                or any(not 0 <= i < target_lm.info.num_layers for i in layers):
             raise ModelError(f"{path}: an EAGLE-3 head needs fuse.weight, out_norm and the layers it fuses "
-                             f"(within the target's {target.info.num_layers})")
-        device = target.info.device
+                             f"(within the target's {target_lm.info.num_layers})")
+        device = target_lm.info.device
         # In float whatever the target's storage: the int8 kernel quantizes each input row as a whole,
         # and the residual stream's few huge activations (thousands, against units) would flatten the rest.
         fuse = make_linear(tensors["fuse.weight"].float().to(device), None, "float")
