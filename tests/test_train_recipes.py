@@ -66,3 +66,34 @@ def test_classic_and_hydra_medusa_heads_record_tau_sim(tmp_path, capsys):
         assert manifest["recipe"] == recipe
         assert 1.0 <= manifest["tau_sim"] <= 4.0 and manifest["tau_sim_roots"] > 0
         assert manifest["tau_sim_tree"]["shape"] == "static" and len(manifest["top1"]) == 3
+
+
+def test_compare_recipes_trains_both_heads_on_the_same_answers_and_judges_them_alike(tmp_path):
+    """specplay.core.training.compare_recipes on a tiny target: each stage's result has the comparison's
+    fields, training lowers the loss, and a CPU budget stops training within about a step of it."""
+    from specplay.core.heads import EagleHead, head_config, save_heads
+    from specplay.core.training.compare_recipes import Comparison
+    from test_eagle3 import teacher_set
+    from tiny import loaded, native_from_hf, tiny_hf_model
+
+    model = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64, layers=3))).model
+    g = torch.Generator().manual_seed(0)
+    seqs = [[4, 5, 6, 3] + torch.randint(3, 64, (36,), generator=g).tolist() for _ in range(8)]
+    data = [teacher_set(model, seqs[:6], [4] * 6), teacher_set(model, seqs[6:], [4] * 2)]
+    cmp = Comparison(model, *data, window=16, windows=8, roots=20)
+    assert cmp.cut == 6 * 40 and cmp.eval_fraction == 0.25
+    for recipe in ("eagle3", "classic"):
+        r = cmp.trained(recipe, steps=12, log=lambda line: None, batch_size=4, lr=1e-2, warmup=1)
+        assert r["recipe"] == recipe and r["steps"] == 12 and r["data_tokens"] == 240 and r["train_cpu_s"] > 0
+        assert len(r["top1_by_level"]) == 5 and r["tau_sim_roots"] == 20 and 1.0 <= r["tau_sim"] <= 6.0
+        assert r["loss_end"] < r["loss_start"]
+    r = cmp.trained("classic", seconds=0.5, log=lambda line: None, batch_size=4, lr=1e-2, warmup=1)
+    assert r["steps"] >= 1 and r["cpu_s_per_step_timed"] > 0
+    assert r["train_cpu_s"] <= 0.5 + 4 * r["cpu_s_per_step_timed"] + 0.5
+
+    head, info = EagleHead(head_config(model.cfg)), model.info  # a heads file is judged as it is
+    save_heads(tmp_path / "e.safetensors", {**head.state_dict(), "vocab_ids": torch.arange(info.vocab_size)},
+               {"kind": "eagle", "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "steps": 5,
+                "intermediate_size": head.cfg.intermediate_size, "data": {"total_tokens": 99}, "train_seconds": 1.0})
+    r = cmp.shipped(tmp_path / "e.safetensors")
+    assert r["data_tokens"] == 99 and r["draft_vocab"] == info.vocab_size and len(r["top1_by_level"]) == 5
