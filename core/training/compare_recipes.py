@@ -20,6 +20,7 @@ Every head is judged the same way: top-1 of its draft at each of 5 drafting leve
 held-out windows (the trainers' own ``accuracy``), and τ_sim (:func:`~specplay.core.training.tau.eagle_tau`:
 the inference tree replayed at 600 held-out answer roots).
 
+    python -m specplay.core.training.compare_recipes capture   # once: the shards (about an hour on two cores)
     python -m specplay.core.training.compare_recipes shipped
     python -m specplay.core.training.compare_recipes eagle3 --steps N
     python -m specplay.core.training.compare_recipes classic --steps N [--name classic-steps]
@@ -49,15 +50,41 @@ from specplay.core.training.eagle import EagleObjective, train_eagle
 from specplay.core.training.eagle3 import Eagle3Objective, train_eagle3
 from specplay.core.training.pipeline import default_workdir, held_out_vocabulary
 from specplay.core.training.tau import eagle_tau
-from specplay.core.training.teacher import TeacherSet
+from specplay.core.training.teacher import TeacherSet, capture_teacher, corpus_sequences, default_layers
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
+#: Which answers of the committed corpus (assets/training/) each split holds: the first 200 to
+#: learn from, and 48 from the shipped head's own held-out tail (its last 5%, answers 1966-2073).
+SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014)}
 TRAINING = {"batch_size": 16, "lr": 3e-4}  # specplay train eagle's defaults
 WINDOW, DEPTH, LEVELS, WINDOWS, ROOTS = 128, 3, 5, 256, 600
 
 
 def load_split(folder: Path) -> TeacherSet:
-    return TeacherSet.concat([TeacherSet.load(p) for p in sorted(Path(folder).glob("teacher-*.safetensors"))])
+    shards = sorted(Path(folder).glob("teacher-*.safetensors"))
+    if not shards:
+        raise SystemExit(f"no teacher shards in {folder}: run `python -m specplay.core.training.compare_recipes "
+                         "capture` first")
+    return TeacherSet.concat([TeacherSet.load(p) for p in shards])
+
+
+def capture(target) -> None:
+    """Read the target's layers, final features and top-K once for each split's answers, into
+    resumable shards (a stopped capture goes on where it stopped)."""
+    from specplay.core.progress import log_progress
+    from specplay.core.training.data import chat_prompt_ids, instruction_prompts, load_corpus
+    from specplay.core.training.pipeline import shipped_corpus, target_key
+
+    key = target_key(target.path, log_progress)
+    corpus = load_corpus(shipped_corpus(target.model_id), target.model_id, key)
+    prompts = instruction_prompts(max(corpus) + 1)
+    layers = default_layers(target.model.cfg.num_layers)
+    for name, answers in SPLITS.items():
+        keys = [k for k in answers if k in corpus]
+        chats = {k: chat_prompt_ids(target.tokenizer, prompts[k]) for k in keys}
+        sequences, prompt_lens = corpus_sequences(corpus, chats)
+        capture_teacher(target.model, sequences, prompt_lens, default_workdir(target.model_id) / "teacher" / name,
+                        target_key=key, layers=layers, progress=log_progress)
 
 
 class Comparison:
@@ -184,19 +211,23 @@ def cpu_per_step(objective, end: int, batch: int, lr: float, bf16: bool, tries: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specplay.core.training.compare_recipes",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("shipped", "eagle3", "classic"))
+    p.add_argument("stage", choices=("capture", "shipped", "eagle3", "classic"))
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--seconds", type=float, help="training CPU seconds (steps from a short timing unless --steps)")
     p.add_argument("--name", help="result file name without .json (default: the stage)")
     args = p.parse_args(argv)
-    if args.stage != "shipped" and not (args.steps or args.seconds):
+    if args.stage in ("eagle3", "classic") and not (args.steps or args.seconds):
         p.error("training stages need --steps or --seconds")
     torch.set_num_threads(2)
     from specplay.core.models.loader import load_model
 
     c0, w0 = time.process_time(), time.perf_counter()
-    model = load_model(TARGET, "cpu", "auto").model
+    target = load_model(TARGET, "cpu", "auto")
+    model = target.model
     root = default_workdir(TARGET)
+    if args.stage == "capture":
+        capture(target)
+        return 0
     cmp = Comparison(model, load_split(root / "teacher" / "train"), load_split(root / "teacher" / "heldout"))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if args.stage == "shipped":
