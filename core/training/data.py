@@ -365,6 +365,15 @@ def _corpus_fits(meta: dict, key: str) -> bool:
     return meta.get("target") == DEFAULT_TARGET and key == CATALOG[DEFAULT_TARGET].sha256
 
 
+def sequence_rows(starts: torch.Tensor, keep: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sequences concatenated with boundaries ``starts`` (``[S + 1]``): the rows of the sequences
+    at indices ``keep``, in that order, and the boundaries of those sequences taken alone."""
+    bounds = starts.tolist()
+    idx = [torch.arange(bounds[i], bounds[i + 1]) for i in keep]
+    rows = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
+    return rows, torch.tensor([0] + [bounds[i + 1] - bounds[i] for i in keep]).cumsum(0)
+
+
 @dataclass
 class FeatureSet:
     """Per-position target features and labels, sequences concatenated.
@@ -429,10 +438,7 @@ class FeatureSet:
 
     def sequences(self, keep: list[int]) -> "FeatureSet":
         """The sequences at indices ``keep``, in that order."""
-        bounds = self.starts.tolist()
-        idx = [torch.arange(bounds[i], bounds[i + 1]) for i in keep]
-        rows = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)
-        starts = torch.tensor([0] + [bounds[i + 1] - bounds[i] for i in keep]).cumsum(0)
+        rows, starts = sequence_rows(self.starts, keep)
         return FeatureSet(self.features[rows], self.tokens[rows], self.labels[rows], starts)
 
     @staticmethod

@@ -20,7 +20,7 @@ import torch
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled
 from specplay.core.progress import Progress
-from specplay.core.training.data import FeatureSet
+from specplay.core.training.data import FeatureSet, sequence_rows
 
 TOP_K = 8  # the target's most likely tokens kept per position: nearly all of its mass on code answers
 
@@ -90,9 +90,7 @@ class TeacherSet:
 
     def sequences(self, keep: list[int]) -> "TeacherSet":
         """The sequences at indices ``keep``, in that order."""
-        bounds = self.starts.tolist()
-        rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in keep])
-        starts = torch.tensor([0] + [bounds[i + 1] - bounds[i] for i in keep]).cumsum(0)
+        rows, starts = sequence_rows(self.starts, keep)
         return TeacherSet(**{k: getattr(self, k)[rows] for k in self._PER_POSITION}, starts=starts,
                           prompt_lens=self.prompt_lens[keep])
 
