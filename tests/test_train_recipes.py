@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from specplay.core.cli import main
@@ -70,10 +71,11 @@ def test_classic_and_hydra_medusa_heads_record_tau_sim(tmp_path, capsys):
 
 def test_compare_recipes_trains_both_heads_on_the_same_answers_and_judges_them_alike(tmp_path):
     """specplay.core.training.compare_recipes on a tiny target: each stage's result has the comparison's
-    fields, training lowers the loss, and a CPU budget stops training within about a step of it."""
+    fields, training lowers the loss, a CPU budget stops training within about a step of it, and a
+    saved head judges as it did before saving, up to its int8 rows."""
     from specplay.core.heads import EagleHead, head_config, save_heads
-    from specplay.core.training.compare_recipes import Comparison
-    from test_eagle3 import teacher_set
+    from specplay.core.training.compare_recipes import Comparison, save_trained
+    from test_eagle3 import LAYERS, teacher_set
     from tiny import loaded, native_from_hf, tiny_hf_model
 
     model = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64, layers=3))).model
@@ -83,13 +85,30 @@ def test_compare_recipes_trains_both_heads_on_the_same_answers_and_judges_them_a
     cmp = Comparison(model, *data, window=16, windows=8, roots=20)
     assert cmp.cut == 6 * 40 and cmp.eval_fraction == 0.25
     for recipe in ("eagle3", "classic"):
-        r = cmp.trained(recipe, steps=12, log=lambda line: None, batch_size=4, lr=1e-2, warmup=1)
+        head, r = cmp.trained(recipe, steps=12, log=lambda line: None, batch_size=4, lr=1e-2, warmup=1)
         assert r["recipe"] == recipe and r["steps"] == 12 and r["data_tokens"] == 240 and r["train_cpu_s"] > 0
         assert len(r["top1_by_level"]) == 5 and r["tau_sim_roots"] == 20 and 1.0 <= r["tau_sim"] <= 6.0
         assert r["loss_end"] < r["loss_start"]
-    r = cmp.trained("classic", seconds=0.5, log=lambda line: None, batch_size=4, lr=1e-2, warmup=1)
+        out = tmp_path / f"{recipe}.safetensors"
+        save_trained(out, head, {**r, "command": "test"}, model, cmp.vocab_ids, "tiny", LAYERS)
+        saved = cmp.shipped(out)
+        assert saved["recipe"] == recipe and saved["steps"] == 12 and saved["draft_vocab"] == r["draft_vocab"]
+        assert max(abs(a - b) for a, b in zip(saved["top1_by_level"], r["top1_by_level"])) <= 0.1
+    _, r = cmp.trained("classic", seconds=0.5, log=lambda line: None, batch_size=4, lr=1e-2, warmup=1)
     assert r["steps"] >= 1 and r["cpu_s_per_step_timed"] > 0
     assert r["train_cpu_s"] <= 0.5 + 4 * r["cpu_s_per_step_timed"] + 0.5
+    for recipe in ("medusa", "hydra"):
+        heads, r = cmp.trained(recipe, steps=30, log=lambda line: None, batch_size=16, lr=1e-2, warmup=1)
+        assert r["recipe"] == recipe and r["steps"] == 30 and r["loss_end"] < r["loss_start"]
+        assert len(r["top1_by_head"]) == 4 and len(r["accuracy"]) == 4 and r["eval_positions"] == 2 * 40
+        assert r["tau_sim_roots"] == 20 and 1.0 <= r["tau_sim"] <= 5.0 and r["tau_sim_tree"]["shape"] == "static"
+        out = tmp_path / f"{recipe}.safetensors"
+        save_trained(out, heads, {**r, "command": "test"}, model, cmp.vocab_ids, "tiny")
+        saved = cmp.shipped(out, "medusa")
+        assert saved["recipe"] == recipe and saved["steps"] == 30 and saved["draft_vocab"] == r["draft_vocab"]
+        assert max(abs(a - b) for a, b in zip(saved["top1_by_head"], r["top1_by_head"])) <= 0.05
+    with pytest.raises(ValueError, match="steps"):
+        cmp.trained("hydra", seconds=1.0, log=lambda line: None)
 
     head, info = EagleHead(head_config(model.cfg)), model.info  # a heads file is judged as it is
     save_heads(tmp_path / "e.safetensors", {**head.state_dict(), "vocab_ids": torch.arange(info.vocab_size)},

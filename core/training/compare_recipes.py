@@ -1,4 +1,5 @@
-"""The EAGLE-3 recipe against the classic EAGLE head, at equal data and at equal CPU time (issue 28).
+"""The EAGLE-3 recipe against the classic EAGLE head, and Hydra heads against classic Medusa heads,
+at equal data and at equal CPU time (issue 28).
 
 Both heads learn from the same teacher shards, captured once (:mod:`specplay.core.training.teacher`)
 in ``<cache>/training/<target>/teacher/``: ``train`` (the target's answers to learn from) and
@@ -16,17 +17,25 @@ check included. With ``--seconds`` and no ``--steps``, the steps are what a few 
 say fit in that budget (the learning-rate schedule then ends in time), and the budget stops
 training in any case.
 
-Every head is judged the same way: top-1 of its draft at each of 5 drafting levels on 256
+Medusa and Hydra heads train with ``specplay train medusa``'s defaults (4 heads, batch 128
+positions, lr 1e-3) for a number of steps; equal CPU time is a number of steps in proportion
+to each recipe's measured CPU seconds a step.
+
+Every EAGLE head is judged the same way: top-1 of its draft at each of 5 drafting levels on 256
 held-out windows (the trainers' own ``accuracy``), and τ_sim (:func:`~specplay.core.training.tau.eagle_tau`:
-the inference tree replayed at 600 held-out answer roots).
+the inference tree replayed at 600 held-out answer roots). Medusa and Hydra heads: each head's
+top-1 on 4,096 held-out positions, and τ_sim (:func:`~specplay.core.training.tau.medusa_tau`) with
+the static tree those accuracies choose, at the same 600 roots.
 
-    python -m specplay.core.training.compare_recipes capture   # once: the shards (about an hour on two cores)
-    python -m specplay.core.training.compare_recipes shipped
-    python -m specplay.core.training.compare_recipes eagle3 --steps N
-    python -m specplay.core.training.compare_recipes classic --steps N [--name classic-steps]
+    python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more]   # the shards, once
+    python -m specplay.core.training.compare_recipes shipped | shipped-medusa
+    python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--out FILE]
     python -m specplay.core.training.compare_recipes classic --seconds S [--name classic-time]
+    python -m specplay.core.training.compare_recipes medusa | hydra --steps N [--more] [--out FILE]
 
-Each writes ``<cache>/training/<target>/compare/<name or stage>.json`` and prints it.
+Each writes ``<cache>/training/<target>/compare/<name or stage>.json`` and prints it; ``--out``
+saves the trained head as a heads file (what ``--heads`` and ``assets/heads/`` take) and judges
+it once more as saved (int8 rows).
 """
 
 from __future__ import annotations
@@ -41,35 +50,47 @@ from pathlib import Path
 import torch
 
 from specplay.core.errors import Cancelled
-from specplay.core.heads import EagleHead, head_config, load_heads, shipped_path
+from specplay.core.heads import EagleHead, MedusaHeads, head_config, load_heads, save_heads, shipped_path
 from specplay.core.heads.eagle import init_from_target_layer
 from specplay.core.heads.eagle3 import Eagle3Head
+from specplay.core.heads.hydra import HydraHeads
 from specplay.core.models.linear import has_bf16_units
 from specplay.core.training.common import TrainSettings
 from specplay.core.training.eagle import EagleObjective, train_eagle
 from specplay.core.training.eagle3 import Eagle3Objective, train_eagle3
+from specplay.core.training.hydra import HydraObjective, train_hydra
+from specplay.core.training.medusa import MedusaObjective, train_medusa
 from specplay.core.training.pipeline import default_workdir, held_out_vocabulary
-from specplay.core.training.tau import eagle_tau
+from specplay.core.training.tau import eagle_tau, medusa_tau
 from specplay.core.training.teacher import TeacherSet, capture_teacher, corpus_sequences, default_layers
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 #: Which answers of the committed corpus (assets/training/) each split holds: the first 200 to
-#: learn from, and 48 from the shipped head's own held-out tail (its last 5%, answers 1966-2073).
-SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014)}
+#: learn from, 48 from the shipped head's own held-out tail (its last 5%, answers 1966-2073), and
+#: 800 more to learn from for the comparison at more data (``--more``).
+SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(200, 1000)}
 TRAINING = {"batch_size": 16, "lr": 3e-4}  # specplay train eagle's defaults
-WINDOW, DEPTH, LEVELS, WINDOWS, ROOTS = 128, 3, 5, 256, 600
+MEDUSA_TRAINING = {"batch_size": 128, "lr": 1e-3}  # specplay train medusa's
+MEDUSA_HEADS = 4
+#: Which kind of head each recipe trains: the classic EAGLE head, EAGLE-3, classic Medusa heads, Hydra heads
+RECIPES = {"classic": "eagle", "eagle3": "eagle", "medusa": "medusa", "hydra": "medusa"}
+WINDOW, DEPTH, LEVELS, WINDOWS, ROOTS, POSITIONS = 128, 3, 5, 256, 600, 4096
 
 
-def load_split(folder: Path) -> TeacherSet:
-    shards = sorted(Path(folder).glob("teacher-*.safetensors"))
-    if not shards:
-        raise SystemExit(f"no teacher shards in {folder}: run `python -m specplay.core.training.compare_recipes "
-                         "capture` first")
+def load_split(*folders: Path) -> TeacherSet:
+    """The shards of one split, or of several read as one (concatenated once: they may be gigabytes)."""
+    shards = []
+    for folder in folders:
+        found = sorted(Path(folder).glob("teacher-*.safetensors"))
+        if not found:
+            raise SystemExit(f"no teacher shards in {folder}: run `python -m specplay.core.training.compare_recipes "
+                             f"capture --splits {Path(folder).name}` first")
+        shards += found
     return TeacherSet.concat([TeacherSet.load(p) for p in shards])
 
 
-def capture(target) -> None:
-    """Read the target's layers, final features and top-K once for each split's answers, into
+def capture(target, splits: list[str]) -> None:
+    """Read the target's layers, final features and top-K once for each of ``splits``' answers, into
     resumable shards (a stopped capture goes on where it stopped)."""
     from specplay.core.progress import log_progress
     from specplay.core.training.data import chat_prompt_ids, instruction_prompts, load_corpus
@@ -79,7 +100,8 @@ def capture(target) -> None:
     corpus = load_corpus(shipped_corpus(target.model_id), target.model_id, key)
     prompts = instruction_prompts(max(corpus) + 1)
     layers = default_layers(target.model.cfg.num_layers)
-    for name, answers in SPLITS.items():
+    for name in splits:
+        answers = SPLITS[name]
         keys = [k for k in answers if k in corpus]
         chats = {k: chat_prompt_ids(target.tokenizer, prompts[k]) for k in keys}
         sequences, prompt_lens = corpus_sequences(corpus, chats)
@@ -92,8 +114,9 @@ class Comparison:
 
     def __init__(self, model, train: TeacherSet, held: TeacherSet, draft_vocab: int = 32768, window: int = WINDOW,
                  windows: int = WINDOWS, roots: int = ROOTS):
-        self.model, self.train_set, self.held = model, train, held
-        self.data = TeacherSet.concat([train, held])
+        self.model, self.held = model, held
+        self.data = TeacherSet.concat([train, held])  # the train set itself is not kept: it may be gigabytes
+        self.train_answers = train.starts.numel() - 1
         self.cut = train.num_tokens  # the held-out answers' first position
         self.eval_fraction = (held.starts.numel() - 1) / (self.data.starts.numel() - 1)
         self.vocab_ids, _ = held_out_vocabulary(self.data.features(), draft_vocab, tuple(model.info.eos_token_ids),
@@ -124,36 +147,39 @@ class Comparison:
                 "coverage": round(float(torch.isin(self.held.labels.long(), vocab_ids).float().mean()), 4)}
 
     def sizes(self) -> dict:
-        return {"train_answers": self.train_set.starts.numel() - 1, "train_tokens": self.train_set.num_tokens,
+        return {"train_answers": self.train_answers, "train_tokens": self.cut,
                 "heldout_answers": self.held.starts.numel() - 1, "heldout_tokens": self.held.num_tokens}
 
-    def shipped(self, path: Path) -> dict:
-        """The head in a heads file, as it is."""
-        tensors, manifest = load_heads(path, "eagle", self.model)
+    def shipped(self, path: Path, kind: str = "eagle") -> dict:
+        """The head (``kind`` "eagle") or heads ("medusa") in a heads file, as they are."""
+        tensors, manifest = load_heads(path, kind, self.model)
         vocab_ids = tensors.pop("vocab_ids")
-        cfg = head_config(self.model.cfg, manifest.get("intermediate_size"))
-        head = Eagle3Head(cfg, len(manifest["layers"])) if manifest.get("recipe") == "eagle3" else EagleHead(cfg)
+        recipe = manifest.get("recipe", "classic")
+        if kind == "medusa":
+            heads_class = HydraHeads if recipe == "hydra" else MedusaHeads
+            head = heads_class(self.model.info.hidden_size, manifest["num_heads"])
+        else:
+            cfg = head_config(self.model.cfg, manifest.get("intermediate_size"))
+            head = Eagle3Head(cfg, len(manifest["layers"])) if recipe == "eagle3" else EagleHead(cfg)
         head.load_state_dict(tensors)
-        return {"recipe": manifest.get("recipe", "classic"), "head": str(path),
-                "data_tokens": manifest["data"]["total_tokens"], "steps": manifest["steps"],
-                "train_wall_s": manifest["train_seconds"], "train_cpu_s": None, **self.sizes(),
-                **self.judge(head, vocab_ids)}
+        judged = self.judge(head, vocab_ids) if kind == "eagle" else self.judge_medusa(head, vocab_ids)
+        return {"recipe": recipe, "head": str(path), "data_tokens": manifest["data"]["total_tokens"],
+                "steps": manifest["steps"], "train_wall_s": manifest["train_seconds"], "train_cpu_s": None,
+                **self.sizes(), **judged}
 
     def trained(self, recipe: str, steps: int | None = None, seconds: float | None = None, log=print,
                 **training) -> dict:
-        """A head of ``recipe`` ("eagle3" or "classic") trained from the target's init on the train
-        answers for ``steps`` or until ``seconds`` CPU seconds (steps then from a short timing), then judged."""
-        m = self.model
-        if recipe == "eagle3":
-            head = Eagle3Head(head_config(m.cfg), self.data.layers.shape[1])
-            head.init_from_target(m)
-        else:
-            head = EagleHead(head_config(m.cfg))
-            init_from_target_layer(head, m.layers[-1])
+        """(head, record): a head of ``recipe`` (:data:`RECIPES`) trained on the train answers for ``steps``
+        or until ``seconds`` CPU seconds (steps then from a short timing; EAGLE recipes only), and its judging.
+        EAGLE heads start from the target's last layer, Medusa and Hydra heads as their trainers start them."""
+        kind = RECIPES[recipe]
         bf16 = has_bf16_units()
-        settings = {**TRAINING, **training}
+        settings = {**(TRAINING if kind == "eagle" else MEDUSA_TRAINING), **training}
+        head = self._eagle_start(recipe) if kind == "eagle" else None
         per_step = None
         if steps is None:
+            if kind != "eagle":
+                raise ValueError(f"{recipe} heads train for a number of steps, not a CPU budget")
             per_step = cpu_per_step(self.objective(copy.deepcopy(head), self.vocab_ids, noise=0.1),
                                     self.cut - self.window, settings["batch_size"], settings["lr"], bf16)
             steps = max(1, int(seconds / per_step))
@@ -169,23 +195,96 @@ class Comparison:
 
         c0, w0 = time.process_time(), time.perf_counter()
         over_budget = (lambda: time.process_time() - c0 > seconds) if seconds else (lambda: False)
-        lm_rows = m.lm_head_weight()[self.vocab_ids]
         try:
-            if recipe == "eagle3":
-                train_eagle3(self.data, head, m.embed, lm_rows, self.vocab_ids, m.info.vocab_size, settings,
-                             window=self.window, depth=DEPTH, progress=progress, should_cancel=over_budget)
-            else:
-                train_eagle(self.data.features(), head, m.embed, lm_rows, self.vocab_ids, m.info.vocab_size, settings,
-                            window=self.window, progress=progress, should_cancel=over_budget)
+            head = self._train(recipe, head, settings, progress, over_budget)
         except Cancelled:
             log(f"{recipe}: CPU budget spent after {len(losses)} of {steps} steps")
         k = max(1, min(10, len(losses) // 4))
-        return {"recipe": recipe, "data_tokens": self.train_set.num_tokens, "steps": len(losses),
+        judged = self.judge(head, self.vocab_ids) if kind == "eagle" else self.judge_medusa(head, self.vocab_ids)
+        return head, {"recipe": recipe, "data_tokens": self.cut, "steps": len(losses),
                 "planned_steps": steps, "budget_cpu_s": seconds, "cpu_s_per_step_timed": per_step,
                 "train_cpu_s": round(time.process_time() - c0, 3), "train_wall_s": round(time.perf_counter() - w0, 3),
-                "settings": settings.to_dict(), "window": self.window, "depth": DEPTH if recipe == "eagle3" else 1,
-                "loss_start": sum(losses[:k]) / k, "loss_end": sum(losses[-k:]) / k, **self.sizes(),
-                **self.judge(head, self.vocab_ids)}
+                "settings": settings.to_dict(), "window": self.window if kind == "eagle" else None,
+                "depth": DEPTH if recipe == "eagle3" else 1,
+                "loss_start": sum(losses[:k]) / k, "loss_end": sum(losses[-k:]) / k, **self.sizes(), **judged}
+
+    def _eagle_start(self, recipe: str):
+        m = self.model
+        if recipe == "eagle3":
+            head = Eagle3Head(head_config(m.cfg), self.data.layers.shape[1])
+            head.init_from_target(m)
+        else:
+            head = EagleHead(head_config(m.cfg))
+            init_from_target_layer(head, m.layers[-1])
+        return head
+
+    def _train(self, recipe: str, head, settings: TrainSettings, progress, should_cancel):
+        """The trained head (or heads) of ``recipe``; an EAGLE ``head`` is trained in place."""
+        m = self.model
+        lm_rows = m.lm_head_weight()[self.vocab_ids]
+        common = (self.vocab_ids, m.info.vocab_size)
+        if recipe == "eagle3":
+            train_eagle3(self.data, head, m.embed, lm_rows, *common, settings, window=self.window, depth=DEPTH,
+                         progress=progress, should_cancel=should_cancel)
+        elif recipe == "classic":
+            train_eagle(self.data.features(), head, m.embed, lm_rows, *common, settings, window=self.window,
+                        progress=progress, should_cancel=should_cancel)
+        elif recipe == "hydra":
+            head, _, _ = train_hydra(self.data, m.embed, lm_rows, *common, MEDUSA_HEADS, settings, progress=progress,
+                                     should_cancel=should_cancel)
+        else:
+            head, _, _ = train_medusa(self.data.features(), lm_rows, *common, MEDUSA_HEADS, settings,
+                                      progress=progress, should_cancel=should_cancel)
+        return head
+
+    def judge_medusa(self, heads, vocab_ids: torch.Tensor) -> dict:
+        """Each head's top-1 (its token right, the path before it right) on held-out positions, and
+        τ_sim with the static tree those accuracies choose, at held-out answer roots."""
+        c0 = time.process_time()
+        m = self.model
+        lm_rows = m.lm_head_weight()[vocab_ids].float()
+        if isinstance(heads, HydraHeads):
+            objective = HydraObjective(heads, self.data, m.embed, lm_rows, vocab_ids, m.info.vocab_size)
+        else:
+            objective = MedusaObjective(heads, self.data.features(), lm_rows, vocab_ids, m.info.vocab_size)
+        positions = torch.arange(self.cut, self.data.num_tokens)
+        positions = positions[torch.randperm(positions.numel(), generator=torch.Generator().manual_seed(1))[:POSITIONS]]
+        heads.eval()
+        accuracy = objective.accuracy(positions)
+        tau = medusa_tau(heads, accuracy, self.held, m.embed, lm_rows, vocab_ids, count=self.roots)
+        return {"top1_by_head": [round(a[0], 4) for a in accuracy], "top5_by_head": [round(sum(a[:5]), 4) for a in accuracy],
+                "accuracy": [[round(a, 4) for a in row] for row in accuracy],
+                "tau_sim": tau["tau_sim"], "tau_sim_roots": tau["tau_sim_roots"], "tau_sim_tree": tau["tau_sim_tree"],
+                "eval_positions": int(positions.numel()), "eval_cpu_s": round(time.process_time() - c0, 1),
+                "draft_vocab": int(vocab_ids.numel()),
+                "coverage": round(float(torch.isin(self.held.labels.long(), vocab_ids).float().mean()), 4)}
+
+
+def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor, model_id: str,
+                 layers: tuple[int, ...] = ()) -> None:
+    """A heads file the eagle or medusa method reads, its manifest saying how it was made and how it
+    judged; ``layers``: the target layers an EAGLE-3 head's data was read from."""
+    kind = RECIPES[record["recipe"]]
+    manifest = {"kind": kind, "recipe": record["recipe"], "target": model_id, "hidden_size": model.info.hidden_size,
+                "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
+                "draft_vocab_coverage": record["coverage"], "command": record["command"],
+                "data": {"total_tokens": record["data_tokens"], "answers": record["train_answers"],
+                         "sources": "the target's greedy answers in the committed corpus (assets/training/), "
+                                    "read once for its layers, final features and top-K"},
+                "settings": record["settings"], "feature_dtype": model.info.dtype, "steps": record["steps"],
+                "train_seconds": record["train_wall_s"], "train_cpu_s": record["train_cpu_s"],
+                "tau_sim": record["tau_sim"], "tau_sim_roots": record["tau_sim_roots"],
+                "heldout": {"answers": record["heldout_answers"], "tokens": record["heldout_tokens"]},
+                "date": time.strftime("%Y-%m-%d")}
+    if kind == "medusa":
+        manifest.update(num_heads=len(head.blocks), accuracy=record["accuracy"], top1=record["top1_by_head"],
+                        top5=record["top5_by_head"], tau_sim_tree=record["tau_sim_tree"])
+    else:
+        manifest.update(intermediate_size=head.cfg.intermediate_size, window=record["window"], unroll=record["depth"],
+                        init="target", accuracy={"top1_by_level": record["top1_by_level"]})
+        if record["recipe"] == "eagle3":
+            manifest["layers"] = list(layers)
+    save_heads(path, {**head.state_dict(), "vocab_ids": vocab_ids}, manifest)
 
 
 def cpu_per_step(objective, end: int, batch: int, lr: float, bf16: bool, tries: int = 3) -> float:
@@ -211,13 +310,20 @@ def cpu_per_step(objective, end: int, batch: int, lr: float, bf16: bool, tries: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specplay.core.training.compare_recipes",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("capture", "shipped", "eagle3", "classic"))
+    p.add_argument("stage", choices=("capture", "shipped", "shipped-medusa", *RECIPES))
     p.add_argument("--steps", type=int, help="training steps")
-    p.add_argument("--seconds", type=float, help="training CPU seconds (steps from a short timing unless --steps)")
+    p.add_argument("--seconds", type=float, help="training CPU seconds (steps from a short timing unless --steps; "
+                   "EAGLE recipes)")
     p.add_argument("--name", help="result file name without .json (default: the stage)")
+    p.add_argument("--splits", default="train,heldout", help="capture: the splits to read (of %s)" % ", ".join(SPLITS))
+    p.add_argument("--more", action="store_true", help="train on the 'more' split too (capture it first)")
+    p.add_argument("--out", type=Path, help="training stages: save the head there as a heads file (int8 rows, as "
+                   "shipped) and judge it once more as saved")
     args = p.parse_args(argv)
-    if args.stage in ("eagle3", "classic") and not (args.steps or args.seconds):
+    if args.stage in RECIPES and not (args.steps or args.seconds):
         p.error("training stages need --steps or --seconds")
+    if args.stage in RECIPES and RECIPES[args.stage] == "medusa" and not args.steps:
+        p.error(f"{args.stage} trains for --steps")
     torch.set_num_threads(2)
     from specplay.core.models.loader import load_model
 
@@ -226,16 +332,27 @@ def main(argv: list[str] | None = None) -> int:
     model = target.model
     root = default_workdir(TARGET)
     if args.stage == "capture":
-        capture(target)
+        unknown = set(args.splits.split(",")) - set(SPLITS)
+        if unknown:
+            p.error(f"unknown split {', '.join(sorted(unknown))}: the splits are {', '.join(SPLITS)}")
+        capture(target, args.splits.split(","))
         return 0
-    cmp = Comparison(model, load_split(root / "teacher" / "train"), load_split(root / "teacher" / "heldout"))
+    splits = ("train", "more") if args.more else ("train",)
+    cmp = Comparison(model, load_split(*(root / "teacher" / name for name in splits)),
+                     load_split(root / "teacher" / "heldout"))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    if args.stage == "shipped":
-        record = cmp.shipped(shipped_path("eagle", TARGET))
+    command = "python -m specplay.core.training.compare_recipes " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.stage.startswith("shipped"):
+        kind = "medusa" if args.stage == "shipped-medusa" else "eagle"
+        record = cmp.shipped(shipped_path(kind, TARGET), kind)
     else:
-        record = cmp.trained(args.stage, args.steps, args.seconds, log=log)
-    record = {"stage": args.stage, "command": "python -m specplay.core.training.compare_recipes " + " ".join(
-        sys.argv[1:] if argv is None else argv), **record, "wall_s": round(time.perf_counter() - w0, 1),
+        head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log)
+        if args.out:
+            save_trained(args.out, head, {**record, "command": command}, model, cmp.vocab_ids, TARGET,
+                         default_layers(model.cfg.num_layers))  # the layers capture() read
+            saved = cmp.shipped(args.out, RECIPES[args.stage])
+            record["as_saved"] = {k: saved[k] for k in ("tau_sim", "top1_by_level", "top1_by_head") if k in saved}
+    record = {"stage": args.stage, "command": command, **record, "wall_s": round(time.perf_counter() - w0, 1),
         "cpu_s": round(time.process_time() - c0, 1), "date": time.strftime("%Y-%m-%d %H:%M")}
     out = root / "compare" / f"{args.name or args.stage}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
