@@ -1,6 +1,8 @@
 """Heads files: a draft vocabulary that is missing or does not name distinct target tokens is refused,
 naming the file."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,3 +61,21 @@ def test_a_heads_file_without_a_draft_vocabulary_is_refused_naming_the_file(tmp_
 def test_a_draft_vocabulary_of_distinct_target_ids_in_any_order_loads(tmp_path, target):
     path = heads_file(tmp_path / "heads.safetensors", torch.tensor([9, 2, 63, 0]))
     assert build_method("medusa", MedusaConfig(heads=str(path)), target).vocab_ids.tolist() == [9, 2, 63, 0]
+
+
+def test_a_shipped_variant_is_chosen_by_name_and_a_missing_one_is_named(tmp_path, monkeypatch):
+    """``--heads classic`` reads the classic heads shipped beside the default ones; a file of that
+    name in the working folder still wins, and a variant that does not ship is said so."""
+    from specplay.core.heads import files
+
+    (tmp_path / "heads").mkdir()
+    monkeypatch.setattr(files, "assets_dir", lambda: tmp_path)
+    default = heads_file(tmp_path / "heads" / "medusa-tiny.safetensors", torch.arange(VOCAB))
+    classic = heads_file(tmp_path / "heads" / "medusa-classic-tiny.safetensors", torch.arange(VOCAB))
+    assert files.resolve_heads_path("", "medusa", "models/tiny") == default
+    assert files.resolve_heads_path("classic", "medusa", "tiny") == classic
+    with pytest.raises(ModelError, match="no classic eagle heads ship for 'tiny'"):
+        files.resolve_heads_path("classic", "eagle", "tiny")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "classic").write_bytes(b"")
+    assert files.resolve_heads_path("classic", "medusa", "tiny") == Path("classic")

@@ -23,8 +23,15 @@ from specplay.core.paths import assets_dir
 _SCALE = ":row_scale"  # a matrix stored in int8 has its per-row scales under this suffix
 
 
-def shipped_path(kind: str, target_spec: str) -> Path:
-    return assets_dir() / "heads" / f"{kind}-{Path(target_spec).name}.safetensors"
+#: Heads that ship beside the default ones under a name (``--heads classic``): the seed's residual
+#: Medusa heads and the classic EAGLE head, kept selectable where a newer recipe's heads won
+SHIPPED_VARIANTS = ("classic",)
+
+
+def shipped_path(kind: str, target_spec: str, variant: str = "") -> Path:
+    """The heads shipped for a target: the default ones, or a named ``variant`` (:data:`SHIPPED_VARIANTS`)."""
+    name = f"{kind}-{variant}-" if variant else f"{kind}-"
+    return assets_dir() / "heads" / f"{name}{Path(target_spec).name}.safetensors"
 
 
 def save_heads(path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:
@@ -92,11 +99,15 @@ def load_heads(path: Path, kind: str, target) -> tuple[dict[str, torch.Tensor], 
 
 
 def resolve_heads_path(given: str, kind: str, target_spec: str) -> Path:
-    if given:
+    """A heads file's path from what a user gave: empty for the heads shipped for the target, a
+    shipped variant's name (``classic``), or a file."""
+    variant = given if given in SHIPPED_VARIANTS and not Path(given).is_file() else ""
+    if given and not variant:
         return Path(given).expanduser()
-    path = shipped_path(kind, target_spec)
+    path = shipped_path(kind, target_spec, variant)
     if not path.is_file():
-        raise ModelError(f"no {kind} heads ship for '{target_spec}'; train them with `specplay train {kind} "
+        what = f"{variant} {kind} heads" if variant else f"{kind} heads"
+        raise ModelError(f"no {what} ship for '{target_spec}'; train them with `specplay train {kind} "
                          f"--target {target_spec}` and pass the file")
     return path
 

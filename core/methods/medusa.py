@@ -49,7 +49,8 @@ _AUTO_MAX = 64
 
 @dataclass(frozen=True)
 class MedusaConfig(MethodConfig):
-    heads: str = param("", "Medusa heads file (.safetensors); empty = the heads shipped for the target",
+    heads: str = param("", "Medusa heads file (.safetensors); empty = the heads shipped for the target; "
+                       "'classic' = the shipped classic residual heads, where other heads are the default",
                        label="heads file", kind="file", cli="--heads")
     tree: str = param("auto", "Candidate tree: auto (sized to this machine's verification cost), dynamic (chosen "
                       "each step from the heads' confidence, sized likewise), small, large, chain, or a JSON file "
@@ -112,7 +113,8 @@ class Medusa(Method):
         self.hydra = manifest.get("recipe") == "hydra"
         if self.hydra and config.tree == "dynamic":
             raise ConfigError("the dynamic tree reads every head at once, which Hydra heads (each reading the token "
-                              "drafted before its own) cannot do; use a static tree")
+                              "drafted before its own) cannot do; use a static tree, or the classic heads "
+                              "(--heads classic) with it")
         self.heads = (HydraHeads if self.hydra else MedusaHeads)(target_lm.info.hidden_size, num_heads)
         self.embed = target_lm.embed
         try:

@@ -273,7 +273,7 @@ def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor,
                                     "read once for its layers, final features and top-K"},
                 "settings": record["settings"], "feature_dtype": model.info.dtype, "steps": record["steps"],
                 "train_seconds": record["train_wall_s"], "train_cpu_s": record["train_cpu_s"],
-                "tau_sim": record["tau_sim"], "tau_sim_roots": record["tau_sim_roots"],
+                "tau_sim": round(record["tau_sim"], 4), "tau_sim_roots": record["tau_sim_roots"],
                 "heldout": {"answers": record["heldout_answers"], "tokens": record["heldout_tokens"]},
                 "date": time.strftime("%Y-%m-%d")}
     if kind == "medusa":
