@@ -39,9 +39,11 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("lookahead", "Lookahead", LookaheadConfig, False, lambda c, t, d: Lookahead(c),
                    "Jacobi iteration over a window collects n-grams; matching ones are verified in the same pass."),
         MethodSpec("medusa", "Medusa", MedusaConfig, False, lambda c, t, d: Medusa(c, t.model, t.model_id),
-                   "Extra heads on the target's last hidden state propose a tree of candidates."),
+                   "Extra heads on the target's last hidden state propose a tree of candidates (the shipped ones, "
+                   "Hydra heads, each read the token drafted before theirs)."),
         MethodSpec("eagle", "EAGLE", EagleConfig, False, lambda c, t, d: Eagle(c, t.model, t.model_id),
-                   "A one-layer head drafts at the feature level and grows a dynamic tree (EAGLE-2)."),
+                   "A one-layer head drafts from the target's features and grows a dynamic tree (EAGLE-2; the shipped "
+                   "head is trained the EAGLE-3 way)."),
     )
 }
 
