@@ -118,8 +118,7 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
 # ---------------------------------------------------------------------------------- method
 @dataclass(frozen=True)
 class EagleConfig(MethodConfig):
-    head: str = param("", "EAGLE head file (.safetensors); empty = the head shipped for the target; "
-                      "'classic' = the shipped classic head, where another is the default",
+    head: str = param("", "EAGLE head file (.safetensors); empty = the head shipped for the target",
                       label="head file", kind="file", cli="--head")
     tree: str = param("dynamic", "chain: follow the top token (EAGLE-1); dynamic: grow a tree by confidence "
                       "(EAGLE-2)", label="draft shape", choices=("chain", "dynamic"), cli="--tree")
