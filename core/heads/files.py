@@ -24,7 +24,7 @@ _SCALE = ":row_scale"  # a matrix stored in int8 has its per-row scales under th
 
 
 #: Heads that ship beside the default ones under a name (``--heads classic``): the seed's residual
-#: Medusa heads and the classic EAGLE head, kept selectable where a newer recipe's heads won
+#: Medusa heads, kept selectable where a newer recipe's heads won
 SHIPPED_VARIANTS = ("classic",)
 
 

@@ -143,7 +143,11 @@ class Comparison:
                         count=self.roots)
         return {"accuracy": accuracy, "top1_by_level": [round(a, 4) for a in accuracy["top1_by_level"]],
                 "tau_sim": tau["tau_sim"], "tau_sim_roots": tau["tau_sim_roots"], "eval_windows": int(starts.numel()),
-                "eval_cpu_s": round(time.process_time() - c0, 1), "draft_vocab": int(vocab_ids.numel()),
+                "eval_cpu_s": round(time.process_time() - c0, 1), **self.vocab_fields(vocab_ids)}
+
+    def vocab_fields(self, vocab_ids: torch.Tensor) -> dict:
+        """The draft vocabulary's size and the share of held-out labels it holds."""
+        return {"draft_vocab": int(vocab_ids.numel()),
                 "coverage": round(float(torch.isin(self.held.labels.long(), vocab_ids).float().mean()), 4)}
 
     def sizes(self) -> dict:
@@ -168,7 +172,7 @@ class Comparison:
                 **self.sizes(), **judged}
 
     def trained(self, recipe: str, steps: int | None = None, seconds: float | None = None, log=print,
-                **training) -> dict:
+                **training) -> tuple[torch.nn.Module, dict]:
         """(head, record): a head of ``recipe`` (:data:`RECIPES`) trained on the train answers for ``steps``
         or until ``seconds`` CPU seconds (steps then from a short timing; EAGLE recipes only), and its judging.
         EAGLE heads start from the target's last layer, Medusa and Hydra heads as their trainers start them."""
@@ -256,8 +260,7 @@ class Comparison:
                 "accuracy": [[round(a, 4) for a in row] for row in accuracy],
                 "tau_sim": tau["tau_sim"], "tau_sim_roots": tau["tau_sim_roots"], "tau_sim_tree": tau["tau_sim_tree"],
                 "eval_positions": int(positions.numel()), "eval_cpu_s": round(time.process_time() - c0, 1),
-                "draft_vocab": int(vocab_ids.numel()),
-                "coverage": round(float(torch.isin(self.held.labels.long(), vocab_ids).float().mean()), 4)}
+                **self.vocab_fields(vocab_ids)}
 
 
 def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor, model_id: str,
