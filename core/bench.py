@@ -233,10 +233,9 @@ class LlamaCppPeer:
         self.options = {"num_pred_tokens": 10} if name == "llamacpp_prompt_lookup" else {}
         threads = torch.get_num_threads()
         gguf = gguf_file(target)
-        settings, probes = usable_settings(gguf, threads)
-        self.engine = describe(probes)
-        if settings is None or (self.options and not settings.extra_buffers):
-            raise ModelError(f"{name}: llama.cpp is unsafe on this CPU with the settings it needs ({self.engine})")
+        _, probes = usable_settings(gguf, threads)
+        settings = self.settings_for(name, probes)
+        self.engine = f"{settings.label} ({describe(probes)})"
         if self.options:
             import llama_cpp
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -248,6 +247,19 @@ class LlamaCppPeer:
             self.session = None
         else:
             self.session = LlamaCppSession(gguf, 8192, threads, settings)
+
+    @staticmethod
+    def settings_for(name: str, probes: list):
+        """The fastest settings a child survived; for the prompt-lookup peer, whose ``llama_cpp.Llama``
+        always uses llama.cpp's extra buffers, the fastest of those with them on."""
+        from specplay.core.models.llamacpp import describe, fastest_safe
+
+        needs_extra = name == "llamacpp_prompt_lookup"
+        settings = fastest_safe(probes, extra_buffers=needs_extra)
+        if settings is None:
+            which = " with extra buffers on, which llama_cpp.Llama always uses" if needs_extra else ""
+            raise ModelError(f"{name}: llama.cpp is unsafe on this CPU{which} ({describe(probes)})")
+        return settings
 
     def params(self) -> dict:
         return {**self.options, "engine": self.engine}

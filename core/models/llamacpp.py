@@ -295,8 +295,14 @@ def usable_settings(gguf: Path, threads: int, progress=None) -> tuple[LlamaSetti
         verdicts[key] = result.to_json()
         write_table(_probe_file(), verdicts)
         results.append(result)
-    ok = [r for r in results if r.ok]
-    return (min(ok, key=lambda r: r.ms_per_token).settings if ok else None), results
+    return fastest_safe(results), results
+
+
+def fastest_safe(results: list[ProbeResult], *, extra_buffers: bool = False) -> LlamaSettings | None:
+    """The fastest settings a child decoded with (with ``extra_buffers``, only those with llama.cpp's
+    extra buffers on), or None when none survived."""
+    ok = [r for r in results if r.ok and (r.settings.extra_buffers or not extra_buffers)]
+    return min(ok, key=lambda r: r.ms_per_token).settings if ok else None
 
 
 def known_verdicts() -> list[str]:
