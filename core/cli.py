@@ -356,11 +356,11 @@ def cmd_models(args) -> int:
 
 def _print_engines() -> None:
     """What was measured and chosen on this machine: the int8 kernel, llama.cpp's probes."""
-    from specplay.core.models.engines import cpu_name, describe_quant_engine, has_measured
+    from specplay.core.models.engines import QUANT_KEY, cpu_name, describe_quant_engine, has_measured
     from specplay.core.models.llamacpp import available, known_verdicts
 
     print(f"this machine: {cpu_name() or 'unknown CPU'}")
-    print("  " + (describe_quant_engine() if has_measured("quantized engine")
+    print("  " + (describe_quant_engine() if has_measured(QUANT_KEY)
                   else "int8 kernel: not measured yet (measured on the first int8 load)"))
     why_not = available()
     verdicts = [] if why_not else known_verdicts()

@@ -6,8 +6,9 @@ are made here and kept in the user cache, keyed by the CPU's model name and feat
 the library versions that run them:
 
 - the **quantized engine** of the row-exact int8 layer (torch's ``x86``, ``fbgemm``, ``onednn``):
-  a candidate is first proved bit-exact for blocks of 1 to 16 rows (the row pinning's promise),
-  then the fastest wins;
+  a candidate is first proved bit-exact for every block of 1 to :data:`VERIFY_ROWS` rows (the
+  row pinning's promise, up to the largest block a verification uses), then the fastest wins;
+  where none is proved, :func:`quant_engine` says so and a target does not run in int8;
 - the **draft engine** (llama.cpp with the settings a child process survived, or SpecPlay's own
   int4/int8 layers) by its measured cost per draft token (:func:`measured`, the loader's caller).
 """
@@ -29,8 +30,13 @@ log = logging.getLogger(__name__)
 
 #: torch's quantized engines that run the x86 dynamic int8 linear, in the order tried.
 QUANT_ENGINES = ("x86", "fbgemm", "onednn")
-_ROWS = (1, 8, 16)
-_DEFAULT_ENGINE = torch.backends.quantized.engine  # torch's own choice, read before anything changes it  # the decode row and two verify blocks: what the layer spends its time on
+#: The largest block a verification reads at the methods' default settings: Medusa's auto or
+#: dynamic tree of up to 64 nodes and its root (EAGLE's tree: 33 rows; lookahead's: 31).
+VERIFY_ROWS = 65
+_TIMED_ROWS = (1, 8, 16)  # the decode row and two verify blocks: what the layer spends its time on
+_DEFAULT_ENGINE = torch.backends.quantized.engine  # torch's own choice, read before anything changes it
+#: The measurement's key: it names the rows proved, so a report that proved fewer is measured again.
+QUANT_KEY = f"quantized engine, rows 1-{VERIFY_ROWS} proved"
 
 
 def cpu_name() -> str:
@@ -93,7 +99,7 @@ def _engine_report(progress=None) -> dict:
         progress("Measuring this machine's int8 kernels (once)", None)
     gen = torch.Generator().manual_seed(0)
     weight = QuantizedWeight.quantize(torch.randn(8960, 1536, generator=gen) * 0.02)
-    x = torch.randn(max(_ROWS), 1536, generator=gen)
+    x = torch.randn(VERIFY_ROWS, 1536, generator=gen)
     before = torch.backends.quantized.engine
     layers, report = {}, {}
     try:
@@ -116,7 +122,7 @@ def _engine_report(progress=None) -> dict:
         for _ in range(7):
             for engine, layer in layers.items():
                 torch.backends.quantized.engine = engine
-                for m in _ROWS:
+                for m in _TIMED_ROWS:
                     start = time.perf_counter()
                     for _ in range(3):
                         layer(x[:m])
@@ -133,23 +139,34 @@ def _engine_report(progress=None) -> dict:
 _MARGIN = 0.95
 
 
-def quant_engine(progress=None) -> str:
-    """The fastest bit-exact quantized engine here (measured once); torch's default when none is
-    exact or none beats it clearly."""
-    report = measured("quantized engine", lambda: _engine_report(progress))
+def _report(progress=None) -> dict:
+    return measured(QUANT_KEY, lambda: _engine_report(progress))
+
+
+def quant_engine(progress=None) -> str | None:
+    """The fastest quantized engine proved row-exact here (measured once), torch's default when
+    it is not clearly beaten; None when no engine is proved row-exact (:func:`why_no_exact_engine`)."""
+    report = _report(progress)
     exact = {e: sum(r["ms"].values()) for e, r in report.items() if r.get("exact") and r.get("ms")}
     if not exact:
-        return _DEFAULT_ENGINE
+        return None
     best = min(exact, key=exact.get)
     default = exact.get(_DEFAULT_ENGINE)
     return _DEFAULT_ENGINE if default is not None and exact[best] > _MARGIN * default else best
 
 
-def use_fastest_quant_engine(progress=None) -> str:
+def why_no_exact_engine() -> str:
+    """What each engine's proof found, where none is row-exact (the reason int8 is not used)."""
+    found = "; ".join(f"{e}: {r.get('error') or 'not row-exact'}" for e, r in _report().items())
+    return f"no int8 kernel here is row-exact for blocks of 1 to {VERIFY_ROWS} rows ({found or 'none installed'})"
+
+
+def use_fastest_quant_engine(progress=None) -> str | None:
     """Set torch's quantized engine to :func:`quant_engine` (before int8 layers are packed: a
-    packed weight belongs to the engine that packed it) and return it."""
+    packed weight belongs to the engine that packed it) and return it; None, leaving torch's
+    engine as it is, where no engine is proved row-exact."""
     engine = quant_engine(progress)
-    if torch.backends.quantized.engine != engine:
+    if engine is not None and torch.backends.quantized.engine != engine:
         log.info("quantized engine: %s (measured fastest and bit-exact here)", engine)
         torch.backends.quantized.engine = engine
     return engine
@@ -157,10 +174,10 @@ def use_fastest_quant_engine(progress=None) -> str:
 
 def describe_quant_engine() -> str:
     """One line for the Models panel, the Why view and the bench: the engine and what it beat."""
-    report = measured("quantized engine", _engine_report)
+    report = _report()
     chosen = quant_engine()
     parts = []
     for engine, r in report.items():
-        times = "/".join(f"{r['ms'][str(m)]:.2f}" for m in _ROWS) if r.get("ms") else ""
+        times = "/".join(f"{r['ms'][str(m)]:.2f}" for m in _TIMED_ROWS) if r.get("ms") else ""
         parts.append(f"{engine} {times} ms" if r.get("exact") else f"{engine} not row-exact")
-    return f"int8 kernel {chosen} (1/8/16 rows: {', '.join(parts)})"
+    return f"int8 kernel {chosen or 'none row-exact'} (1/8/16 rows: {', '.join(parts)})"

@@ -169,6 +169,9 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     compute_dtype, storage = pick_dtype(dtype, dev)
     if role == "draft" and storage == "int8":
         storage = draft_storage()
+    notes: list[str] = []
+    if storage != "float" and torch.device(dev).type == "cpu":
+        storage = _exact_quant_engine(model_id, dtype, storage, notes, progress)  # before any int8 layer is packed
     # Every quantized storage is built from the cache's int8 rows; an int4 draft's packed layers
     # are kept too, once made.
     weights = "float32" if storage == "float" else "int4-draft" if storage == "int4-draft" else "int8"
@@ -180,13 +183,6 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     except Exception as exc:
         raise ModelError(f"cannot read the config or tokenizer of {model_id} at {path}: {exc}") from exc
     eos = _eos_ids(path, config, tokenizer)
-    notes: list[str] = []
-    if storage != "float" and torch.device(dev).type == "cpu":
-        from specplay.core.models.engines import describe_quant_engine, use_fastest_quant_engine
-
-        use_fastest_quant_engine(progress)  # before any int8 layer is packed
-        if storage == "int8":  # a target's: what its decoding and verification cost depend on
-            notes.append(describe_quant_engine())
     if role == "draft" and backend in ("auto", "llamacpp"):
         why_not = _llamacpp_draft_unavailable(model_id, dev, storage)
         if why_not is None:
@@ -205,6 +201,29 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     release_freed_memory()
     progress(f"{model_id} loaded", 1.0)
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
+
+
+def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str], progress) -> str:
+    """Set torch's int8 kernel to the fastest proved row-exact here, and the storage to load in.
+
+    A target's int8 (``storage == "int8"``) is exact only on such a kernel: without one it loads
+    in float32 (exact, slower), said in the notes, or, with int8 asked for by name, not at all.
+    A draft's int8 or int4 never decides a token and keeps torch's kernel then.
+    """
+    from specplay.core.models.engines import describe_quant_engine, use_fastest_quant_engine, why_no_exact_engine
+
+    engine = use_fastest_quant_engine(progress)
+    if storage != "int8":
+        return storage
+    if engine is not None:
+        notes.append(describe_quant_engine())  # what the target's decoding and verification cost depend on
+        return storage
+    why = why_no_exact_engine()
+    if dtype == "int8":
+        raise ModelError(f"{model_id}: {why}, so int8 would not be exact here; use --dtype float32")
+    notes.append(f"{why}: {model_id} runs in float32 storage (exact, slower)")
+    log.warning("%s: %s; loading in float32 storage", model_id, why)
+    return "float"
 
 
 def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
