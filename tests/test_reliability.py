@@ -90,6 +90,53 @@ def test_history_survives_a_torn_last_line_and_keeps_earlier_runs(tmp_path):
     assert [r["run"] for r in h.load()] == [1, 2, 4]
 
 
+def _runs(n: int) -> list[dict]:
+    return [{"answer_id": f"a{i}", "method": "speculative", "prompt": "p" * 2000, "events": [{"step": k} for k in
+                                                                                              range(200)]}
+            for i in range(n)]
+
+
+def test_the_history_is_listed_from_its_index_and_a_run_read_only_when_asked_for(tmp_path):
+    h = History(tmp_path / "history.jsonl")
+    for r in _runs(3):
+        h.append(r)
+    index = h.index_path.stat().st_size
+    assert index < h.path.stat().st_size / 10  # a short line a run, the prompt's start only
+    # The runs' own lines are not parsed to list them: garble the middle run's bytes in place.
+    first, middle, _ = h.entries()
+    raw = h.path.read_bytes()
+    h.path.write_bytes(raw[:middle.offset] + b"#" * middle.length + raw[middle.offset + middle.length:])
+    listed = History(h.path).entries()
+    assert [e.summary["answer_id"] for e in listed] == ["a0", "a1", "a2"] and len(listed[1].summary["prompt"]) < 2000
+    assert History(h.path).read(listed[0]) == _runs(1)[0]
+    with pytest.raises(OSError, match="changed on disk"):
+        History(h.path).read(listed[1])
+
+
+def test_a_history_without_an_index_is_indexed_once_from_its_lines(tmp_path):
+    """An older SpecPlay's history (or a crash between the two writes): the index catches up."""
+    path = tmp_path / "history.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _runs(2)))
+    h = History(path)
+    assert [e.summary["answer_id"] for e in h.entries()] == ["a0", "a1"] and h.index_path.is_file()
+    with open(path, "a") as f:  # a run the index missed
+        f.write(json.dumps({"answer_id": "late"}) + "\n")
+    h.append({"answer_id": "new"})
+    assert [e.summary["answer_id"] for e in History(path).entries()] == ["a0", "a1", "late", "new"]
+
+
+def test_keep_last_drops_the_oldest_runs_and_the_history_stays_whole(tmp_path):
+    h = History(tmp_path / "history.jsonl")
+    for r in _runs(5):
+        h.append(r)
+    assert h.keep_last(2) == 3 and h.keep_last(2) == 0
+    assert [r["answer_id"] for r in History(h.path).load()] == ["a3", "a4"]
+    h.append({"answer_id": "after"})
+    assert [e.summary["answer_id"] for e in History(h.path).entries()] == ["a3", "a4", "after"]
+    assert [r["answer_id"] for r in History(h.path).load()] == ["a3", "a4", "after"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.jsonl", "history.jsonl.index"]
+
+
 def test_cli_log_to_an_unwritable_place_is_one_line_and_the_run_still_prints(tmp_path, capsys):
     folder = save_tiny_model(tmp_path / "m")
     blocker = tmp_path / "not-a-folder"
