@@ -94,16 +94,19 @@ class EngineClient(QObject):
         """Stop the current job (and any queued before it) within one step."""
         self.worker.cancel(self.job)
 
-    def shutdown(self, wait_ms: int = 30_000) -> None:
-        """Cancel everything, fail the awaited request, and stop the thread."""
+    def shutdown(self, wait_ms: int = 30_000) -> bool:
+        """Cancel everything, fail the awaited request, and stop the thread; True once it has ended, False
+        while a step that cannot be interrupted still runs after ``wait_ms`` (``thread.finished`` follows)."""
         self.worker.cancel(self.job)
         self.worker.cancel()
         fut, self._pending = self._pending, None
         if fut is not None and not fut.done():
             fut.set_exception(EngineFailed("the window was closed"))
         self.thread.quit()
-        if not self.thread.wait(wait_ms):
-            log.warning("the engine thread did not stop within %d s", wait_ms // 1000)
+        if self.thread.wait(wait_ms):
+            return True
+        log.info("the engine thread ends once its current step does")
+        return False
 
     def _expect(self) -> asyncio.Future:
         fut = asyncio.get_event_loop().create_future()

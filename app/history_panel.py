@@ -1,13 +1,17 @@
-"""The run history: every finished or cancelled run, newest first; reopen or export a selection."""
+"""The run history: every finished or cancelled run, newest first; reopen or export a selection, keep the newest.
+
+The panel lists the history's entries (:class:`specplay.core.history.Entry`: what the index keeps of
+each run); the window reads a run's whole record only to reopen or export it."""
 
 from __future__ import annotations
 
 import time
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QTableWidget,
-                               QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QSpinBox,
+                               QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from specplay.core.history import Entry
 from specplay.core.methods import method_title
 from specplay.core.runlog import RunRecord
 
@@ -23,18 +27,20 @@ def _when(ts) -> str:
 
 class HistoryPanel(QWidget):
     """Signals:
-        sig_open_requested(dict): reopen a run record.
-        sig_export_requested(str, list): ("jsonl" | "csv", the selected records).
+        sig_open_requested(object): reopen the run of an :class:`Entry`.
+        sig_export_requested(str, list): ("jsonl" | "csv", the selected entries).
         sig_reload_requested()
+        sig_keep_requested(int): keep only this many of the newest runs in the history.
     """
 
-    sig_open_requested = Signal(dict)
+    sig_open_requested = Signal(object)
     sig_export_requested = Signal(str, list)
     sig_reload_requested = Signal()
+    sig_keep_requested = Signal(int)
 
     def __init__(self):
         super().__init__()
-        self.records: list[dict] = []  # oldest first, as the history file keeps them
+        self.entries: list[Entry] = []  # oldest first, as the history file keeps them
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(COLUMNS)
         self.table.verticalHeader().setVisible(False)
@@ -51,39 +57,47 @@ class HistoryPanel(QWidget):
         open_button.clicked.connect(self._open)
         jsonl = QPushButton("Export JSONL…")
         jsonl.setToolTip("The selected runs as JSON lines, every token's fate included (Spec-Bench compatible)")
-        jsonl.clicked.connect(lambda: self.sig_export_requested.emit("jsonl", self.selected_records()))
+        jsonl.clicked.connect(lambda: self.sig_export_requested.emit("jsonl", self.selected_entries()))
         csv = QPushButton("Export CSV…")
         csv.setToolTip("One row of metrics per selected run")
-        csv.clicked.connect(lambda: self.sig_export_requested.emit("csv", self.selected_records()))
+        csv.clicked.connect(lambda: self.sig_export_requested.emit("csv", self.selected_entries()))
         reload = QPushButton("Reload")
         reload.clicked.connect(self.sig_reload_requested)
+        self.keep = QSpinBox()
+        self.keep.setRange(1, 1_000_000)
+        self.keep.setValue(500)
+        self.keep.setToolTip("How many of the newest runs “Keep newest” leaves in the history file")
+        self.keep_button = QPushButton("Keep newest")
+        self.keep_button.setToolTip("Remove the older runs from the history file, for good: each run with its "
+                                    "steps takes about 0.4 KB a token")
+        self.keep_button.clicked.connect(lambda: self.sig_keep_requested.emit(self.keep.value()))
         buttons = QHBoxLayout()
         buttons.addWidget(self.count, 1)
-        for b in (open_button, jsonl, csv, reload):
+        for b in (open_button, jsonl, csv, reload, self.keep_button, self.keep):
             buttons.addWidget(b)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addWidget(self.table, 1)
         layout.addLayout(buttons)
 
-    def set_records(self, records: list[dict]) -> None:
-        self.records = list(records)
+    def set_entries(self, entries: list[Entry]) -> None:
+        self.entries = list(entries)
         self.table.setRowCount(0)
-        for r in self.records:
-            self._insert_row(r)
+        for e in self.entries:
+            self._insert_row(e.summary)
         self._update_count()
 
-    def add_record(self, record: dict) -> None:
-        self.records.append(record)
-        self._insert_row(record)
+    def add_entry(self, entry: Entry) -> None:
+        self.entries.append(entry)
+        self._insert_row(entry.summary)
         self._update_count()
 
     def _update_count(self) -> None:
-        self.count.setText(f"{len(self.records)} run(s) · double-click to reopen · select several to export")
+        self.count.setText(f"{len(self.entries)} run(s) · double-click to reopen · select several to export")
 
-    def _insert_row(self, record: dict) -> None:
+    def _insert_row(self, summary: dict) -> None:
         self.table.insertRow(0)  # newest first
-        r = RunRecord.from_dict(record)
+        r = RunRecord.from_dict(summary)
         title = method_title(r.method or "?")
         if r.lossy:
             title += " (LOSSY)"
@@ -99,18 +113,18 @@ class HistoryPanel(QWidget):
             item = QTableWidgetItem(v)
             if col in (3, 4, 5, 6):
                 item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-            item.setData(Qt.ItemDataRole.UserRole, len(self.records) - 1)
+            item.setData(Qt.ItemDataRole.UserRole, len(self.entries) - 1)
             if col == 8:
                 item.setToolTip(r.prompt or "")
             self.table.setItem(0, col, item)
 
-    def selected_records(self) -> list[dict]:
+    def selected_entries(self) -> list[Entry]:
         rows = {i.row() for i in self.table.selectedIndexes()}
         indices = sorted(self.table.item(row, 0).data(Qt.ItemDataRole.UserRole) for row in rows)
-        return [self.records[i] for i in indices]  # oldest first, as they ran
+        return [self.entries[i] for i in indices]  # oldest first, as they ran
 
     def select_indices(self, indices: list[int]) -> None:
-        """Select runs by their index in ``records`` (oldest = 0)."""
+        """Select runs by their index in ``entries`` (oldest = 0)."""
         self.table.clearSelection()
         mode = self.table.selectionMode()
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.MultiSelection)
@@ -120,7 +134,7 @@ class HistoryPanel(QWidget):
         self.table.setSelectionMode(mode)
 
     def _open(self) -> None:
-        sel = self.selected_records()
+        sel = self.selected_entries()
         if sel:
             self.sig_open_requested.emit(sel[-1])
 

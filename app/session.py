@@ -26,7 +26,7 @@ from specplay.app.engine_client import EngineClient, EngineFailed
 from specplay.app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
 from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunDone, RunRequest
 from specplay.core.compare import annotate
-from specplay.core.history import History
+from specplay.core.history import Entry, History, summary_of
 from specplay.core.methods import method_title
 from specplay.core.remote import annotate_remote
 from specplay.core.runlog import stats_line
@@ -34,6 +34,7 @@ from specplay.core.types import RunResult, StepEvent, StopReason
 
 log = logging.getLogger(__name__)
 
+BASELINE = "autoregressive"  # what core.compare.annotate measures every method against
 FRAME_MS = 33  # how often arriving step events are handed to the views (about 30 frames a second)
 
 
@@ -56,8 +57,10 @@ class RunSession(QObject):
         sig_run_failed(str): the named run ended without a result (the message went to ``sig_error``).
         sig_compare_updated(object): the comparison's annotated records so far (a list).
         sig_audit_finished(object): an audit's saved record (a dict).
-        sig_record_saved(object): a record (a dict) went into the history.
-        sig_history_loaded(object): every readable record of the history (a list), oldest first.
+        sig_record_saved(object): a run's :class:`~specplay.core.history.Entry` went into the history (one that
+            could not be saved holds its record).
+        sig_history_loaded(object): the history's entries (a list), oldest first; a run's whole record is read
+            only when it is reopened or exported (:meth:`~RunSession.history_records`).
         sig_export_failed(str): an export wrote nothing, for this reason (the old file is kept).
 
     Records travel as ``object``: a ``dict`` signal would copy each through a QVariantMap, and empty
@@ -132,11 +135,14 @@ class RunSession(QObject):
         self.engine.cancel()
         self.sig_status.emit("Stopping…")
 
-    def shutdown(self) -> None:
-        """Stop everything and end the engine and file threads (the window closes)."""
+    def shutdown(self, wait_ms: int = 30_000) -> bool:
+        """Stop everything and end the engine and file threads (the window closes); True once the engine
+        thread has ended, False while a step that cannot be interrupted still runs after ``wait_ms``
+        (it ends at that step's end: its ``thread.finished`` says when). History writes under way finish."""
         self._stop_requested = True
-        self.engine.shutdown()
-        self._io.shutdown(wait=False)
+        ended = self.engine.shutdown(wait_ms)
+        self._io.shutdown(wait=True)
+        return ended
 
     # ------------------------------------------------------------------------ models
     async def load(self, request: LoadRequest) -> ModelsLoaded | None:
@@ -180,6 +186,8 @@ class RunSession(QObject):
         with self._doing("run"):
             self.sig_status.emit(f"Running {method_title(request.method)}…")
             done = await self._generate(request, "")
+            if done is not None:
+                await self._save(done.record)
         if done is None:
             return None
         state = "Cancelled" if done.result.cancelled else "Done"
@@ -194,6 +202,8 @@ class RunSession(QObject):
         if self.busy or self.models is None:
             return None
         records: list[dict] = []
+        # The baseline runs first, so that each record is saved with its final speedup and identity.
+        requests = sorted(requests, key=lambda r: r.method != BASELINE)
         with self._doing("compare"):
             await asyncio.sleep(0.05)  # let the views lay out their new columns before the first timed run
             going = True
@@ -222,6 +232,7 @@ class RunSession(QObject):
         records.append(done.record)
         self._report_early_stop(done.result)
         annotate(records, greedy)
+        await self._save(done.record)
         self.sig_compare_updated.emit(records)
         return not (done.result.cancelled or _ended_by_error(done.result))
 
@@ -233,13 +244,14 @@ class RunSession(QObject):
         done = await self._stream(name, f"connecting to {request.endpoint.url}…", label, job)
         if done is None:
             return False
-        self._finish(name, done)
+        self.sig_run_finished.emit(name, done.result, done.record)
         records.append(done.record)
         run = done.result
         if run.error:
             kept = f" The {len(run.text)} characters received are kept." if run.text else ""
             self.sig_error.emit(f"{label}: {run.error}.{kept}")
         annotate_remote(records, greedy)
+        await self._save(done.record)
         self.sig_compare_updated.emit(records)
         return not run.cancelled
 
@@ -256,7 +268,7 @@ class RunSession(QObject):
             except EngineFailed as exc:
                 self.sig_error.emit(f"Audit of {title}: {exc}")
                 return None
-        self._save(done.record)
+        await self._save(done.record)
         self.sig_audit_finished.emit(done.record)
         self.sig_status.emit(("Audit stopped: " if done.result.cancelled else "Audit: ") + done.record["text"])
         if done.result.error:
@@ -264,11 +276,11 @@ class RunSession(QObject):
         return done.record
 
     async def _generate(self, request: RunRequest, waiting: str) -> RunDone | None:
-        """One local run streamed as ``request.method``, then saved; None if the engine failed."""
+        """One local run streamed as ``request.method`` (its caller saves it); None if the engine failed."""
         job = self.engine.generate(request, stop_first=self._stop_requested)
         done = await self._stream(request.method, waiting, method_title(request.method), job)
         if done is not None:
-            self._finish(request.method, done)
+            self.sig_run_finished.emit(request.method, done.result, done.record)
         return done
 
     async def _stream(self, name: str, waiting: str, label: str, job) -> RunDone | None:
@@ -287,10 +299,6 @@ class RunSession(QObject):
             self.sig_error.emit(f"{label}: {failure}")
             self.sig_run_failed.emit(name)
         return done
-
-    def _finish(self, name: str, done: RunDone) -> None:
-        self._save(done.record)
-        self.sig_run_finished.emit(name, done.result, done.record)
 
     def _report_early_stop(self, result: RunResult) -> None:
         """A run the engine ended early (out of memory): what it made is kept, and the reason shown."""
@@ -320,22 +328,44 @@ class RunSession(QObject):
             self.sig_steps.emit(self._streaming, events)
 
     # ------------------------------------------------------------------------ history and exports
-    def _save(self, record: dict) -> None:
+    async def _save(self, record: dict) -> Entry:
+        """Write ``record`` into the history in the file thread (a copy: a comparison annotates its records
+        again meanwhile); its entry, which goes to the views even when it could not be written."""
         try:
-            self.history.append(record)
+            entry = await self._file_work(self.history.append, dict(record))
         except OSError as exc:
             self.sig_error.emit(f"Could not save the run to the history ({self.history.path}): {exc.strerror or exc}")
-        self.sig_record_saved.emit(record)
+            entry = Entry(summary_of(record), record=record)
+        self.sig_record_saved.emit(entry)
+        return entry
 
-    async def reload_history(self) -> list[dict]:
-        """Read the history again (off the GUI thread); its records, or [] if it cannot be read."""
+    async def reload_history(self) -> list[Entry]:
+        """Read the history's index again (off the GUI thread); its entries, or [] if it cannot be read."""
         try:
-            records = await self._file_work(self.history.load)
+            entries = await self._file_work(self.history.entries)
         except OSError as exc:
             self.sig_error.emit(f"Could not read the run history {self.history.path}: {exc.strerror or exc}")
             return []
-        self.sig_history_loaded.emit(records)
-        return records
+        self.sig_history_loaded.emit(entries)
+        return entries
+
+    async def history_records(self, entries: list[Entry]) -> list[dict] | None:
+        """The whole records of ``entries``, read in the file thread; None if the history cannot be read (said)."""
+        try:
+            return await self._file_work(lambda: [self.history.read(e) for e in entries])
+        except OSError as exc:
+            self.sig_error.emit(f"Could not read the run history {self.history.path}: {exc.strerror or exc}")
+            return None
+
+    async def keep_last_runs(self, n: int) -> list[Entry]:
+        """Drop all but the newest ``n`` runs from the history (in the file thread), then list it again."""
+        try:
+            dropped = await self._file_work(self.history.keep_last, n)
+        except OSError as exc:
+            self.sig_error.emit(f"Could not compact the run history {self.history.path}: {exc.strerror or exc}")
+            return []
+        self.sig_status.emit(f"History: {dropped} older run(s) removed, the newest {n} kept.")
+        return await self.reload_history()
 
     async def export_runs(self, path: str | Path, records: list[dict], kind: str = "jsonl") -> bool:
         """Write ``records`` as JSON lines or CSV (``kind``), atomically: a failure changes nothing."""

@@ -53,6 +53,7 @@ class AppSettings:
     rejected_inline: bool = False
     compare_endpoints: str = ""  # remote endpoint specs, ';'-separated (never a key)
     export_dir: str = ""
+    history_keep: int = 500  # the History panel's "Keep newest" count
 
     @classmethod
     def load(cls, qs: QSettings | None = None) -> "AppSettings":

@@ -35,7 +35,7 @@ from specplay.app.worker import AuditRequest, ModelsLoaded, RemoteRequest, RunRe
 from specplay.app.xray import XRayPanel
 from specplay.core.compare import WARMUP_TOKENS
 from specplay.core.errors import ConfigError
-from specplay.core.history import History
+from specplay.core.history import Entry, History
 from specplay.core.memory import memory_text
 from specplay.core.methods import METHODS, method_title
 from specplay.core.remote import Endpoint
@@ -56,6 +56,9 @@ class ActionRow(NamedTuple):
 
 
 MENUS = ("&File", "&View", "&Help")
+#: How long closing the window waits, blocking, for the engine thread to stop (a Stop reaches a step in
+#: this time); a step that takes longer is waited for with the window hidden.
+CLOSE_WAIT_MS = 2_000
 #: The save dialog of each kind of run export: (title, file name, filters).
 EXPORT_DIALOGS = {"jsonl": ("Export runs as JSON lines", "specplay-runs.jsonl", "JSON lines (*.jsonl)"),
                   "csv": ("Export runs as CSV", "specplay-runs.csv", "CSV (*.csv)")}
@@ -72,6 +75,7 @@ class MainWindow(QMainWindow):
         self._tasks: set[asyncio.Task] = set()
         self.last_error = ""
         self._shown_once = False
+        self._closing = False
         self._build_views()
         self._build_docks()
         self._build_actions()
@@ -142,7 +146,7 @@ class MainWindow(QMainWindow):
     def _action_rows(self) -> list[ActionRow]:
         """Every action the window offers, in toolbar and menu order."""
         icon = QStyle.StandardPixmap
-        selected = self.history_panel.selected_records
+        selected = self.history_panel.selected_entries
         return [
             ActionRow("toolbar", "Run", lambda: self.spawn(self.run_single()), "Ctrl+Return", icon.SP_MediaPlay,
                       "Run the selected method on the prompt (Ctrl+Enter)"),
@@ -204,9 +208,10 @@ class MainWindow(QMainWindow):
         self.models_panel.sig_cancel_requested.connect(self.session.stop)
         self.compare.sig_run_requested.connect(lambda names: self.spawn(self.run_compare(names)))
         self.audit_view.sig_run_requested.connect(lambda n, k: self.spawn(self.run_audit(n, k)))
-        self.history_panel.sig_open_requested.connect(self.run_views.show_saved)
+        self.history_panel.sig_open_requested.connect(lambda entry: self.spawn(self.open_saved(entry)))
         self.history_panel.sig_export_requested.connect(self._export_dialog)
         self.history_panel.sig_reload_requested.connect(lambda: self.spawn(self.session.reload_history()))
+        self.history_panel.sig_keep_requested.connect(lambda n: self.spawn(self.session.keep_last_runs(n)))
 
     def _connect_session(self) -> None:
         """What the session reports, to the views that draw it (runs: :class:`RunViews`)."""
@@ -218,8 +223,8 @@ class MainWindow(QMainWindow):
         s.sig_models_changed.connect(self._on_models_changed)
         s.sig_load_failed.connect(self.models_panel.set_failed)
         s.sig_cost_curve.connect(self.why.set_curve)
-        s.sig_record_saved.connect(self.history_panel.add_record)
-        s.sig_history_loaded.connect(self.history_panel.set_records)
+        s.sig_record_saved.connect(self.history_panel.add_entry)
+        s.sig_history_loaded.connect(self.history_panel.set_entries)
         s.sig_export_failed.connect(self._notify_export_error)
         self.run_views.sig_status.connect(self.set_status)
         self.run_views.sig_error.connect(self.show_error)
@@ -426,13 +431,24 @@ class MainWindow(QMainWindow):
             self.settings.export_dir = str(Path(path).parent)
         return path or None
 
-    def _export_dialog(self, kind: str, records: list[dict]) -> None:
-        if not records:
+    async def open_saved(self, entry: Entry) -> None:
+        """Show a run of the history again, its whole record read off the GUI thread."""
+        records = await self.session.history_records([entry])
+        if records:
+            self.run_views.show_saved(records[0])
+
+    def _export_dialog(self, kind: str, entries: list[Entry]) -> None:
+        if not entries:
             self.show_error("Select one or more runs in the History panel to export.")
             return
         path = self._ask_path(*EXPORT_DIALOGS[kind])
         if path:
-            self.spawn(self.session.export_runs(path, records, kind))
+            self.spawn(self.export_entries(path, entries, kind))
+
+    async def export_entries(self, path: str, entries: list[Entry], kind: str) -> bool:
+        """Export the whole records of history ``entries`` (read off the GUI thread)."""
+        records = await self.session.history_records(entries)
+        return records is not None and await self.session.export_runs(path, records, kind)
 
     def _export_png_dialog(self, widget: QWidget, name: str) -> None:
         path = self._ask_path("Export chart as PNG", name, "PNG images (*.png)")
@@ -440,9 +456,19 @@ class MainWindow(QMainWindow):
             self.spawn(self.session.export_png(path, widget.grab().toImage()))
 
     def closeEvent(self, event):  # noqa: N802 (Qt name)
-        self.save_settings()
-        self.session.shutdown()
-        self._memory_timer.stop()
+        """Stop what runs and end the engine thread. A step that cannot be interrupted (llama.cpp quantizing
+        a file, a probe child) is waited for with the window hidden; the window closes once it ends."""
+        engine = self.session.engine.thread
+        if not self._closing:
+            self._closing = True
+            self.save_settings()
+            self._memory_timer.stop()
+            if not self.session.shutdown(wait_ms=CLOSE_WAIT_MS):
+                engine.finished.connect(self.close)
+        if not engine.isFinished():
+            self.hide()
+            event.ignore()
+            return
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(0)
         super().closeEvent(event)

@@ -34,6 +34,7 @@ def apply_to_window(window, s: AppSettings) -> None:
     window.compare.endpoints_edit.setText(s.compare_endpoints)
     window.live.rejected_inline.setChecked(s.rejected_inline)
     window.compare.rejected_inline.setChecked(s.rejected_inline)
+    window.history_panel.keep.setValue(s.history_keep)
 
 
 def collect_from_window(window) -> AppSettings:
@@ -59,4 +60,5 @@ def collect_from_window(window) -> AppSettings:
     s.compare_methods = window.compare.selected()
     s.compare_endpoints = window.compare.endpoints_edit.text()
     s.rejected_inline = window.live.rejected_inline.isChecked()
+    s.history_keep = window.history_panel.keep.value()
     return s

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Signal, Slot
 
-from specplay.core.errors import SpecPlayError, TokenizerMismatchError
+from specplay.core.errors import Cancelled, SpecPlayError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,10 @@ class EngineWorker(QObject):
         should_cancel = self._stopper(request.job)
         try:
             def progress(stage, fraction):
+                # Every slow step of a load reports here (GGUF assembly per chunk, quantization, probes,
+                # timing), some with no cancel callback of their own: a Stop ends them here.
+                if should_cancel():
+                    raise Cancelled("loading cancelled")
                 self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
 
             keys = {"target": ("target", request.target, request.device, request.dtype, "auto"),
@@ -186,6 +190,10 @@ class EngineWorker(QObject):
                     self._cache.pop(keys["draft"], None)
                 except SpecPlayError as exc:  # the target is fine; report the draft's problem (or its cancel)
                     draft, draft_error = None, str(exc)
+                except Exception as exc:  # a damaged file, a bug: the target stays loaded all the same
+                    log.error("the draft %s did not load\n%s", request.draft, traceback.format_exc())
+                    draft, draft_error = None, f"the draft {request.draft} could not be loaded: {exc!r}"
+                    self._cache.pop(keys["draft"], None)
             self.draft = draft
             from specplay.core import costmodel
 

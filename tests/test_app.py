@@ -160,6 +160,76 @@ def test_loading_shows_progress_and_cancel_stops_it(qtbot, aloop, monkeypatch):
     w.close()
 
 
+def draft_loader(monkeypatch, draft_step):
+    """``load_model`` as the worker calls it: the target loads for real, the draft runs ``draft_step(progress)``."""
+    import specplay.core.models as models
+
+    real = models.load_model
+
+    def load(spec, device, dtype, *, role="target", progress, should_cancel, **kw):
+        if role == "draft":
+            return draft_step(progress)
+        return real(spec, device, dtype, role=role, progress=progress, should_cancel=should_cancel, **kw)
+
+    monkeypatch.setattr(models, "load_model", load)
+
+
+def slow_assembly(progress):
+    """A first draft load's slow step as make_draft_gguf runs it: it reports progress and takes no cancel callback."""
+    import time
+
+    for i in range(1000):
+        progress("Assembling the draft's GGUF", i / 1000)
+        time.sleep(0.02)
+    raise AssertionError("the draft's slow step was never stopped")
+
+
+def test_a_draft_that_fails_with_any_error_leaves_the_target_loaded_and_says_why(qtbot, aloop, model_dirs,
+                                                                                  monkeypatch):
+    def truncated_gguf(progress):
+        raise IndexError("index 3 is out of bounds for axis 0 with size 3")  # what a cut GGUF header raises
+
+    draft_loader(monkeypatch, truncated_gguf)
+    w = make_window(qtbot)
+    loaded = run(qtbot, w.load_models(str(model_dirs["target"]), "some-draft", "cpu", "float32"))
+    assert loaded is not None and loaded.target is not None and loaded.draft is None
+    assert "IndexError" in loaded.draft_error and "some-draft" in loaded.draft_error
+    assert "IndexError" in w.models_panel.messages.text() and w.run_action.isEnabled()
+    w.close()
+
+
+def test_cancel_reaches_a_first_draft_loads_slow_steps(qtbot, aloop, model_dirs, monkeypatch):
+    import time
+
+    draft_loader(monkeypatch, slow_assembly)
+    w = make_window(qtbot)
+    task = asyncio.ensure_future(w.load_models(str(model_dirs["target"]), "some-draft", "cpu", "float32"))
+    qtbot.waitUntil(lambda: "Assembling" in w.models_panel.stage.text(), timeout=TIMEOUT)
+    pressed = time.perf_counter()
+    w.session.stop()
+    qtbot.waitUntil(task.done, timeout=TIMEOUT)
+    assert time.perf_counter() - pressed < 5
+    loaded = task.result()
+    assert loaded.target is not None and loaded.draft is None and "cancelled" in loaded.draft_error
+    w.close()
+
+
+def test_closing_the_window_during_a_load_ends_the_engine_thread_soon(qtbot, aloop, model_dirs, monkeypatch):
+    import time
+
+    draft_loader(monkeypatch, slow_assembly)
+    w = make_window(qtbot)
+    closed = w.closed_future()
+    w.show()
+    asyncio.ensure_future(w.load_models(str(model_dirs["target"]), "some-draft", "cpu", "float32"))
+    qtbot.waitUntil(lambda: "Assembling" in w.models_panel.stage.text(), timeout=TIMEOUT)
+    started = time.perf_counter()
+    w.close()
+    qtbot.waitUntil(closed.done, timeout=TIMEOUT)
+    assert time.perf_counter() - started < 5
+    assert w.session.engine.thread.isFinished() and not w.isVisible()
+
+
 # ----------------------------------------------------------------------------------- runs
 def test_a_method_is_built_once_per_loaded_models_and_runs_alike_again(window, qtbot, model_dirs, monkeypatch):
     """Run after run the worker reuses the built method (Medusa and EAGLE would otherwise read and
@@ -204,7 +274,7 @@ def test_each_method_streams_into_the_live_view(window, qtbot, method):
         assert fmt.foreground().color().name() == FATE_STYLES[tok.fate].text
     # the run went to the history file and the panel
     assert window.session.history.load()[-1]["token_ids"] == result.token_ids
-    assert window.history_panel.records[-1]["method"] == method
+    assert window.history_panel.entries[-1].summary["method"] == method
     # charts: one point per step, histogram counts all steps
     curve = window.charts.curves[method]
     assert len(curve.getData()[0]) == len(result.events)
@@ -720,13 +790,25 @@ def test_history_runs_reopen_exactly(window, qtbot):
     window.methods_panel.set_method("speculative")
     result = run(qtbot, window.run_single())
     window.live.view.clear_run()
-    record = window.session.history.load()[-1]
-    window.run_views.show_saved(record)
+    run(qtbot, window.open_saved(window.history_panel.entries[-1]))  # the record is read from the history file
     view = window.live.view
     assert view.committed_text() == result.text
     assert [t.fate for t in view.shown_tokens()] == [t.fate for e in result.events for t in e.tokens]
     assert len(window.internals.steps) == len(result.events)
     assert window.charts.series["speculative"].accept_lengths == result.metrics.accept_lengths
+
+
+def test_the_history_panel_keeps_the_newest_runs_it_is_told_to(window, qtbot):
+    for name in ("autoregressive", "prompt_lookup", "autoregressive"):
+        window.methods_panel.set_method(name)
+        run(qtbot, window.run_single())
+    panel = window.history_panel
+    assert len(panel.entries) == 3
+    panel.keep.setValue(2)
+    panel.keep_button.click()
+    qtbot.waitUntil(lambda: len(panel.entries) == 2, timeout=TIMEOUT)
+    assert [r["method"] for r in window.session.history.load()] == ["prompt_lookup", "autoregressive"]
+    assert panel.table.rowCount() == 2 and "older run(s) removed" in window.status.text()
 
 
 def test_export_writes_the_selected_runs(window, qtbot, tmp_path):
@@ -735,16 +817,16 @@ def test_export_writes_the_selected_runs(window, qtbot, tmp_path):
         window.methods_panel.set_method(name)
         results.append(run(qtbot, window.run_single()))
     window.history_panel.select_indices([0, 1])
-    chosen = window.history_panel.selected_records()
-    assert [r["method"] for r in chosen] == ["autoregressive", "prompt_lookup"]
+    chosen = window.history_panel.selected_entries()
+    assert [e.summary["method"] for e in chosen] == ["autoregressive", "prompt_lookup"]
     out = tmp_path / "runs.jsonl"
-    assert run(qtbot, window.session.export_runs(out, chosen, "jsonl"))
+    assert run(qtbot, window.export_entries(str(out), chosen, "jsonl"))
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(x["method"], x["token_ids"], x["text"]) for x in lines] == [(r.method, r.token_ids, r.text)
                                                                            for r in results]
     assert all(len(x["events"]) == len(r.events) for x, r in zip(lines, results))
     out_csv = tmp_path / "runs.csv"
-    assert run(qtbot, window.session.export_runs(out_csv, chosen, "csv"))
+    assert run(qtbot, window.export_entries(str(out_csv), chosen, "csv"))
     rows = list(csv.DictReader(out_csv.open(newline="")))
     assert [(r["method"], int(r["new_tokens"]), r["text"]) for r in rows] == [
         (r.method, len(r.token_ids), r.text) for r in results]

@@ -85,7 +85,8 @@ def test_a_run_streams_its_steps_and_ends_with_its_saved_record(session, qtbot):
     (name, finished, record), = seen("sig_run_finished")
     assert name == "prompt_lookup" and finished is result
     assert record["token_ids"] == result.token_ids and record["chat_template"] is False
-    assert seen("sig_record_saved") == [(record,)] and seen("sig_record_saved")[0][0] is record
+    (entry,), = seen("sig_record_saved")
+    assert entry.summary["answer_id"] == record["answer_id"] and session.history.read(entry) == record
     assert session.history.load()[-1]["answer_id"] == record["answer_id"]
     assert seen("sig_status")[0] == (f"Running {method_title('prompt_lookup')}…",)
     assert seen("sig_status")[-1][0].startswith("Done: ") and not seen("sig_error")
@@ -176,8 +177,8 @@ def test_a_history_that_cannot_be_written_is_said_and_the_record_still_reaches_t
     assert result is not None
     (message,), = seen("sig_error")
     assert message.startswith("Could not save the run to the history")
-    (record,), = seen("sig_record_saved")
-    assert record["token_ids"] == result.token_ids
+    (entry,), = seen("sig_record_saved")
+    assert entry.offset is None and session.history.read(entry)["token_ids"] == result.token_ids
 
 
 def test_a_comparison_streams_each_method_as_its_own_run_and_annotates_the_records(session, qtbot):
@@ -207,3 +208,29 @@ def test_a_failed_load_is_said_and_leaves_no_models(qtbot, aloop, tmp_path):
     assert seen("sig_busy_changed") == [("load",), ("",)]
     assert run(qtbot, s.run(request())) is None  # no models: nothing runs
     s.shutdown()
+
+
+def test_a_comparison_is_saved_annotated_even_when_its_baseline_is_checked_last(session, qtbot, tmp_path):
+    """Each record goes into the history with its speedup and identity to the baseline, so a reloaded
+    history (a restart) still has them; the baseline runs first for that."""
+    requests = [request("prompt_lookup", warmup=2), request("autoregressive", warmup=2)]
+    records = run(qtbot, session.compare(requests, [], greedy=True), timeout=60_000)
+    saved = {r["method"]: r for r in History(session.history.path).load()}  # as the next start reads it
+    assert {m: (r.get("identical_to_baseline"), r.get("speedup")) for m, r in saved.items()} == {
+        r["method"]: (True, r["speedup"]) for r in records}
+    assert saved["autoregressive"]["speedup"] == 1.0 and saved["prompt_lookup"]["speedup"] > 0
+    assert [r["method"] for r in records] == ["autoregressive", "prompt_lookup"]
+    assert [e.summary["speedup"] for e in History(session.history.path).entries()] == [r["speedup"] for r in records]
+
+
+def test_history_writes_happen_off_the_gui_thread(session, qtbot, monkeypatch):
+    threads = []
+    append = session.history.append
+
+    def noting(record):
+        threads.append(threading.current_thread())
+        return append(record)
+
+    monkeypatch.setattr(session.history, "append", noting)
+    assert run(qtbot, session.run(request())) is not None
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()
