@@ -347,11 +347,29 @@ def cmd_models(args) -> int:
     if args.models_command == "prune":
         print(f"freed {prune(args.ids) / 1e9:.2f} GB in {models_root()}")
         return 0
+    if args.models_command == "measure":
+        _measure_again()
+        return 0
     ids = args.ids or [DEFAULT_TARGET, DEFAULT_DRAFT]
     for model_id in ids:
         path = prepare_catalog_model(get_entry(model_id), _Progress())
         print(f"{model_id}: {path}")
     return 0
+
+
+def _measure_again() -> None:
+    """Forget this machine's measurements and llama.cpp verdicts; measure the int8 kernels now."""
+    from specplay.core.models.engines import describe_quant_engine, forget_measurements, quant_engine
+    from specplay.core.models.linear import int8_supported
+    from specplay.core.models.llamacpp import forget_verdicts
+
+    measurements, verdicts = forget_measurements(), forget_verdicts()
+    print(f"forgot {measurements} measurement{'s' * (measurements != 1)} and {verdicts} llama.cpp "
+          f"verdict{'s' * (verdicts != 1)} of this machine")
+    if int8_supported():
+        quant_engine(_Progress())
+        print("  " + describe_quant_engine())
+    print("  llama.cpp's probes and the draft engines' timings are measured again on the next load")
 
 
 def _print_engines() -> None:
@@ -628,11 +646,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, help="heads file to write (default: user data folder)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("models", help="list, prepare or prune the built-in models and the model cache")
+    p = sub.add_parser("models", help="list, prepare or prune the built-in models and the model cache, or measure "
+                                      "this machine again")
     msub = p.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="the catalog and what is installed")
     pp = msub.add_parser("prepare", help="assemble, verify and convert catalog models ahead of time")
     pp.add_argument("ids", nargs="*", help="catalog ids (default: the default target and draft)")
+    msub.add_parser("measure", help="forget this machine's measurements (int8 kernels, draft engines, memory "
+                                    "bandwidth) and llama.cpp's verdicts, and measure the int8 kernels again now; "
+                                    "the rest is measured again on the next load")
     pr = msub.add_parser("prune", help="free disk space in the model cache")
     pr.add_argument("ids", nargs="*", help="cached entries to remove whole (default: only what is made again on demand: "
                                            "float32 copies beside int8 weights, assembled GGUF files, leftovers)")

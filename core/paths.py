@@ -14,6 +14,13 @@ def cache_dir() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir("specplay"))
 
 
+def measurements_dir() -> Path:
+    """What was measured on this machine (its kernels, llama.cpp's verdicts) lives here: in the
+    cache unless ``SPECPLAY_MEASUREMENTS_DIR`` overrides (tests keep theirs out of a shared cache)."""
+    env = os.environ.get("SPECPLAY_MEASUREMENTS_DIR")
+    return Path(env) if env else cache_dir()
+
+
 def data_dir() -> Path:
     """The run history lives here; ``SPECPLAY_DATA_DIR`` overrides."""
     env = os.environ.get("SPECPLAY_DATA_DIR")

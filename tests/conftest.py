@@ -14,14 +14,23 @@ ALL_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def _isolated_dirs(tmp_path_factory, monkeypatch):
-    """Keep the run history and settings of tests out of the user's folders.
+@pytest.fixture(scope="session")
+def _measurements(tmp_path_factory):
+    return tmp_path_factory.mktemp("measurements")
 
-    The model cache stays shared (``SPECPLAY_CACHE_DIR`` if set) so the real models convert once.
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory, monkeypatch, _measurements):
+    """Keep the run history and settings of tests out of the user's folders, and what tests
+    measure (kernels, llama.cpp's verdicts, under simulated crashes too) out of the user's cache.
+
+    The model cache stays shared (``SPECPLAY_CACHE_DIR`` if set) so the real models convert once;
+    the measurements are shared by one session's tests (a test that needs its own sets
+    ``SPECPLAY_MEASUREMENTS_DIR``).
     """
     data = tmp_path_factory.mktemp("data")
     monkeypatch.setenv("SPECPLAY_DATA_DIR", str(data))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(_measurements))
     yield
 
 

@@ -7,7 +7,7 @@ from specplay.core.models import engines, linear
 
 
 def test_the_report_proves_each_engine_row_exact_and_times_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
     before = torch.backends.quantized.engine
     report = engines._engine_report()
     assert torch.backends.quantized.engine == before  # measuring leaves the process as it was
@@ -30,7 +30,7 @@ def _inexact_at(monkeypatch, rows: int, engine: str | None = None):
 
 
 def test_an_engine_that_is_not_row_exact_is_never_chosen(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
     _inexact_at(monkeypatch, 8, engine=torch.backends.quantized.engine)  # torch's default, chosen on a tie
     chosen = engines.quant_engine()
     assert chosen is not None and chosen != torch.backends.quantized.engine
@@ -38,7 +38,7 @@ def test_an_engine_that_is_not_row_exact_is_never_chosen(tmp_path, monkeypatch):
 
 
 def test_where_no_engine_is_row_exact_none_is_chosen_and_the_reason_is_said(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
     # Without the pinning columns the kernel takes its scale from the whole block: not row-exact.
     monkeypatch.setattr(linear, "_PINS", torch.zeros(2))
     before = torch.backends.quantized.engine
@@ -51,7 +51,7 @@ def test_where_no_engine_is_row_exact_none_is_chosen_and_the_reason_is_said(tmp_
 
 
 def test_exactness_is_proved_up_to_the_largest_verification_block(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
     _inexact_at(monkeypatch, engines.VERIFY_ROWS)
     assert not any(r["exact"] for r in engines._engine_report().values())
 
@@ -76,6 +76,7 @@ def test_a_target_runs_in_float32_where_no_int8_kernel_is_row_exact(tmp_path, mo
     from tiny import save_tiny_model
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measured"))
     monkeypatch.setattr(linear, "_PINS", torch.zeros(2))
     folder = save_tiny_model(tmp_path / "m", seed=4)
     loaded = load_model(str(folder), device="cpu")
@@ -86,7 +87,7 @@ def test_a_target_runs_in_float32_where_no_int8_kernel_is_row_exact(tmp_path, mo
 
 
 def test_the_fastest_exact_engine_wins_and_is_measured_once(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
     calls = []
     monkeypatch.setattr(engines, "_DEFAULT_ENGINE", "x86")
     fake = {"x86": {"exact": True, "ms": {"1": 0.2, "8": 0.6, "16": 1.4}},
@@ -100,7 +101,7 @@ def test_the_fastest_exact_engine_wins_and_is_measured_once(tmp_path, monkeypatc
 
 
 def test_a_tie_keeps_torchs_default_engine(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
     monkeypatch.setattr(engines, "_DEFAULT_ENGINE", "x86")
     fake = {"x86": {"exact": True, "ms": {"1": 0.34, "8": 0.37, "16": 0.68}},
             "fbgemm": {"exact": True, "ms": {"1": 0.33, "8": 0.37, "16": 0.68}}}

@@ -24,7 +24,7 @@ def model():
 @pytest.fixture
 def gguf(model, tmp_path, monkeypatch):
     need_llama_cpp()
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))  # verdicts of this test only
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measured"))  # verdicts of this test only
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(model, path)
     return path
@@ -107,7 +107,7 @@ def test_signal_names_and_exit_codes_read_as_words():
 
 def test_the_servers_defaults_are_called_unsafe_where_their_child_died(gguf, monkeypatch):
     assert llamacpp.defaults_unsafe(gguf, threads=1) is None
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(gguf.parent / "other-cache"))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(gguf.parent / "measured-elsewhere"))
     _crash_with_extra_buffers(monkeypatch)
     assert "extra buffers on, flash attention on: died by SIGILL" in llamacpp.defaults_unsafe(gguf, threads=1)
 

@@ -60,6 +60,7 @@ def test_llamacpp_generate_decodes_greedily_and_survives_a_crashing_setting(tmp_
     from test_llamacpp_guard import _crash_with_extra_buffers
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measured"))  # verdicts of this test only
     target = _tiny_target(tmp_path)
     _crash_with_extra_buffers(monkeypatch)
     peer = LlamaCppPeer("llamacpp_generate", target)

@@ -2,8 +2,8 @@
 
 Cost curves differ by CPU (an AMD EPYC and an Intel Xeon with AMX verify 16 tokens at 1.85x and
 2.03x one token's cost), so nothing is chosen by what is installed or by vendor. Two choices
-are made here and kept in the user cache, keyed by the CPU's model name and feature flags and
-the library versions that run them:
+are made here and kept in the user cache, keyed by the host, the CPU's model name and feature
+flags and the library versions that run them (``specplay models measure`` forgets them):
 
 - the **quantized engine** of the row-exact int8 layer (torch's ``x86``, ``fbgemm``, ``onednn``):
   a candidate is first proved bit-exact for every block of 1 to :data:`VERIFY_ROWS` rows (the
@@ -18,13 +18,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import socket
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from specplay.core.atomic import write_text_atomic
-from specplay.core.paths import cache_dir
+from specplay.core.paths import measurements_dir
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +49,47 @@ def cpu_name() -> str:
         return ""
 
 
-def machine_key() -> str:
-    """This CPU: its model name and a digest of its feature flags (what decides which kernels run)."""
+def _host_id() -> str:
+    """A digest of the host name and machine id: a home directory copied to another host, whose
+    hypervisor may forbid what this one allows, carries no verdict or measurement there."""
+    try:
+        machine_id = Path("/etc/machine-id").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        machine_id = ""
+    return hashlib.sha256(f"{socket.gethostname()}|{machine_id}".encode()).hexdigest()[:12]
+
+
+def host_key() -> str:
+    """This host and CPU: its model name, a digest of its feature flags (what decides which
+    kernels run) and :func:`_host_id`."""
     from specplay.core.models.linear import cpu_flags
 
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    return f"{cpu_name() or 'unknown CPU'} [{flags}] torch {torch.__version__} {torch.get_num_threads()} threads"
+    return f"{cpu_name() or 'unknown CPU'} [{flags}] host {_host_id()}"
+
+
+def machine_key() -> str:
+    """:func:`host_key` and what runs the kernels here: torch's version and thread count."""
+    return f"{host_key()} torch {torch.__version__} {torch.get_num_threads()} threads"
+
+
+def forget_host(path) -> int:
+    """Drop this host's entries (any thread count, any library version) from the table at ``path``;
+    how many were dropped."""
+    table = read_table(path)
+    kept = {key: value for key, value in table.items() if not key.startswith(f"{host_key()} ")}
+    if len(kept) < len(table):
+        write_table(path, kept)
+    return len(table) - len(kept)
+
+
+def forget_measurements() -> int:
+    """Forget what was measured on this host (kernels, draft engines, bandwidth): measured again when next needed."""
+    return forget_host(_file())
 
 
 def _file():
-    return cache_dir() / "engines.json"
+    return measurements_dir() / "engines.json"
 
 
 def read_table(path) -> dict:

@@ -5,8 +5,9 @@ AMX, llama.cpp moves 4-bit weights into its AMX buffer and its first ``decode`` 
 instruction the hypervisor forbids (SIGILL). No handler survives that, so before SpecPlay's
 own process uses llama.cpp, a child process opens the file with the settings meant to be used
 and decodes a few tokens (:func:`probe`). The verdict and the child's measured cost per token
-are kept per machine, llama.cpp build, file type and settings (:func:`usable_settings`), so the
-probe runs once. Both llama.cpp's extra weight buffers (repacked layouts, AMX where listed) and
+are kept per host, llama.cpp build, file type and settings (:func:`usable_settings`), so the
+probe runs once; a transient outcome (a timeout, a kill for memory, a child that could not
+start) is no verdict and is probed again next time. Both llama.cpp's extra weight buffers (repacked layouts, AMX where listed) and
 plain buffers are tried, and the faster of those that survive is used.
 
 :class:`LlamaCppSession` is a thin layer over llama.cpp's C API rather than ``llama_cpp.Llama``,
@@ -31,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from specplay.core.errors import ModelError
-from specplay.core.models.engines import machine_key, read_table, write_table
-from specplay.core.paths import cache_dir
+from specplay.core.models.engines import forget_host, machine_key, read_table, write_table
+from specplay.core.paths import measurements_dir
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ PROBE_TIMEOUT_S = 180
 _PROBE_PROMPT = 24
 _PROBE_TOKENS = 12
 _FILE_ERROR = 3  # the probe child's exit code when the file itself cannot be read
+#: Deaths that are verdicts on the settings (the same build, file and CPU die alike every time);
+#: any other failure (killed for memory, a timeout, a child that could not start) is transient.
+_DEFINITE_SIGNALS = {"SIGILL", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGABRT"}
 
 
 @dataclass(frozen=True)
@@ -166,15 +170,18 @@ class LlamaCppSession:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """What a child process found: ``ok`` with its cost per token, or the reason it failed."""
+    """What a child process found: ``ok`` with its cost per token, or the reason it failed;
+    ``transient`` when that failure says nothing about the settings (then it is not kept)."""
 
     settings: LlamaSettings
     ok: bool
     ms_per_token: float | None = None
     reason: str = ""
+    transient: bool = False
 
     def to_json(self) -> dict:
-        return {**asdict(self), "settings": asdict(self.settings)}
+        return {"settings": asdict(self.settings), "ok": self.ok, "ms_per_token": self.ms_per_token,
+                "reason": self.reason}
 
     @staticmethod
     def from_json(d: dict) -> "ProbeResult":
@@ -195,12 +202,19 @@ def _decode_timed(gguf: Path, settings: LlamaSettings, threads: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _signal_name(code: int) -> str | None:
+    """The signal a child died by (its negative exit code), or None when it exited."""
+    if code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
 def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
+    name = _signal_name(code)
+    if name:
         what = {"SIGILL": " (an instruction this CPU or its hypervisor does not allow)",
                 "SIGSEGV": " (a memory fault)", "SIGKILL": " (out of memory?)"}.get(name, "")
         return f"died by {name}{what}"
@@ -213,7 +227,7 @@ def probe(gguf: Path, settings: LlamaSettings, threads: int, timeout: float = PR
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=_import_root())
     except subprocess.TimeoutExpired:
-        return ProbeResult(settings, False, reason=f"did not finish within {timeout:.0f} s")
+        return ProbeResult(settings, False, reason=f"did not finish within {timeout:.0f} s", transient=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode == _FILE_ERROR and lines:
         raise LlamaCppFileError(json.loads(lines[-1])["error"])  # the file, not these settings: no verdict
@@ -223,7 +237,8 @@ def probe(gguf: Path, settings: LlamaSettings, threads: int, timeout: float = PR
         except (ValueError, KeyError, TypeError):
             pass
     tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
-    return ProbeResult(settings, False, reason=_exit_reason(done.returncode) + (f": {tail}" if tail else ""))
+    return ProbeResult(settings, False, reason=_exit_reason(done.returncode) + (f": {tail}" if tail else ""),
+                       transient=_signal_name(done.returncode) not in _DEFINITE_SIGNALS)
 
 
 #: The first argument that turns the frozen app's executable into a probe child (``app.launcher``).
@@ -246,7 +261,7 @@ def _import_root() -> str:
 
 
 def _probe_file() -> Path:
-    return cache_dir() / "llamacpp-probes.json"
+    return measurements_dir() / "llamacpp-probes.json"
 
 
 def _read_verdicts() -> dict:
@@ -276,8 +291,9 @@ def file_type(gguf: Path) -> str:
 def usable_settings(gguf: Path, threads: int, progress=None) -> tuple[LlamaSettings | None, list[ProbeResult]]:
     """The fastest of :data:`CANDIDATES` that a child decoded ``gguf`` with here, and every probe's result.
 
-    Probed once per machine, llama.cpp build, file type and thread count; later calls read the
-    verdicts back. ``None`` when every candidate failed: llama.cpp must not be used for this file.
+    Probed once per host, llama.cpp build, file type and thread count; later calls read the
+    verdicts back (a transient outcome is not kept: probed again). ``None`` when every candidate
+    failed: llama.cpp must not be used for this file.
     """
     prefix = f"{machine_key()}|{build_key()}|type {file_type(gguf)}|{threads} llama.cpp threads"
     verdicts = _read_verdicts()
@@ -292,8 +308,9 @@ def usable_settings(gguf: Path, threads: int, progress=None) -> tuple[LlamaSetti
         result = probe(gguf, settings, threads)
         if not result.ok:
             log.warning("llama.cpp %s with %s: %s", Path(gguf).name, settings.label, result.reason)
-        verdicts[key] = result.to_json()
-        write_table(_probe_file(), verdicts)
+        if not result.transient:
+            verdicts[key] = result.to_json()
+            write_table(_probe_file(), verdicts)
         results.append(result)
     return fastest_safe(results), results
 
@@ -315,6 +332,11 @@ def known_verdicts() -> list[str]:
             what = key[len(mine):].split("|", 1)[1]  # past the build
             lines.append(f"{what}: " + (f"ok, {result.ms_per_token:.1f} ms/token" if result.ok else result.reason))
     return lines
+
+
+def forget_verdicts() -> int:
+    """Forget what the probe children found on this host: probed again on the next load."""
+    return forget_host(_probe_file())
 
 
 def defaults_unsafe(gguf: Path, threads: int, progress=None) -> str | None:

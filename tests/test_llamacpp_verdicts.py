@@ -1,0 +1,88 @@
+"""What the probe children found is kept only where it is a verdict on the settings, per host, apart
+from the user's cache in tests, and forgotten on request. The children here are stand-ins (a Python
+one-liner per outcome), so neither llama.cpp nor a model is needed."""
+
+import socket
+import sys
+
+import pytest
+
+from specplay.core import cli
+from specplay.core.models import engines, llamacpp
+from specplay.core.models.llamacpp import CANDIDATES, LlamaSettings, probe, usable_settings
+from specplay.core.paths import cache_dir
+
+_CHILD = {  # one outcome a setting: killed (out of memory?), an import error, SIGILL, a measured cost
+    LlamaSettings(True, True): "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    LlamaSettings(True, False): "import specplay_no_such_module",
+    LlamaSettings(False, True): "import os, signal; os.kill(os.getpid(), signal.SIGILL)",
+    LlamaSettings(False, False): "print('{\"ms_per_token\": 5.0}')",
+}
+
+
+@pytest.fixture
+def children(tmp_path, monkeypatch):
+    """The settings each stand-in child was run with, in order; verdicts of this test only."""
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measured"))
+    monkeypatch.setattr(llamacpp, "build_key", lambda: "a llama.cpp build")
+    monkeypatch.setattr(llamacpp, "file_type", lambda gguf: "1")
+    tried = []
+
+    def command(gguf, settings, threads):
+        tried.append(settings)
+        return [sys.executable, "-c", _CHILD[settings]]
+
+    monkeypatch.setattr(llamacpp, "_probe_command", command)
+    return tried
+
+
+def test_only_definite_verdicts_are_kept_and_transient_outcomes_are_probed_again(children, tmp_path):
+    settings, results = usable_settings(tmp_path / "m.gguf", threads=1)
+    assert settings == LlamaSettings(False, False)
+    by = {r.settings: r for r in results}
+    assert "SIGKILL" in by[LlamaSettings(True, True)].reason and by[LlamaSettings(True, True)].transient
+    assert "ModuleNotFoundError" in by[LlamaSettings(True, False)].reason and by[LlamaSettings(True, False)].transient
+    assert not by[LlamaSettings(False, True)].transient and not by[LlamaSettings(False, False)].transient
+    kept = llamacpp._read_verdicts()
+    assert len(kept) == 2 and all(key.endswith(("extra buffers off, flash attention on",
+                                                "extra buffers off, flash attention off")) for key in kept)
+    again, results = usable_settings(tmp_path / "m.gguf", threads=1)
+    assert again == settings and children[len(CANDIDATES):] == [LlamaSettings(True, True), LlamaSettings(True, False)]
+    assert "SIGILL" in {r.settings: r for r in results}[LlamaSettings(False, True)].reason  # read back
+
+
+def test_a_probe_past_its_time_is_transient(tmp_path, monkeypatch):
+    monkeypatch.setattr(llamacpp, "_probe_command", lambda *a: [sys.executable, "-c", "import time; time.sleep(30)"])
+    result = probe(tmp_path / "m.gguf", LlamaSettings(), threads=1, timeout=0.5)
+    assert not result.ok and result.transient and result.reason.startswith("did not finish within")
+
+
+def test_verdicts_and_measurements_are_kept_per_host(children, tmp_path, monkeypatch):
+    usable_settings(tmp_path / "m.gguf", threads=1)
+    engines.measured("memory bandwidth", lambda: {"read_gb_per_s": 9.0})
+    probed = len(children)
+    monkeypatch.setattr(socket, "gethostname", lambda: "a-copy-of-this-home-elsewhere")
+    usable_settings(tmp_path / "m.gguf", threads=1)
+    assert len(children) == probed + len(CANDIDATES)  # another host: nothing read back
+    assert not engines.has_measured("memory bandwidth")
+
+
+def test_models_measure_forgets_this_hosts_measurements_and_measures_the_int8_kernels_again(
+        children, tmp_path, monkeypatch, capsys):
+    usable_settings(tmp_path / "m.gguf", threads=1)
+    engines.measured("memory bandwidth", lambda: {"read_gb_per_s": 9.0})
+    other = {"another host [0] torch 2 1 threads|memory bandwidth": {"read_gb_per_s": 1.0}}
+    engines.write_table(engines._file(), {**engines._read(), **other})
+    fake = {"x86": {"exact": True, "ms": {"1": 0.2, "8": 0.6, "16": 1.4}}}
+    monkeypatch.setattr(engines, "_engine_report", lambda progress=None: fake)
+    assert cli.main(["models", "measure"]) == 0
+    out = capsys.readouterr().out
+    assert "forgot 1 measurement and 2 llama.cpp verdicts of this machine" in out
+    assert "int8 kernel x86" in out and "measured again on the next load" in out
+    assert llamacpp._read_verdicts() == {} and not engines.has_measured("memory bandwidth")
+    assert engines.has_measured(engines.QUANT_KEY) and other.keys() <= engines._read().keys()
+
+
+def test_tests_keep_their_measurements_out_of_the_model_cache():
+    assert not engines._file().is_relative_to(cache_dir())
+    assert not llamacpp._probe_file().is_relative_to(cache_dir())
