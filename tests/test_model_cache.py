@@ -202,6 +202,58 @@ def test_prune_keeps_the_gguf_folder_while_a_catalog_gguf_is_assembled_into_it(t
     assert prepare.prune([]) == len(b"gguf bytes") + len(b"another model") and not (root / "gguf").exists()
 
 
+def test_prune_removes_the_temporary_files_of_killed_writes_and_keeps_running_ones(tmp_path, monkeypatch):
+    """A conversion or quantization killed before its rename leaves a `.NAME.PID.tmp` file in the entry
+    (hundreds of MB, counted in its size); prune removes it unless its process still runs."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "models"
+    monkeypatch.setattr(prepare, "models_root", lambda: root)
+    entry = old_cache_folder(root, "m")
+    marker = (entry / cache.MARKER).read_text()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = entry / f".{cache.DRAFT_GGUF}.{int(dead.stdout)}.tmp"
+    killed.write_bytes(b"x" * 1000)
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        theirs = entry / f".{cache.INT4_WEIGHTS}.{running.pid}.tmp"
+        ours = entry / f".{cache.MARKER}.{os.getpid()}.tmp"
+        for live in (theirs, ours):
+            live.write_bytes(b"y" * 10)
+        assert prepare.prune([]) == 1000
+        assert not killed.exists() and theirs.is_file() and ours.is_file()
+        assert (entry / cache.MARKER).read_text() == marker and (entry / cache.FLOAT_WEIGHTS).is_file()
+    finally:
+        running.kill()
+        running.wait()
+
+
+def test_prune_gguf_by_name_is_refused_while_a_gguf_is_assembled_and_deletes_nothing(tmp_path, monkeypatch):
+    from specplay.core.errors import ModelError
+
+    root = tmp_path / "models"
+    monkeypatch.setattr(prepare, "models_root", lambda: root)
+    other = old_cache_folder(root, "m")
+    part = tmp_path / "part.bin"
+    part.write_bytes(b"gguf bytes")
+    entry = CatalogEntry("tiny", "Tiny", "qwen2", (Part("x", "x"),), hashlib.sha256(b"gguf bytes").hexdigest(),
+                         len(b"gguf bytes"), "pip install x")
+    monkeypatch.setattr(CatalogEntry, "part_files", lambda self: [part])
+    (root / "gguf").mkdir()
+    refused = []
+
+    def prune_meanwhile(stage, fraction):
+        with pytest.raises(ModelError, match="being assembled") as caught:
+            prepare.prune(["m", "gguf"])
+        refused.append(str(caught.value))
+
+    gguf = prepare.catalog_gguf(entry, prune_meanwhile)
+    assert refused and "nothing was deleted" in refused[0] and other.is_dir()
+    assert gguf.read_bytes() == b"gguf bytes"
+    assert prepare.prune(["gguf", "m"]) > len(b"gguf bytes") and not (root / "gguf").exists() and not other.exists()
+
+
 class InlineChild:
     """The conversion child, run in this process: a spawned child would not see a test's patches."""
 

@@ -449,25 +449,33 @@ def prune(ids: list[str]) -> int:
 
     Without ``ids``: what is never needed to run a model, made again on demand: float32
     copies kept beside an int8 file, assembled GGUF files (for the llama.cpp peers; not while
-    one is being assembled), and work folders an interrupted conversion left (never one a
-    running conversion holds).
+    one is being assembled), work folders an interrupted conversion left (never one a
+    running conversion holds) and the temporary files of writes whose process was killed.
     With ``ids``: those cached entries, whole; only names :func:`cached_entries` lists, so
-    no path can reach outside the cache, and nothing is deleted unless every name is known.
+    no path can reach outside the cache, and nothing is deleted unless every name is known
+    (and ``gguf`` is not being assembled into).
     """
     root = models_root()
     if not ids and not root.is_dir():
         return 0
-    doomed = _named_entries(root, ids) if ids else _rebuildable(root)
-    freed = 0 if ids else _prune_gguf(root)
+    if ids:
+        doomed = _named_entries(root, ids)
+        # The gguf folder first: while a GGUF is assembled in it the prune is refused, before anything is deleted.
+        freed = _prune_gguf(root, named=True) if root / "gguf" in doomed else 0
+        doomed = [p for p in doomed if p.name != "gguf"]
+    else:
+        doomed = _rebuildable(root)
+        freed = _prune_gguf(root)
     for path in doomed:
         freed += folder_size(path) if path.is_dir() else path.stat().st_size
         if path.is_dir():
             shutil.rmtree(path)
-        else:
-            marker = read_marker(path.parent)
-            marker.get("files", {}).pop(path.name, None)
+            continue
+        marker = read_marker(path.parent)
+        if path.name in marker.get("files", {}):
+            del marker["files"][path.name]
             write_marker(path.parent, marker)
-            path.unlink()
+        path.unlink()
     return freed
 
 
@@ -487,12 +495,33 @@ def _rebuildable(root: Path) -> list[Path]:
     for folder in root.iterdir():
         if (folder / INT8_WEIGHTS).is_file() and (folder / FLOAT_WEIGHTS).is_file():
             doomed.append(folder / FLOAT_WEIGHTS)
+        if folder.is_dir() and not folder.name.startswith(".") and folder.name != "gguf":  # gguf: _prune_gguf's
+            doomed += [p for p in folder.glob(".*.tmp") if p.is_file() and _abandoned(p)]
     return doomed
 
 
-def _prune_gguf(root: Path) -> int:
+def _abandoned(tmp: Path) -> bool:
+    """Whether a temporary file (``.NAME.PID.tmp``, as :func:`specplay.core.atomic.replacing` names them) was
+    left by a process that no longer runs: a conversion or quantization killed before its rename."""
+    try:
+        pid = int(tmp.name.rsplit(".", 2)[1])
+    except (IndexError, ValueError):
+        return False  # not one of ours
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # no signal sent: only whether the process is there
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process, running
+        pass
+    return False
+
+
+def _prune_gguf(root: Path, named: bool = False) -> int:
     """Delete the assembled GGUF files and return the bytes freed, unless one is being assembled:
-    deleted then, it would be lost and that assembly would fail at its end."""
+    deleted then, it would be lost and that assembly would fail at its end. Then a prune without
+    names keeps the folder and says so; ``named`` (``models prune gguf``) refuses with the reason."""
     folder = root / "gguf"
     if not folder.is_dir():
         return 0
@@ -500,6 +529,9 @@ def _prune_gguf(root: Path) -> int:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if named:
+                raise ModelError(f"{folder} is in use: a GGUF file is being assembled in it (prune again once it "
+                                 "is done); nothing was deleted") from None
             log.warning("%s is kept: a GGUF file is being assembled in it (prune again once it is done)", folder)
             return 0
         freed = folder_size(folder)
