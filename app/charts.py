@@ -233,6 +233,9 @@ class ChartsPanel(QWidget):
         for i, part in enumerate(SPLIT_COLOURS):
             self.split_bars[part].setOpts(x0=left.copy(), width=splits[:, i], y=ys, height=0.6)
             left = left + splits[:, i]
+        # Seconds start at 0: bars of no width yet (a run that streams) would centre an automatic range on 0.
+        longest = float(left.max()) if left.size else 0.0
+        self.split_plot.setXRange(0, longest * 1.05 if longest > 0 else 1.0, padding=0)
         if shown != self._shown:  # the method rows and the legend change only with the methods shown
             self._shown = shown
             self.split_plot.getAxis("left").setTicks([[(float(i), m) for i, m in enumerate(shown)]])

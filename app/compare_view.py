@@ -13,11 +13,13 @@ from specplay.app.palette import method_colour
 from specplay.app.tokenview import REJECTED_INLINE_TIP, TokenView
 from specplay.core.methods import METHODS, method_title
 
-TABLE_COLUMNS = ("Method", "Same", "tok/s", "TTFT", "Speedup", "τ", "Accept", "Tokens", "Steps", "Notes")
+TABLE_COLUMNS = ("Method", "Same", "tok/s", "TTFT", "Speedup (wall)", "τ", "Accept", "Tokens", "Steps", "Notes")
 COLUMN_TIPS = ("", "Identical: token for token the same output as autoregressive (checked at temperature 0; "
                    "endpoints: the same text as the first endpoint)",
                "New tokens per second, prefill included", "Time to first token (the prompt's prefill included)",
-               "tok/s over autoregressive's in this comparison",
+               "tok/s over autoregressive's in this comparison, each over its run's whole wall time: the prompt's "
+               "prefill (in the time to first token) and the time between steps included, as Spec-Bench counts. "
+               "“Why this speed” measures the decoding steps' own time, so its Measured (steps) reads higher",
                "Mean tokens added per step (accepted draft tokens + 1)", "Accepted draft tokens / drafted tokens",
                "New tokens", "Decoding steps (target forward passes)", "")
 IDENTICAL_COL = 1
@@ -194,7 +196,7 @@ class CompareView(QWidget):
         self.speedup_plot.setMenuEnabled(False)
         self.speedup_plot.setMouseEnabled(x=False, y=False)
         self.speedup_plot.showGrid(x=True, alpha=0.25)
-        self.speedup_plot.setLabel("bottom", "× the baseline's tokens/s")
+        self.speedup_plot.setLabel("bottom", "× the baseline's tokens/s (wall time, prefill included)")
         self.speedup_plot.getAxis("bottom").enableAutoSIPrefix(False)
         self.speedup_plot.setMinimumWidth(180)
         # horizontal bars: method names read along the left axis, however many methods there are

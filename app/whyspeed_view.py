@@ -8,6 +8,8 @@ through :func:`specplay.core.whyspeed.explain` (the same numbers ``specplay comp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
@@ -16,15 +18,18 @@ from PySide6.QtWidgets import QLabel, QSplitter, QTableWidgetItem, QVBoxLayout, 
 
 from specplay.app.compare_view import place_labels, results_table
 from specplay.app.palette import method_colour
-from specplay.core.costmodel import CostCurve
+from specplay.core.costmodel import SIZES, CostCurve
 from specplay.core.methods import METHODS, method_title
 from specplay.core.whyspeed import SpeedExplanation, break_even_cost, explain
 
-WHY_COLUMNS = ("Method", "τ", "Nodes/step", "Draft", "Verify", "Other", "Predicted", "Measured", "Draft/token")
+WHY_COLUMNS = ("Method", "τ", "Nodes/step", "Draft", "Verify", "Other", "Predicted", "Measured (steps)",
+               "Draft/token")
 WHY_TIPS = ("", "Mean tokens added per step", "Draft nodes the target verifies per step",
             "Drafting per step, in plain steps T(1)", "Verification pass T(1 + nodes)/T(1), from this machine's curve",
             "Bookkeeping per step, in T(1)", "τ / (draft + verify + other): the speedup these costs predict",
-            "The decoding speedup measured in the comparison (prefill aside)",
+            "The speedup of the decoding steps' own time (draft + verify + other) over autoregressive's: the "
+            "prompt's prefill and the time between steps aside. The Compare tab's Speedup (wall) counts them, "
+            "so it reads lower",
             "Drafting per drafted token, in T(1): the draft cost ratio c")
 GAMMAS = (3, 5, 8)
 GAMMA_PENS = {3: "#999999", 5: "#333333", 8: "#777777"}
@@ -100,6 +105,7 @@ class WhySpeedView(QWidget):
             self.summary.setText("Load a target and run a method: the first run measures this machine's verification "
                                  "cost once, and the curve appears here.")
         self.cost_line.setData(list(curve.sizes) if curve else [], list(curve.relative) if curve else [])
+        self._size_ticks(curve.sizes if curve else SIZES)
         alphas = np.linspace(0.0, 0.99, 100)
         for g, line in self.even_lines.items():
             ys = [break_even_cost(float(a), g, curve) for a in alphas] if curve else []
@@ -114,7 +120,8 @@ class WhySpeedView(QWidget):
                 self.summary.setText(
                     f"One plain decoding step T(1) took <b>{step_ms:.0f} ms</b> in the last comparison. A method's "
                     "speedup is τ divided by its step cost in those units; <b>Predicted</b> is that quotient, "
-                    "<b>Measured</b> what the run gave. Verifying 8 tokens costs "
+                    "<b>Measured (steps)</b> what the run's steps gave, prefill aside (the Compare tab's Speedup counts the "
+                    "whole wall time). Verifying 8 tokens costs "
                     f"<b>{curve(8):.2f}</b> plain steps here, 16 tokens <b>{curve(16):.2f}</b>.")
             else:
                 self.summary.setText(
@@ -123,6 +130,13 @@ class WhySpeedView(QWidget):
                     "step cost against its τ.")
         self._fill_table()
         self._place_points()
+
+    def _size_ticks(self, sizes) -> None:
+        """One label per measured block size (1, 2, 4, …, 64) on the logarithmic axis: pyqtgraph's own ticks
+        there print every integer's label, on top of each other."""
+        axis = self.cost_plot.getAxis("bottom")
+        axis.setTicks([[(math.log10(n), str(n)) for n in sizes], []])
+        self.cost_plot.setXRange(0, math.log10(max(sizes)), padding=0.05)
 
     def _fill_table(self) -> None:
         self.table.setRowCount(len(self.rows))

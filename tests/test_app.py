@@ -726,6 +726,65 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
     assert "T(1)" in window.why.summary.text()
 
 
+def test_the_two_speedups_say_which_time_each_counts(qtbot):
+    """The Compare table's speedup is over each run's wall time (prefill included), "Why this speed"'s over
+    its decoding steps' own time: the headers name which, and the tips say why they differ."""
+    from specplay.app.compare_view import COLUMN_TIPS, TABLE_COLUMNS
+    from specplay.app.whyspeed_view import WHY_COLUMNS, WHY_TIPS
+
+    wall, steps = TABLE_COLUMNS.index("Speedup (wall)"), WHY_COLUMNS.index("Measured (steps)")
+    assert "prefill" in COLUMN_TIPS[wall] and "Measured (steps)" in COLUMN_TIPS[wall]
+    assert "prefill" in WHY_TIPS[steps] and "Speedup (wall)" in WHY_TIPS[steps]
+
+
+def axis_labels(axis, qtbot) -> list[tuple[str, object]]:
+    """The tick labels an axis draws and their rectangles (what a user sees along it)."""
+    from PySide6.QtGui import QImage, QPainter
+
+    image = QImage(10, 10, QImage.Format.Format_ARGB32)
+    painter = QPainter(image)
+    try:
+        _, _, texts = axis.generateDrawSpecs(painter)
+    finally:
+        painter.end()
+    return [(text, rect) for rect, _, text in texts]
+
+
+def test_the_cost_curve_axis_labels_each_block_size_once_without_overlap(qtbot):
+    from specplay.app.whyspeed_view import WhySpeedView
+    from specplay.core.costmodel import CostCurve
+
+    view = WhySpeedView()
+    qtbot.addWidget(view)
+    view.resize(900, 600)
+    view.show()
+    view.set_curve(CostCurve((1, 2, 4, 8, 16, 32, 64), (1.0, 1.1, 1.3, 1.7, 2.6, 4.4, 8.1)))
+    qtbot.wait(50)
+    labels = axis_labels(view.cost_plot.getAxis("bottom"), qtbot)
+    assert [text for text, _ in labels] == ["1", "2", "4", "8", "16", "32", "64"]
+    rects = [rect for _, rect in labels]
+    assert all(not a.intersects(b) for i, a in enumerate(rects) for b in rects[i + 1:])
+
+
+def test_the_time_split_axis_starts_at_zero_seconds_while_a_run_streams(qtbot):
+    from specplay.app.charts import ChartsPanel
+
+    charts = ChartsPanel(["autoregressive", "speculative"])
+    qtbot.addWidget(charts)
+    charts.resize(900, 500)
+    charts.show()
+    charts.begin_run("autoregressive")
+    charts.add_step("autoregressive", StepEvent(step=0, tokens=[], committed=[1], text="a", num_drafted=0,
+                                                num_accepted=0, timing=StepTiming(0.01, 0.02, 0.003), elapsed_s=0.05,
+                                                total_new_tokens=1))
+    charts.refresh()
+    (low, high), _ = charts.split_plot.viewRange()
+    assert low == 0 and high > 0
+    charts.finish_run("autoregressive", {"draft_s": 2.0, "verify_s": 3.0, "other_s": 1.0})
+    (low, high), _ = charts.split_plot.viewRange()
+    assert low == 0 and 6.0 <= high < 7.0
+
+
 def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, monkeypatch):
     """The first method must not be timed cold: each runs the shared core warm-up first."""
     import specplay.core.compare
