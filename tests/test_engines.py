@@ -107,3 +107,15 @@ def test_a_tie_keeps_torchs_default_engine(tmp_path, monkeypatch):
             "fbgemm": {"exact": True, "ms": {"1": 0.33, "8": 0.37, "16": 0.68}}}
     monkeypatch.setattr(engines, "_engine_report", lambda progress=None: fake)
     assert engines.quant_engine() == "x86"
+
+
+@pytest.mark.parametrize("kept", [["x86"], {"x86": "fast"}, {"x86": {"exact": True}},
+                                  {"x86": {"exact": "yes", "ms": {}}}, {"x86": {"exact": True, "ms": {"1": "fast"}}}])
+def test_a_malformed_measurement_is_measured_again_not_a_traceback(tmp_path, monkeypatch, kept):
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
+    engines.write_table(engines._file(), {f"{engines.machine_key()}|{engines.QUANT_KEY}": kept,
+                                          f"{engines.machine_key()}|memory bandwidth": "fast"})
+    fake = {"onednn": {"exact": True, "ms": {"1": 0.2, "8": 0.5, "16": 1.0}}}
+    monkeypatch.setattr(engines, "_engine_report", lambda progress=None: fake)
+    assert engines.quant_engine() == "onednn" and engines.describe_quant_engine().startswith("int8 kernel onednn")
+    assert engines.measured("memory bandwidth", lambda: {"read_gb_per_s": 9.0}) == {"read_gb_per_s": 9.0}

@@ -9,7 +9,7 @@ import torch
 
 from specplay.core.models import llamacpp, loader
 from specplay.core.models.cache import DRAFT_GGUF
-from specplay.core.models.llamacpp import LlamaSettings, probe, usable_settings
+from specplay.core.models.llamacpp import LlamaCppFileError, LlamaSettings, probe, usable_settings
 from specplay.core.models.prepare import prepare_draft_gguf
 from tiny import need_llama_cpp, tiny_hf_model, write_tiny_gguf
 
@@ -61,14 +61,29 @@ def test_a_child_killed_by_sigill_is_reported_and_the_next_setting_is_used_once(
     assert again == settings and len(tried) == len(llamacpp.CANDIDATES)
 
 
-def test_a_damaged_file_is_an_error_not_a_verdict(tmp_path, monkeypatch):
-    need_llama_cpp()
-    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+def _damaged(whole: bytes) -> dict[str, bytes]:
+    """A GGUF file's damage patterns: truncated at a few sizes (inside its header, its metadata and
+    its tensors), a garbage header, nothing at all."""
+    return {"truncated at 24 bytes": whole[:24], "truncated at 100 bytes": whole[:100],
+            "truncated at 1000 bytes": whole[:1000], "truncated to half": whole[: len(whole) // 2],
+            "zeros after the magic": b"GGUF" + bytes(64), "no magic": b"NOTAGGUF" * 16,
+            "garbage after the version": b"GGUF\x03\x00\x00\x00" + b"\xff" * 100, "empty": b""}
+
+
+@pytest.mark.parametrize("damage", list(_damaged(b"")))
+def test_a_damaged_file_is_an_error_not_a_verdict(model, tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measured"))
+    monkeypatch.setattr(llamacpp, "build_key", lambda: "a llama.cpp build")  # the header is read without it
+    children = []
+    monkeypatch.setattr(llamacpp, "_probe_command", lambda *a: children.append(a) or _DIE_BY_SIGILL)
+    whole = tmp_path / "whole.gguf"
+    write_tiny_gguf(model, whole)
+    assert llamacpp.file_type(whole) == "0"  # all float32
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"GGUF" + bytes(64))
-    with pytest.raises(Exception, match="bad.gguf"):
+    bad.write_bytes(_damaged(whole.read_bytes())[damage])
+    with pytest.raises(LlamaCppFileError, match=r"^cannot read the GGUF header of .*bad\.gguf: "):
         usable_settings(bad, threads=1)
-    assert not (tmp_path / "cache" / "llamacpp-probes.json").exists()
+    assert not children and not (tmp_path / "measured" / "llamacpp-probes.json").exists()
 
 
 def test_the_draft_runs_without_extra_buffers_where_they_crash(model, gguf, tmp_path, monkeypatch):

@@ -86,3 +86,53 @@ def test_models_measure_forgets_this_hosts_measurements_and_measures_the_int8_ke
 def test_tests_keep_their_measurements_out_of_the_model_cache():
     assert not engines._file().is_relative_to(cache_dir())
     assert not llamacpp._probe_file().is_relative_to(cache_dir())
+
+
+def _prefix() -> str:
+    return f"{engines.machine_key()}|a llama.cpp build|type 1|1 llama.cpp threads|"
+
+
+MALFORMED = {  # what a damaged or hand-edited verdict file may hold instead of a verdict, setting by setting
+    LlamaSettings(True, True): {"settings": {"extra_buffers": True}, "ok": True, "ms_per_token": 1.0},
+    LlamaSettings(True, False): ["not", "a", "verdict"],
+    LlamaSettings(False, True): {"settings": {"extra_buffers": False, "flash_attn": True}, "ok": "yes"},
+    LlamaSettings(False, False): {"settings": {"extra_buffers": False, "flash_attn": False}, "ok": True,
+                                  "ms_per_token": "fast"},
+}
+
+
+def test_entries_of_a_malformed_verdict_file_are_dropped_and_probed_again(children, tmp_path):
+    llamacpp._probe_file().parent.mkdir(parents=True)
+    llamacpp._probe_file().write_text("[1, 2, 3]")  # valid JSON, not a table
+    assert usable_settings(tmp_path / "m.gguf", threads=1)[0] == LlamaSettings(False, False)
+    assert len(children) == len(CANDIDATES)
+    table = {_prefix() + s.label: entry for s, entry in MALFORMED.items()}
+    engines.write_table(llamacpp._probe_file(), table)
+    assert llamacpp.known_verdicts() == []
+    settings, results = usable_settings(tmp_path / "m.gguf", threads=1)
+    assert settings == LlamaSettings(False, False) and len(children) == 2 * len(CANDIDATES)
+    assert [r.settings for r in results] == list(CANDIDATES)
+
+
+def test_the_settings_of_a_verdict_must_be_those_of_its_key(children, tmp_path):
+    usable_settings(tmp_path / "m.gguf", threads=1)
+    table = llamacpp._read_verdicts()
+    ok = table[_prefix() + "extra buffers off, flash attention off"]
+    table[_prefix() + "extra buffers off, flash attention on"] = ok  # the ok of another setting
+    engines.write_table(llamacpp._probe_file(), table)
+    _, results = usable_settings(tmp_path / "m.gguf", threads=1)
+    assert "SIGILL" in {r.settings: r for r in results}[LlamaSettings(False, True)].reason  # probed again
+
+
+def test_models_list_reads_a_malformed_verdict_file_without_a_traceback(children, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(llamacpp, "available", lambda: None)
+    usable_settings(tmp_path / "m.gguf", threads=1)
+    table = llamacpp._read_verdicts()
+    table.update({_prefix() + s.label: entry for s, entry in MALFORMED.items() if s.extra_buffers})
+    table[engines.machine_key() + "|no build or settings"] = {"ok": True, "ms_per_token": 1.0}
+    engines.write_table(llamacpp._probe_file(), table)
+    assert cli.main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "type 1|1 llama.cpp threads|extra buffers off, flash attention off: ok, 5.0 ms/token" in out
+    assert "extra buffers off, flash attention on: died by SIGILL" in out and "extra buffers on" not in out

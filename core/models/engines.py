@@ -114,11 +114,13 @@ def has_measured(key: str) -> bool:
     return f"{machine_key()}|{key}" in _read()
 
 
-def measured(key: str, measure: Callable[[], dict]) -> dict:
-    """``measure()``'s result for ``key`` on this machine: measured once, then read back."""
+def measured(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool] = lambda kept: True) -> dict:
+    """``measure()``'s result for ``key`` on this machine: measured once, then read back; measured
+    again where what is kept is not a JSON object or not ``valid`` (a damaged or hand-edited file)."""
     key = f"{machine_key()}|{key}"
     table = _read()
-    if key not in table:
+    kept = table.get(key)
+    if not (isinstance(kept, dict) and valid(kept)):
         table[key] = measure()
         write_table(_file(), table)
     return table[key]
@@ -172,8 +174,18 @@ def _engine_report(progress=None) -> dict:
 _MARGIN = 0.95
 
 
+def _valid_report(report: dict) -> bool:
+    """Each engine's entry as :func:`_engine_report` writes it: exact or not, times of the timed rows."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    return all(isinstance(r, dict) and isinstance(r.get("exact"), bool) and isinstance(r.get("ms"), dict)
+               and all(number(r["ms"].get(str(m))) for m in _TIMED_ROWS if r["ms"] or r["exact"])
+               for r in report.values())
+
+
 def _report(progress=None) -> dict:
-    return measured(QUANT_KEY, lambda: _engine_report(progress))
+    return measured(QUANT_KEY, lambda: _engine_report(progress), _valid_report)
 
 
 def quant_engine(progress=None) -> str | None:

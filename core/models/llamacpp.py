@@ -184,8 +184,19 @@ class ProbeResult:
                 "reason": self.reason}
 
     @staticmethod
-    def from_json(d: dict) -> "ProbeResult":
-        return ProbeResult(LlamaSettings(**d["settings"]), d["ok"], d.get("ms_per_token"), d.get("reason", ""))
+    def from_json(d) -> "ProbeResult | None":
+        """The verdict kept as ``d``, or None where ``d`` is not one (a damaged or hand-edited file:
+        then that setting is probed again)."""
+        settings = d.get("settings") if isinstance(d, dict) else None
+        if not isinstance(settings, dict) or settings.keys() != {"extra_buffers", "flash_attn"}:
+            return None
+        ok, ms, reason = d.get("ok"), d.get("ms_per_token"), d.get("reason", "")
+        flags = (settings["extra_buffers"], settings["flash_attn"])
+        if not all(isinstance(v, bool) for v in (*flags, ok)) or not isinstance(reason, str):
+            return None
+        if ok and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0):
+            return None
+        return ProbeResult(LlamaSettings(*flags), ok, float(ms) if ok else None, reason)
 
 
 def _decode_timed(gguf: Path, settings: LlamaSettings, threads: int) -> float:
@@ -278,14 +289,19 @@ def build_key() -> str:
 
 
 def file_type(gguf: Path) -> str:
-    """The GGUF's ``general.file_type`` (the weights' quantization), which decides the kernels used."""
+    """The GGUF's ``general.file_type`` (the weights' quantization), which decides the kernels used.
+
+    A file the reader cannot parse is a :class:`LlamaCppFileError` however it fails: a damaged
+    header or a truncated file raises ``ValueError`` (``UnicodeDecodeError`` among them),
+    ``IndexError`` or ``KeyError`` in ``gguf``'s reader.
+    """
     from gguf import GGUFReader
 
     try:
         field = GGUFReader(str(gguf)).fields.get("general.file_type")
         return str(int(field.parts[field.data[0]][0])) if field is not None else "unknown"
-    except (OSError, ValueError) as exc:
-        raise LlamaCppFileError(f"cannot read the GGUF header of {gguf}: {exc}") from None
+    except (OSError, ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
+        raise LlamaCppFileError(f"cannot read the GGUF header of {gguf}: {type(exc).__name__}: {exc}") from None
 
 
 def usable_settings(gguf: Path, threads: int, progress=None) -> tuple[LlamaSettings | None, list[ProbeResult]]:
@@ -300,8 +316,9 @@ def usable_settings(gguf: Path, threads: int, progress=None) -> tuple[LlamaSetti
     results: list[ProbeResult] = []
     for settings in CANDIDATES:
         key = f"{prefix}|{settings.label}"
-        if key in verdicts:
-            results.append(ProbeResult.from_json(verdicts[key]))
+        kept = ProbeResult.from_json(verdicts.get(key))
+        if kept is not None and kept.settings == settings:
+            results.append(kept)
             continue
         if progress:
             progress(f"Trying llama.cpp on {Path(gguf).name} ({settings.label}) in a child process (once)", None)
@@ -327,9 +344,9 @@ def known_verdicts() -> list[str]:
     mine = f"{machine_key()}|"
     lines = []
     for key, verdict in sorted(_read_verdicts().items()):
-        if key.startswith(mine):
-            result = ProbeResult.from_json(verdict)
-            what = key[len(mine):].split("|", 1)[1]  # past the build
+        result = ProbeResult.from_json(verdict) if key.startswith(mine) else None
+        what = key[len(mine):].partition("|")[2]  # past the build
+        if result is not None and what:  # an entry that does not parse is probed again, not shown
             lines.append(f"{what}: " + (f"ok, {result.ms_per_token:.1f} ms/token" if result.ok else result.reason))
     return lines
 
