@@ -240,10 +240,11 @@ class LlamaCppPeer:
             import llama_cpp
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            # Verifying a draft reads every drafted row's logits, which llama-cpp-python keeps only with logits_all.
+            # Verifying a draft reads every drafted row's logits, which llama-cpp-python keeps only with logits_all;
+            # its flash attention is the one the chosen setting was proved with.
             self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=8192, n_threads=threads, n_threads_batch=threads,
                                        draft_model=LlamaPromptLookupDecoding(**self.options), logits_all=True,
-                                       verbose=False)
+                                       flash_attn=settings.flash_attn, verbose=False)
             self.session = None
         else:
             self.session = LlamaCppSession(gguf, 8192, threads, settings)

@@ -51,3 +51,26 @@ def test_where_every_setting_crashes_both_peers_refuse_with_the_reasons():
 def test_a_transient_failure_of_one_setting_leaves_the_others_usable():
     assert LlamaCppPeer.settings_for("llamacpp_prompt_lookup", TRANSIENT) == ON_OFF
     assert LlamaCppPeer.settings_for("llamacpp_generate", TRANSIENT) == OFF_ON
+
+
+def test_the_prompt_lookup_peer_opens_llama_cpp_with_the_flash_attention_its_setting_was_proved_with(
+        monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from specplay.core import bench
+    from specplay.core.models import llamacpp
+
+    opened = []
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = lambda **kw: opened.append(kw)
+    speculative = types.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    monkeypatch.setattr(llamacpp, "available", lambda: None)
+    monkeypatch.setattr(llamacpp, "usable_settings", lambda gguf, threads: (OFF_ON, TRANSIENT))
+    monkeypatch.setattr(bench, "gguf_file", lambda target: tmp_path / "target.gguf")
+    peer = LlamaCppPeer("llamacpp_prompt_lookup", target=None)
+    assert opened[0]["flash_attn"] is False  # extra buffers on, flash attention off: the one that survived
+    assert peer.params()["engine"].startswith("extra buffers on, flash attention off (")
