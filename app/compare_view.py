@@ -196,7 +196,7 @@ class CompareView(QWidget):
         self.speedup_plot.setMenuEnabled(False)
         self.speedup_plot.setMouseEnabled(x=False, y=False)
         self.speedup_plot.showGrid(x=True, alpha=0.25)
-        self.speedup_plot.setLabel("bottom", "× baseline tok/s (wall)")
+        self.speedup_plot.setLabel("bottom", "× baseline (wall)")
         self.speedup_plot.getAxis("bottom").enableAutoSIPrefix(False)
         self.speedup_plot.setMinimumWidth(180)
         # horizontal bars: method names read along the left axis, however many methods there are
