@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from specplay.core.errors import ModelError
 from specplay.core.models import llamacpp, loader
 from specplay.core.models.cache import DRAFT_GGUF
 from specplay.core.models.llamacpp import LlamaCppFileError, LlamaSettings, probe, usable_settings
@@ -109,7 +110,7 @@ def test_where_every_setting_crashes_the_native_draft_runs_and_says_why(model, g
     assert loader._draft_on_llamacpp(str(gguf), folder, model.config, (2,), "int8-draft", "auto", notes,
                                      lambda *a: None) is None
     assert "unsafe on this CPU" in notes[0] and "SIGILL" in notes[0] and "own int8-draft layers" in notes[0]
-    with pytest.raises(Exception, match="unsafe on this CPU"):  # asked for by name: a clear error
+    with pytest.raises(ModelError, match="unsafe on this CPU"):  # asked for by name: a clear error
         loader._draft_on_llamacpp(str(gguf), folder, model.config, (2,), "int8-draft", "llamacpp", [],
                                   lambda *a: None)
 
