@@ -125,6 +125,17 @@ def test_the_4_bit_file_is_made_once_and_a_damaged_one_is_made_again(model, gguf
     assert (folder / DRAFT_GGUF).read_bytes() == data
 
 
+@pytest.mark.parametrize("size", [24, 1000])
+def test_a_draft_file_truncated_inside_its_header_is_made_again(model, gguf, tmp_path, size):
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    load_llamacpp_draft(str(gguf), folder, model.config, (2,))
+    data = (folder / DRAFT_GGUF).read_bytes()
+    (folder / DRAFT_GGUF).write_bytes(data[:size])  # gguf's reader raised IndexError on these
+    again, _ = load_llamacpp_draft(str(gguf), folder, model.config, (2,))
+    assert again.info.dtype == "iq4_nl" and (folder / DRAFT_GGUF).read_bytes() == data
+
+
 def test_the_weights_type_is_read_from_llama_cpps_model_description():
     assert llamacpp_draft._file_type("qwen2 1B IQ4_NL - 4.5 bpw") == "iq4_nl"
     assert llamacpp_draft._file_type("qwen2 1B Q4_0") == "q4_0"
