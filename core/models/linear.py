@@ -291,19 +291,28 @@ class Int4DraftLinear:
 
 
 def storage_of(info) -> str:
-    """The storage kind for layers made to match a loaded model's (``ModelInfo``) weights: ``int8`` or ``float``."""
-    return "int8" if info.dtype == "int8" else "float"
+    """The storage kind for layers made to match a loaded model's (``ModelInfo``) weights: ``int8`` or
+    ``float`` (a target on the GGUF's own blocks gets int8 rows: they only draft)."""
+    return "int8" if info.dtype in ("int8", "gguf") else "float"
 
 
-#: Weight storage kinds: float (the compute dtype), row-exact int8, and int8 or int4 for drafts only.
-STORAGES = ("float", "int8", "int8-draft", "int4-draft")
+#: Weight storage kinds: float (the compute dtype), row-exact int8, the GGUF's own k-quant blocks
+#: (exact, :mod:`specplay.core.models.kquant`), and int8 or int4 for drafts only.
+STORAGES = ("float", "int8", "gguf", "int8-draft", "int4-draft")
+#: The quantized storages whose results are bit-exact across block sizes (a target's).
+EXACT_QUANTIZED = ("int8", "gguf")
 
 
 def make_linear(weight: "torch.Tensor | QuantizedWeight | Int4Packed", bias: torch.Tensor | None, storage: str):
     """Build the linear layer for a storage kind (see :data:`STORAGES`).
 
-    Quantized kinds take a :class:`QuantizedWeight` too, and ``int4-draft`` an :class:`Int4Packed`.
+    Quantized kinds take a :class:`QuantizedWeight` too, ``int4-draft`` an :class:`Int4Packed`, and
+    ``gguf`` a k-quant matrix or a list of them (fused).
     """
+    if storage == "gguf":
+        from specplay.core.models.kquant import KQuantLinear
+
+        return KQuantLinear(weight, bias)
     if storage == "int8":
         return Int8RowExactLinear(weight, bias)
     if storage == "int8-draft":

@@ -26,7 +26,7 @@ from specplay.core.progress import Progress, ShouldCancel, log_progress, never
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64", "int8")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64", "int8", "gguf")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 BACKENDS = ("auto", "native", "transformers", "llamacpp")
 
@@ -76,6 +76,10 @@ def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, str]:
         if device != "cpu":
             return torch.bfloat16, "float"
         return (torch.float32, "int8") if int8_supported() else (torch.float32, "float")
+    if dtype == "gguf":
+        if device != "cpu":
+            raise ConfigError("gguf storage (the file's own k-quant blocks) is a CPU option; on a GPU use bfloat16")
+        return torch.float32, "gguf"
     if dtype == "int8":
         if device != "cpu":
             raise ConfigError("int8 storage is a CPU option; on a GPU use bfloat16 or float16")
@@ -167,10 +171,11 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
                          "so it cannot verify exactly")
     dev = pick_device(device)
     compute_dtype, storage = pick_dtype(dtype, dev)
-    if role == "draft" and storage == "int8":
-        storage = draft_storage()
+    if role == "draft" and storage in ("int8", "gguf"):
+        storage = draft_storage()  # a draft's numerics never decide a token: its fastest layers
     notes: list[str] = []
-    if storage != "float" and torch.device(dev).type == "cpu":
+    gguf_source = _exact_gguf_source(model_id, notes, progress) if storage == "gguf" else None
+    if storage not in ("float", "gguf") and torch.device(dev).type == "cpu":
         storage = _exact_quant_engine(model_id, dtype, storage, notes, progress)  # before any int8 layer is packed
     # Every quantized storage is built from the cache's int8 rows; an int4 draft's packed layers
     # are kept too, once made.
@@ -193,7 +198,7 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
         elif backend == "llamacpp":
             raise ModelError(f"{model_id}: the llama.cpp draft is unavailable: {why_not}")
     model, path = _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
-                               should_cancel)
+                               should_cancel, gguf_source)
     if compute_dtype in (torch.bfloat16, torch.float16):
         notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
                      "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
@@ -226,8 +231,38 @@ def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str
     return "float"
 
 
+def _exact_gguf_source(model_id: str, notes: list[str], progress) -> Path:
+    """The GGUF file whose own blocks a target runs on (``--dtype gguf``), once the exact k-quant
+    kernel is built here, reads every matrix of the file and was proved exact on its real layers."""
+    from specplay.core.models import kquant
+    from specplay.core.models.engines import measured
+    from specplay.core.models.prepare import catalog_gguf
+
+    if model_id in CATALOG:
+        source = catalog_gguf(CATALOG[model_id], progress)
+    elif model_id.lower().endswith(".gguf"):
+        source = Path(model_id).expanduser()
+    else:
+        raise ModelError(f"{model_id}: gguf storage runs a GGUF file's own blocks; name a catalog id or a .gguf file")
+    why = kquant.unavailable()
+    reader = kquant.GGUFBlocksReader(source) if why is None else None
+    why = why or reader.unreadable()
+    if why is None:
+        def measure() -> dict:
+            progress("Proving the exact k-quant kernel on real layers (once)", None)
+            return {"exact": kquant.prove(reader.matrices(1))}
+
+        if not measured(f"kquant exact {kquant.library_digest()} {reader.path.name}", measure).get("exact"):
+            why = f"the k-quant kernel was not bit-exact across 1-{kquant.PROVED_ROWS} rows on this machine"
+    if why:
+        raise ModelError(f"{model_id}: gguf storage is unavailable: {why}; use --dtype int8")
+    notes.append(f"weights: the GGUF's own Q4_K/Q6_K blocks, exact k-quant kernel "
+                 f"({kquant.isa_name(kquant.isa())}, proved 1-{kquant.PROVED_ROWS} rows)")
+    return source
+
+
 def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
-                 should_cancel) -> tuple[CausalLM, Path]:
+                 should_cancel, gguf_source: Path | None = None) -> tuple[CausalLM, Path]:
     """The model on the native decoder where it implements the architecture, else on transformers."""
     from specplay.core.models.layers import DecoderConfig, unsupported_reason
     from specplay.core.models.native import NativeDecoder
@@ -236,9 +271,16 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
     use_native = backend == "native" or (backend == "auto" and reason is None)
     if backend == "native" and reason:
         raise ModelError(f"{model_id}: {reason}")
+    if storage == "gguf" and not use_native:
+        raise ModelError(f"{model_id}: gguf storage runs on the native decoder only ({reason})")
     if use_native:
         try:
-            reader = _weights_reader(path, storage, progress)
+            if gguf_source is not None:
+                from specplay.core.models.kquant import GGUFBlocksReader
+
+                reader = GGUFBlocksReader(gguf_source)
+            else:
+                reader = _weights_reader(path, storage, progress)
         except FileNotFoundError:
             if backend == "native":
                 raise ModelError(f"{model_id}: the native path needs .safetensors weights") from None

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
 from specplay.core.models.layers import FUSED, DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
-from specplay.core.models.linear import Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
+from specplay.core.models.kquant import KQuantLinear, KQuantWeight
+from specplay.core.models.linear import EXACT_QUANTIZED, Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,15 @@ class _WeightBuilder:
             if required:
                 raise KeyError(f"weight '{key}' missing from the checkpoint")
             return None
-        if isinstance(t, (QuantizedWeight, Int4Packed)):
+        if isinstance(t, (QuantizedWeight, Int4Packed, KQuantWeight)):
             return t
         # In int8, a kept float tensor (norms, biases) must not pin a memory-mapped file.
         return t.to(device=self.device, dtype=self.dtype, copy=self.quantized)
 
     def matrix(self, key: str, required: bool = True):
         w = self.tensor(key, required)
+        if self.storage == "gguf" and isinstance(w, torch.Tensor):
+            raise KeyError(f"weight '{key}' is not in k-quant blocks")
         return QuantizedWeight.quantize(w) if self.quantized and isinstance(w, torch.Tensor) else w
 
     def linear(self, prefixes: Sequence[str], bias: bool) -> Future:
@@ -76,6 +79,8 @@ class _WeightBuilder:
             parts = [self.matrix(p + ".weight") for p in prefixes]
             if len(parts) == 1:
                 weight = parts[0]
+            elif self.storage == "gguf":  # the kernel runs the parts one after another into one output
+                weight = parts
             else:
                 weight = QuantizedWeight.cat(parts) if self.quantized else torch.cat(parts, dim=0)
         b = torch.cat([self.tensor(p + ".bias") for p in prefixes], dim=0) if bias else None
@@ -158,9 +163,10 @@ class NativeDecoder(CausalLM):
             weights = _WeightBuilder(get_tensor, self.device, self.dtype, storage, pool)
             self._embedding = weights.matrix("model.embed_tokens.weight")
             # The head first: the largest matrix, packed while the layers are read, not after them.
-            # A tied head is the embedding; an int4 cache stores it packed under the head's name.
+            # A tied head is the embedding; an int4 cache stores it packed under the head's name, and a
+            # GGUF may ship its own (the 1.5B target's is Q6_K, its embedding Q4_K).
             head = (weights.matrix("lm_head.weight", required=False)
-                    if not cfg.tie_word_embeddings or storage == "int4-draft" else None)
+                    if not cfg.tie_word_embeddings or storage in ("int4-draft", "gguf") else None)
             weights.submit("lm_head.weight", self._embedding if head is None else head, None)
             pending: list[dict] = []
             for i in range(cfg.num_layers):
@@ -206,9 +212,9 @@ class NativeDecoder(CausalLM):
 
     @property
     def _cache_dtype(self) -> torch.dtype:
-        # Row-exact int8: attention runs in float64 (see the module doc), so the cache is kept in
-        # float64. A draft's int8 needs no exactness: float32.
-        return torch.float64 if self.storage == "int8" else self.compute_dtype
+        # Row-exact storage (int8, the GGUF's blocks): attention runs in float64 (see the module doc),
+        # so the cache is kept in float64. A draft's int8 needs no exactness: float32.
+        return torch.float64 if self.storage in EXACT_QUANTIZED else self.compute_dtype
 
     @torch.inference_mode()  # the cache may have been (re)allocated inside a forward pass
     def commit(self, keep) -> None:
@@ -239,6 +245,8 @@ class NativeDecoder(CausalLM):
     def _embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         if isinstance(self._embedding, QuantizedWeight):
             return self._embedding.rows(tokens)
+        if isinstance(self._embedding, KQuantWeight):
+            return self._embedding.rows_float(tokens)
         return F.embedding(tokens, self._embedding).to(self.compute_dtype)
 
     @property
@@ -262,7 +270,7 @@ class NativeDecoder(CausalLM):
 
     def head_rows(self, rows: int):
         """A linear layer for the LM head's first ``rows`` outputs, in this model's storage."""
-        if isinstance(self._head, Int4DraftLinear):
+        if isinstance(self._head, (Int4DraftLinear, KQuantLinear)):
             return self._head.first_rows(rows)
         return super().head_rows(rows)
 
@@ -294,10 +302,10 @@ class NativeDecoder(CausalLM):
         mask4 = None if mask is None else mask[None, None]
 
         dt = self.compute_dtype
-        # Row-exact int8 only: a prompt is read alike by every method, so the float64 attention that
+        # Row-exact storage only (int8, the GGUF's blocks): a prompt is read alike by every method, so the float64 attention that
         # keeps its decoding and verification row-exact is not needed there (on a long prompt it cost
         # a third of the time). A float64 model keeps float64 everywhere: it is the exact reference.
-        attn_dtype = torch.float32 if prefill and self.storage == "int8" else None
+        attn_dtype = torch.float32 if prefill and self.storage in EXACT_QUANTIZED else None
         cos, sin = self.rope(positions)
         x = self._embed_rows(tokens).to(dt)
         wanted = set(layers)

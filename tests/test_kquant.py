@@ -1,0 +1,167 @@
+"""The exact k-quant kernel: GGUF's Q4_K and Q6_K blocks as shipped, bit-exact at every block size."""
+
+import numpy as np
+import pytest
+import torch
+
+from specplay.core.models import kquant
+from specplay.core.models.kquant import PROVED_ROWS, Q4_K, Q6_K, KQuantLinear, KQuantWeight
+
+pytestmark = pytest.mark.skipif(kquant.unavailable() is not None, reason=f"no k-quant kernel: {kquant.unavailable()}")
+
+ISAS = [code for code in (2, 3) if code <= (kquant.isa() or 0)]
+
+
+def _halves(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def random_blocks(type_: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF blocks ``[rows, bytes]`` of random values: every bit pattern of the quants and the
+    6-bit scales, half-precision scales that give weights of a few tenths."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    if type_ == Q4_K:
+        blocks = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+        blocks[:, 0:2] = _halves(rng.uniform(2e-4, 8e-4, n))  # d
+        blocks[:, 2:4] = _halves(rng.uniform(1e-3, 5e-3, n))  # dmin
+        return blocks.reshape(rows, -1)
+    blocks = rng.integers(0, 256, size=(n, 210), dtype=np.uint8)
+    blocks[:, 208:210] = _halves(rng.uniform(5e-5, 2e-4, n))
+    return blocks.reshape(rows, -1)
+
+
+def weight(type_: int, rows: int, cols: int, seed: int = 0) -> KQuantWeight:
+    return KQuantWeight.from_raw(type_, random_blocks(type_, rows, cols, seed), cols)
+
+
+@pytest.mark.parametrize("type_", [Q4_K, Q6_K])
+def test_repacked_blocks_keep_the_files_values_exactly(type_):
+    """The kernel's layout dequantizes to gguf's own reference values, bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_blocks(type_, 8, 512, seed=3)
+    want = dequantize(raw, GGMLQuantizationType(type_)).reshape(8, 512)
+    assert torch.equal(weight_from(raw, type_).dequantize(), torch.from_numpy(want))
+
+
+def weight_from(raw, type_):
+    return KQuantWeight.from_raw(type_, raw, raw.shape[1] // (144 if type_ == Q4_K else 210) * 256)
+
+
+@pytest.mark.parametrize("type_", [Q4_K, Q6_K])
+def test_the_layer_computes_x_times_the_weights(type_):
+    w = weight(type_, 96, 768, seed=1)
+    bias = torch.randn(96)
+    x = torch.randn(5, 768)
+    want = x @ w.dequantize().T + bias
+    got = KQuantLinear(w, bias)(x)
+    # Only the activations' rounding to 8 bits per block of 256 separates the two.
+    assert ((got - want).norm(dim=1) / want.norm(dim=1)).max() < 0.02
+
+
+@pytest.mark.parametrize("type_", [Q4_K, Q6_K])
+@pytest.mark.parametrize("isa", ISAS)
+def test_every_block_size_gives_the_rows_alone_bits_at_one_and_two_threads(type_, isa, monkeypatch):
+    monkeypatch.setattr(kquant, "isa", lambda: isa)
+    layer = KQuantLinear([weight(type_, 80, 512, seed=2), weight(Q4_K, 48, 512, seed=5)])
+    assert kquant.row_exact(layer, kquant.adversarial_rows(512, PROVED_ROWS))
+
+
+def test_both_instruction_sets_give_the_same_bits(monkeypatch):
+    if len(ISAS) < 2:
+        pytest.skip("this CPU has one of the two paths")
+    x = kquant.adversarial_rows(512, 9)
+    outs = []
+    for isa in ISAS:
+        monkeypatch.setattr(kquant, "isa", lambda isa=isa: isa)
+        outs.append(KQuantLinear([weight(Q6_K, 64, 512), weight(Q4_K, 32, 512)])(x))
+    assert torch.equal(*outs)
+
+
+def test_the_proof_fails_a_kernel_whose_rows_depend_on_their_block(monkeypatch):
+    w = weight(Q4_K, 64, 256)
+    assert kquant.prove([w])
+    real = KQuantLinear.__call__
+
+    def batch_dependent(self, x):  # what a kernel with another path for larger blocks would do
+        y = real(self, x)
+        return y * (1 + 1e-7) if x.reshape(-1, x.shape[-1]).shape[0] >= 33 else y
+
+    monkeypatch.setattr(KQuantLinear, "__call__", batch_dependent)
+    assert not kquant.prove([w])
+
+
+def test_first_rows_share_the_blocks_and_cut_the_output():
+    w = weight(Q6_K, 64, 256)
+    x = torch.randn(3, 256)
+    full = KQuantLinear(w)
+    assert torch.equal(full.first_rows(40)(x), full(x)[:, :40])
+
+
+def test_bad_shapes_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="multiples of 256"):
+        KQuantWeight.from_raw(Q4_K, np.zeros((2, 144), dtype=np.uint8), 200)
+    with pytest.raises(ValueError, match="takes 144 bytes"):
+        KQuantWeight.from_raw(Q4_K, np.zeros((2, 100), dtype=np.uint8), 256)
+    with pytest.raises(ValueError, match="Q4_K and Q6_K"):
+        KQuantWeight.from_raw(8, np.zeros((2, 34 * 8), dtype=np.uint8), 256)
+
+
+def _tiny_gguf_decoder(seed: int = 0):
+    """A two-layer Qwen2 decoder on random k-quant blocks (hidden 256: one block per row)."""
+    from specplay.core.models.native import NativeDecoder
+    from tiny import tiny_hf_config
+
+    from specplay.core.models.layers import DecoderConfig
+
+    cfg = DecoderConfig.from_hf(tiny_hf_config(vocab=64, hidden=256, heads=4, kv_heads=2, inter=512))
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
+              "gate_proj": (512, 256), "up_proj": (512, 256), "down_proj": (256, 512)}
+    tensors = {"model.embed_tokens.weight": weight(Q4_K, 64, 256, seed), "lm_head.weight": weight(Q6_K, 64, 256, seed),
+               "model.norm.weight": torch.ones(256)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        for k, (name, shape) in enumerate(shapes.items()):
+            block = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            kind = Q6_K if name in ("v_proj", "down_proj") else Q4_K
+            tensors[f"{p}.{block}.{name}.weight"] = weight(kind, *shape, seed=100 * i + k + seed)
+            if name in ("q_proj", "k_proj", "v_proj"):
+                tensors[f"{p}.{block}.{name}.bias"] = torch.randn(shape[0], generator=gen) * 0.1
+        tensors[f"{p}.input_layernorm.weight"] = torch.ones(256)
+        tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(256)
+    return NativeDecoder(cfg, tensors.get, name="tiny-gguf", storage="gguf", eos_token_ids=(2,))
+
+
+def test_a_gguf_model_verifies_like_it_decodes():
+    a, b = _tiny_gguf_decoder(), _tiny_gguf_decoder()
+    assert a.info.dtype == "gguf" and a._kv.dtype == torch.float64
+    seq = [1, 5, 9, 13, 7, 3, 22, 40, 41, 17, 8, 30]
+    a.forward_chain(seq[:3])
+    block = a.forward(torch.tensor(seq[3:])).logits
+    b.forward_chain(seq[:3])
+    singles = []
+    for t in seq[3:]:
+        singles.append(b.forward(torch.tensor([t])).logits)
+        b.commit(1)
+    assert torch.equal(block, torch.cat(singles))
+
+
+def test_speculation_on_a_gguf_target_emits_greedy_decodings_tokens():
+    from specplay.core.engine import drain, generate
+    from specplay.core.methods import build_method
+    from specplay.core.methods.speculative import SpeculativeConfig
+    from specplay.core.types import GenerationConfig
+    from tiny import loaded
+
+    target = loaded(_tiny_gguf_decoder(seed=0))
+    draft = loaded(_tiny_gguf_decoder(seed=0))  # the same weights: every draft is accepted until it is not
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
+    prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
+    want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
+    method = build_method("speculative", SpeculativeConfig(gamma=5), target, draft)
+    res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+    assert res.token_ids == want.token_ids
+    assert res.metrics.accepted > 0
