@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QProgressBar, QPu
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from specplay.app.compare_view import results_table
-from specplay.core.audit import DEFAULT_DEPTH, DEFAULT_SAMPLES, largest_bins
+from specplay.core.audit import DEFAULT_DEPTH, DEFAULT_SAMPLES, largest_bins, verified_text
 
 TEST_COLUMNS = ("Test", "p-value", "χ²", "df", "Bins", "Outside support")
 TEST_TIPS = ("The joint distribution of the K tokens, or one position given the sample's own earlier tokens",
@@ -169,6 +169,8 @@ class AuditView(QWidget):
                          f"{record['power']:.0%} probability.")
             needed = [f"{tv} needs N = {n:,}" for tv, n in record["samples_needed"].items() if n]
             notes.append("A difference of " + ", ".join(needed) + ".")
+        if "deepest_verified" in record:  # records of older versions do not say
+            notes.append(verified_text(record))
         if record.get("mean_accepted"):
             notes.append(f"τ over the samples: {record['mean_accepted']:.2f}.")
         self.power.setText(" ".join(notes))

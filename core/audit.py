@@ -6,6 +6,13 @@ a run also uses ``seed + 1``, for its draft, so no two samples share a random st
 asks the target for its own distribution of those K tokens and runs chi-square
 goodness-of-fit tests.
 
+Each sample is a run of K tokens plus the method's deepest draft (:func:`deepest_draft`), ended
+once it holds K: every step that decides a tested token drafts as deep as in a real run (a
+step may draft one token less than the run has left). A draft token judged at depth d in a
+step that starts after j tokens decides token j + d; the deepest such d that falls within
+the K tested tokens is the record's ``deepest_verified``, the deepest draft position the
+audit tests the verifier at.
+
 The joint test. Every K-token sequence whose expected count N·P(s) reaches the minimum
 (5, the usual rule) has a bin of its own; every other sequence shares one pooled bin, whose
 probability is exactly what the named bins leave. The named sequences are found by walking
@@ -52,7 +59,7 @@ from specplay.core.types import GenerationConfig, SamplingConfig, StopReason
 #: A prompt whose first answer tokens are spread over a few dozen likely openings at T = 1.
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
 DEFAULT_SAMPLES = 600
-DEFAULT_DEPTH = 2
+DEFAULT_DEPTH = 3
 MIN_EXPECTED = 5.0
 #: Prefixes scored per target pass (each pass also reads the LM head for every one of them).
 SCORE_CHUNK = 64
@@ -311,6 +318,9 @@ class AuditResult:
     sample_time: float = 0.0
     score_time: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)
+    decoded: int = 0  # tokens the samples' runs made, the K tested and those of their last steps past K
+    deepest_draft: int = 0  # the deepest draft the method may propose (each sample's room past K)
+    deepest_verified: int = 0  # the deepest draft position judged that decided a tested token
     drafted: int = 0
     accepted: int = 0
     cancelled: bool = False
@@ -409,6 +419,45 @@ class ReusedPrompt(CausalLM):
         return self.model.head_rows(rows)
 
 
+#: How deep a method's draft reaches, where its node budget says more than its depth (a tree is
+#: never deeper than its nodes, a chain exactly as deep: γ, a copy's length).
+_DEPTH_OF = {
+    "medusa": lambda method: method.tree.max_depth,
+    "eagle": lambda method: method.config.depth,
+    "lookahead": lambda method: method.config.ngram - 1,  # its candidates are pool n-grams past the root
+}
+
+
+def deepest_draft(method) -> int:
+    """The deepest draft ``method`` proposes when its step's budget does not cut it."""
+    depth_of = _DEPTH_OF.get(method.name)
+    return depth_of(method) if depth_of is not None else method.max_draft_nodes
+
+
+def deepest_judged(event, tested: int) -> int:
+    """The deepest draft position the verifier judged in the step ``event`` whose token lies within
+    the first ``tested`` tokens of the run (0: none)."""
+    before = event.total_new_tokens - len(event.committed)
+    return max((t.depth for t in event.tokens
+                if t.depth and t.accept_prob is not None and before + t.depth <= tested), default=0)
+
+
+def _sample(model, tokenizer, method, prompt_ids: list[int], gen: GenerationConfig, tested: int,
+            stop: Callable[[], bool]):
+    """One sample's run, ended (as cancelled) once it holds ``tested`` tokens, or earlier by ``stop``;
+    (the run, its deepest judged position within those tokens)."""
+    from specplay.core.engine import drain, generate
+
+    made, deepest = [0], [0]
+
+    def seen(event) -> None:
+        made[0] = event.total_new_tokens
+        deepest[0] = max(deepest[0], deepest_judged(event, tested))
+
+    run = drain(generate(model, tokenizer, method, prompt_ids, gen, lambda: made[0] >= tested or stop()), seen)
+    return run, deepest[0]
+
+
 def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[int], sampling: SamplingConfig,
               config: AuditConfig = AuditConfig(), should_stop: Callable[[], bool] | None = None,
               progress: Progress | None = None) -> AuditResult:
@@ -418,7 +467,6 @@ def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[i
     method is built here, over models that read the prompt once (:class:`ReusedPrompt`).
     Cancelled (``should_stop``), the samples drawn so far are tested.
     """
-    from specplay.core.engine import drain, generate
     from specplay.core.methods import build_method
 
     stop = should_stop or (lambda: False)
@@ -428,23 +476,23 @@ def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[i
     sequences: list[tuple[int, ...]] = []
     result = AuditResult(method=method.name, method_params=method.describe(), lossy=method.lossy,
                          prompt_ids=list(prompt_ids), sampling=sampling, config=config, sequences=sequences,
-                         joint=None)
+                         joint=None, deepest_draft=deepest_draft(method))
     stage = f"Audit of {method.name}: {config.samples} samples of {config.depth} tokens"
     started = time.perf_counter()
     for i in range(config.samples):
         if stop():
             result.cancelled = True
             break
-        gen = GenerationConfig(max_new_tokens=config.depth, stop_at_eos=False,
+        gen = GenerationConfig(max_new_tokens=config.depth + result.deepest_draft, stop_at_eos=False,
                                sampling=SamplingConfig(sampling.temperature, sampling.top_p, sampling.seed + 2 * i))
-        run = drain(generate(model, target.tokenizer, method, prompt_ids, gen, stop))
-        if run.stop_reason is StopReason.CANCELLED:
-            result.cancelled = True
+        run, deepest = _sample(model, target.tokenizer, method, prompt_ids, gen, config.depth, stop)
+        if len(run.token_ids) < config.depth:  # cancelled, or ended in error, before its K tokens
+            result.error = run.error if run.stop_reason is StopReason.ERROR else None
+            result.cancelled = result.error is None
             break
-        if run.stop_reason is StopReason.ERROR:
-            result.error = run.error
-            break
-        sequences.append(tuple(run.token_ids))
+        sequences.append(tuple(run.token_ids[:config.depth]))
+        result.decoded += len(run.token_ids)
+        result.deepest_verified = max(result.deepest_verified, deepest)
         result.accept_lengths += run.metrics.accept_lengths
         result.drafted += run.metrics.drafted
         result.accepted += run.metrics.accepted
@@ -493,14 +541,15 @@ def audit_record(result: AuditResult, *, target, draft=None, prompt: str | None 
                  extra: dict | None = None) -> dict:
     """The audit as a record beside run records (history, exports, ``--json``); ``kind`` is ``"audit"``.
 
-    Run-record fields keep their meaning where they have one (``new_tokens`` are all the
-    samples' tokens, ``max_new_tokens`` is K), so run tables and CSV exports read it too.
+    Run-record fields keep their meaning where they have one (``new_tokens`` are all the tokens
+    the samples' runs made, ``max_new_tokens`` each run's limit: K plus the method's deepest
+    draft), so run tables and CSV exports read it too.
     """
     from specplay.core.environment import environment
     from specplay.core.runlog import _model_entry
 
     s, c = result.sampling, result.config
-    new_tokens = result.samples * c.depth
+    new_tokens = result.decoded
     joint = result.joint
     df = joint.df if joint is not None else 0
     record = {
@@ -510,7 +559,9 @@ def audit_record(result: AuditResult, *, target, draft=None, prompt: str | None 
         "target": _model_entry(target), "draft": _model_entry(draft),
         "prompt": prompt, "prompt_tokens": len(result.prompt_ids),
         "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed, "seeds": f"{s.seed} + 2i",
-        "samples": result.samples, "samples_requested": c.samples, "depth": c.depth, "max_new_tokens": c.depth,
+        "samples": result.samples, "samples_requested": c.samples, "depth": c.depth,
+        "max_new_tokens": c.depth + result.deepest_draft, "deepest_draft": result.deepest_draft,
+        "deepest_verified": result.deepest_verified,
         "min_expected": c.min_expected, "alpha": c.alpha, "level": result.level, "power": c.power,
         "p_value": joint.p_value if joint is not None else None, "p_values": result.p_values,
         "statistic": joint.statistic if joint is not None else None, "df": df,
@@ -553,12 +604,24 @@ def _bar(observed: int, expected: float, scale: float, width: int) -> str:
     return "".join(cells).rstrip()
 
 
+def verified_text(record: dict) -> str:
+    """What depth of draft the audit tested the verifier at (``deepest_verified``), against how deep
+    the method drafts."""
+    deepest = record["deepest_verified"]
+    if not deepest:
+        return (f"The verifier judged no draft token within the {record['depth']} tested tokens: the audit tested "
+                "the method's plain path.")
+    return (f"The verifier judged draft positions down to {deepest} within the {record['depth']} tested tokens "
+            f"(the method drafts up to {record['deepest_draft']} deep).")
+
+
 def format_audit(record: dict, rows: int = 12, width: int = 40) -> str:
     """The audit as text: the tests, the verdict, the power, and observed against expected counts."""
     lossy = " (LOSSY options on)" if record.get("lossy") else ""
     lines = [f"audit of {record['method']}{lossy} at temperature {record['temperature']:g}, top-p "
              f"{record['top_p']:g}: {record['samples']} samples of the first {record['depth']} tokens "
-             f"({record['sample_time']:.0f} s sampling, {record['score_time']:.1f} s scoring)"]
+             f"({record['sample_time']:.0f} s sampling, {record['score_time']:.1f} s scoring)",
+             verified_text(record)]
     tests = record["tests"]
     named = [("joint", tests["joint"])] + [(f"position {k + 1}", t) for k, t in enumerate(tests["positions"])]
     for name, t in named:

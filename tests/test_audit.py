@@ -175,18 +175,65 @@ def audited(target, name, config=None, draft=None, samples=800, sampling=T1, **k
 
 
 def test_exact_methods_pass(target, target_model):
-    plain = audited(target, "autoregressive")
+    plain = audited(target, "autoregressive", depth=2)
     assert plain.verdict == "consistent" and plain.samples == 800 and all(len(s) == 2 for s in plain.sequences)
     assert plain.joint.df >= 8, "too few bins for the audit to mean anything here"
+    assert (plain.deepest_draft, plain.deepest_verified) == (0, 0)
     draft = loaded(native_from_hf(perturbed_copy(target_model, 0.3)))
-    spec = audited(target, "speculative", SpeculativeConfig(gamma=3), draft)
+    spec = audited(target, "speculative", SpeculativeConfig(gamma=4), draft)
     assert spec.verdict == "consistent", [spec.joint.p_value] + spec.p_values
     assert spec.drafted > 0 and 0 < spec.accepted < spec.drafted  # drafts were verified, some rejected
+    # every sample's first step drafts γ deep, and the verifier was tested down to the last tested token
+    assert spec.deepest_draft == 4 and spec.deepest_verified == audit.DEFAULT_DEPTH == spec.config.depth
+    assert all(len(s) == spec.config.depth for s in spec.sequences)
+
+
+def sharpened(model, factor: float):
+    """A copy of ``model`` whose logits are ``factor`` times its own: a draft that agrees with it often."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(factor)
+    return other
+
+
+def biased_from(monkeypatch, depth: int) -> None:
+    """The engine's verifier accepts a drafted token at draft depth >= ``depth`` with min(1, 2p/q)
+    instead of min(1, p/q) (its q halved), which leans the output there towards the draft; shallower
+    tokens it judges exactly."""
+    import specplay.core.engine as engine
+
+    real = engine.verify
+
+    def biased(draft, logits, sampling, generator, typical=None):
+        deep = [i for i, d in enumerate(draft.depths()) if d >= depth]
+        if draft.sampled and deep:
+            q = draft.q.clone()
+            q[deep] *= 0.5
+            draft = dataclasses.replace(draft, q=q)
+        return real(draft, logits, sampling, generator, typical=typical)
+
+    monkeypatch.setattr(engine, "verify", biased)
+
+
+@pytest.mark.parametrize("depth", [2, audit.DEFAULT_DEPTH])
+def test_a_verifier_biased_only_at_the_last_tested_depth_fails(target, target_model, monkeypatch, depth):
+    """A bias at draft depth K alone is seen: each step drafts as deep as in a real run (γ), not
+    one token less than the K tokens tested (at K = 2 the drafts were one token deep, and this
+    verifier passed)."""
+    biased_from(monkeypatch, depth)
+    draft = loaded(native_from_hf(sharpened(target_model, 2.0)))  # the target's own likeliest tokens, over-drawn
+    result = audited(target, "speculative", SpeculativeConfig(gamma=5), draft, depth=depth)
+    assert result.verdict == "differs" and min([result.joint.p_value] + result.p_values) < 1e-3, \
+        [result.joint.p_value] + result.p_values
+    assert result.deepest_verified == depth
 
 
 def test_each_sample_is_the_run_it_would_be_without_reading_the_prompt_once(target, target_model):
     """Sample i is what a plain run with seed 2i makes, token for token, though the audit's target
-    and draft read the prompt once and crop back to it (core.audit.ReusedPrompt)."""
+    and draft read the prompt once and crop back to it (core.audit.ReusedPrompt), and each sample
+    ends once it holds its K tokens: a run of K + γ tokens, its first K."""
     from specplay.core.engine import drain, generate
     from specplay.core.types import GenerationConfig
 
@@ -196,24 +243,15 @@ def test_each_sample_is_the_run_it_would_be_without_reading_the_prompt_once(targ
     result = audited(target, "speculative", config, draft, samples=30, depth=3)
     plain = []
     for i in range(30):
-        gen = GenerationConfig(max_new_tokens=3, stop_at_eos=False, sampling=SamplingConfig(1.0, seed=2 * i))
+        gen = GenerationConfig(max_new_tokens=3 + 3, stop_at_eos=False, sampling=SamplingConfig(1.0, seed=2 * i))
         method = build_method("speculative", config, target, draft)
-        plain.append(tuple(drain(generate(target.model, target.tokenizer, method, PROMPT, gen)).token_ids))
-    assert result.sequences == plain and len(set(plain)) > 10
+        plain.append(tuple(drain(generate(target.model, target.tokenizer, method, PROMPT, gen)).token_ids[:3]))
+    assert result.sequences == plain and len(set(plain)) > 10 and result.deepest_verified == 3
 
 
-def test_a_biased_verifier_fails(target, target_model, monkeypatch):
-    """Accepting a drafted token with min(1, 2p/q) instead of min(1, p/q) (q halved) leans the output towards the draft."""
-    import specplay.core.engine as engine
-
-    real = engine.verify
-
-    def biased(draft, logits, sampling, generator, typical=None):
-        if draft.sampled:
-            draft = dataclasses.replace(draft, q=draft.q * 0.5)
-        return real(draft, logits, sampling, generator, typical=typical)
-
-    monkeypatch.setattr(engine, "verify", biased)
+def test_a_biased_verifier_fails(target, monkeypatch):
+    """Accepting every drafted token with min(1, 2p/q) instead of min(1, p/q) leans the output towards the draft."""
+    biased_from(monkeypatch, 1)
     draft = loaded(native_from_hf(tiny_hf_model(seed=99, vocab=VOCAB, layers=1, dtype=torch.float64)))
     result = audited(target, "speculative", SpeculativeConfig(gamma=3), draft)
     assert result.verdict == "differs" and min([result.joint.p_value] + result.p_values) < 1e-3
@@ -237,8 +275,20 @@ def test_medusa_passes_and_its_lossy_typical_acceptance_fails(target, tmp_path):
     heads = str(medusa_heads(tmp_path / "heads.safetensors"))
     exact = audited(target, "medusa", MedusaConfig(heads=heads, tree="small"))
     assert exact.verdict == "consistent" and exact.drafted > 0
+    assert exact.deepest_draft == 2 and exact.deepest_verified == 2  # two heads: a tree two deep
     lossy = audited(target, "medusa", MedusaConfig(heads=heads, tree="small", typical=True))
     assert lossy.lossy and lossy.verdict == "differs" and lossy.joint.p_value < 1e-3
+
+
+def test_each_method_drafts_as_deep_as_its_settings_say(target):
+    from specplay.core.methods.lookahead import LookaheadConfig
+    from specplay.core.methods.prompt_lookup import PromptLookupConfig
+
+    assert audit.deepest_draft(build_method("lookahead", LookaheadConfig(window=7, ngram=5), target, None)) == 4
+    assert audit.deepest_draft(build_method("prompt_lookup", PromptLookupConfig(num_tokens=6), target, None)) == 6
+    assert audit.deepest_draft(build_method("autoregressive", None, target, None)) == 0
+    adaptive = SpeculativeConfig(gamma=3, adaptive=True, max_gamma=9)
+    assert audit.deepest_draft(build_method("speculative", adaptive, target, target)) == 9
 
 
 def test_cancel_tests_the_samples_drawn_so_far_and_the_record_reads_like_a_run(target):
@@ -254,7 +304,7 @@ def test_cancel_tests_the_samples_drawn_so_far_and_the_record_reads_like_a_run(t
     record = audit_record(result, target=target, prompt="ab")
     assert record["kind"] == "audit" and record["stop_reason"] == "cancelled"
     assert record["samples"] == result.samples and record["samples_requested"] == 500
-    assert record["new_tokens"] == 2 * result.samples and record["p_values"] == result.p_values
+    assert record["new_tokens"] == audit.DEFAULT_DEPTH * result.samples and record["p_values"] == result.p_values
     json.dumps(record)  # a history line
 
 
@@ -263,6 +313,7 @@ def test_the_text_report_shows_the_tests_verdict_power_and_histogram(target):
     text = format_audit(audit_record(result, target=target, prompt="ab"))
     assert "joint" in text and "position 1" in text and "position 2" in text
     assert "Consistent with the target" in text and "80% power" in text and "needs N = " in text
+    assert "judged no draft token within the 3 tested tokens" in text
     bars = [line for line in text.splitlines() if "█" in line]
     assert bars and all("|" in line for line in bars)
     assert audit.POOLED in text
@@ -280,6 +331,25 @@ def test_the_audit_command_prints_one_json_record(tmp_path, capsys):
     for key in ("method", "temperature", "samples", "depth", "p_value", "p_values"):
         assert key in record
     assert (record["method"], record["temperature"], record["samples"], record["depth"]) == ("prompt_lookup", 1.0,
-                                                                                              200, 2)
-    assert len(record["p_values"]) == 2 and 0 <= record["p_value"] <= 1
+                                                                                              200, audit.DEFAULT_DEPTH)
+    assert len(record["p_values"]) == audit.DEFAULT_DEPTH and 0 <= record["p_value"] <= 1
     assert math.isfinite(record["detectable_tv"])
+    # the copy drafts up to its 10 tokens; the verifier was judged down to the last tested token
+    assert record["deepest_draft"] == 10 and record["deepest_verified"] == audit.DEFAULT_DEPTH
+
+
+def test_the_audit_view_says_how_deep_the_verifier_was_judged(target, target_model, qtbot):
+    from specplay.app.audit_view import AuditView
+
+    draft = loaded(native_from_hf(sharpened(target_model, 2.0)))
+    result = audited(target, "speculative", SpeculativeConfig(gamma=4), draft, samples=100)
+    record = audit_record(result, target=target, draft=draft, prompt="ab")
+    assert record["deepest_verified"] == 3 and record["deepest_draft"] == 4
+    view = AuditView()
+    qtbot.addWidget(view)
+    view.show_record(record, "speculative")
+    assert "judged draft positions down to 3 within the 3 tested tokens (the method drafts up to 4 deep)" \
+        in view.power.text()
+    older = {k: v for k, v in record.items() if k not in ("deepest_verified", "deepest_draft")}
+    view.show_record(older, "speculative")  # a record from before the field: shown without it
+    assert "judged" not in view.power.text()
