@@ -14,7 +14,9 @@ token ids are only the target tokenizer's reading of that text).
 
 Each answer is appended to its method's file as soon as it is finished, so an interrupted run
 keeps what it did: run again with the same ``out_dir`` and answers already there under the
-same settings are read back instead of run again.
+same settings are read back instead of run again (the same models on the same device, dtype and
+backend, the same method parameters, sampling and token limit, machine and SpecPlay version:
+:func:`_settings`); a file made otherwise is moved aside and its method measured afresh.
 
 Peers run the same weights and storage through ``transformers``: ``hf_generate`` (greedy
 ``generate``), ``hf_assisted`` (assisted generation with the draft model) and
@@ -678,10 +680,24 @@ def file_stems(names: list[str]) -> dict[str, str]:
 
 
 def _settings(bench_spec: BenchSpec, target, draft) -> dict:
-    """What shapes an answer besides the method's own parameters: answers are reused only under the same."""
-    return {"target": target.model_id, "draft": draft.model_id if draft else None, "max_new_tokens": bench_spec.max_new_tokens,
+    """What shapes an answer's tokens or timings besides the method's own parameters: answers are
+    reused only under the same. Each model is named with its resolved device, dtype and backend
+    (``--dtype``, ``--device`` and ``--draft-backend`` resolve to them), beside the machine, its
+    int8 kernel and threads, and the SpecPlay version that made the answer."""
+    from specplay.core import __version__
+    from specplay.core.models.engines import cpu_name
+
+    models = {}
+    for role, loaded in (("target", target), ("draft", draft)):
+        info = loaded.model.info if loaded is not None else None
+        models[role] = loaded.model_id if loaded is not None else None
+        for key in ("device", "dtype", "backend"):
+            models[f"{role}_{key}"] = getattr(info, key) if info is not None else None
+    return {**models, "max_new_tokens": bench_spec.max_new_tokens,
             "temperature": bench_spec.temperature, "top_p": bench_spec.top_p, "seed": bench_spec.seed,
-            "chat_template": bench_spec.chat_template, "stand_down": bench_spec.stand_down}
+            "chat_template": bench_spec.chat_template, "stand_down": bench_spec.stand_down,
+            "specplay": __version__, "machine": cpu_name(), "int8_kernel": torch.backends.quantized.engine,
+            "threads": torch.get_num_threads()}
 
 
 def _plain(value):

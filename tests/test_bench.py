@@ -344,6 +344,64 @@ def test_a_rerun_with_another_setting_starts_afresh_and_says_so(tmp_path):
     assert len(aside) == 1 and aside[0].read_text() == first  # kept, not mixed in
 
 
+def test_a_rerun_with_another_draft_backend_or_dtype_measures_afresh_and_the_same_one_resumes(tmp_path, monkeypatch):
+    """Answers name every model's resolved device, dtype and backend, and are read back only under the same."""
+    import dataclasses
+
+    import torch
+
+    from specplay.core.bench import OurMethod
+
+    target = tiny_target()
+    hf = tiny_hf_model(seed=0, dtype=torch.float32)
+    native = loaded(native_from_hf(hf, dtype=torch.float32), model_id="tiny")
+    as_float64 = loaded(native_from_hf(hf, dtype=torch.float64), model_id="tiny")
+    on_llamacpp = loaded(native_from_hf(hf, dtype=torch.float32), model_id="tiny")
+    on_llamacpp.model.info = dataclasses.replace(on_llamacpp.model.info, backend="llama.cpp")
+    real, runs, logs = OurMethod.run, [], []
+
+    def counted(self, prompt_ids, gen):
+        runs.append(self.name)
+        return real(self, prompt_ids, gen)
+
+    monkeypatch.setattr(OurMethod, "run", counted)
+
+    def bench(draft):
+        runs.clear()
+        spec = BenchSpec(methods=["speculative"], max_new_tokens=4, warmup=0, chat_template=False)
+        run_bench(target, draft, [Question(1, "code", ("ab",))], spec, tmp_path, log=logs.append)
+        return list(runs)
+
+    assert bench(native) == ["autoregressive", "speculative"]
+    settings = answer_lines(tmp_path / "speculative.jsonl")[0]["settings"]
+    assert (settings["draft_backend"], settings["draft_dtype"], settings["draft_device"]) == ("native", "float32",
+                                                                                             "cpu")
+    assert (settings["target_backend"], settings["target_dtype"], settings["target_device"]) == ("native", "float64",
+                                                                                                "cpu")
+    assert settings["specplay"] and "speculative.jsonl" not in " ".join(logs)
+    assert bench(native) == []  # the same settings: every answer read back
+    assert bench(on_llamacpp) == ["autoregressive", "speculative"]
+    assert any("draft_backend 'native' -> 'llama.cpp'" in m and "starts afresh" in m for m in logs)
+    assert bench(as_float64) == ["autoregressive", "speculative"]
+    assert any("draft_dtype 'float32' -> 'float64'" in m for m in logs)
+    assert [x["settings"]["draft_dtype"] for x in answer_lines(tmp_path / "speculative.jsonl")] == ["float64"]
+
+
+def test_a_rerun_under_another_specplay_version_measures_afresh(tmp_path, monkeypatch):
+    import specplay.core as core
+
+    target, logs = tiny_target(), []
+
+    def bench():
+        spec = BenchSpec(methods=["autoregressive"], max_new_tokens=4, warmup=0, chat_template=False)
+        run_bench(target, None, [Question(1, "code", ("ab",))], spec, tmp_path, log=logs.append)
+
+    bench()
+    monkeypatch.setattr(core, "__version__", "99.0")
+    bench()
+    assert any("specplay" in m and "-> '99.0'" in m and "starts afresh" in m for m in logs)
+
+
 def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their_results(tmp_path, monkeypatch):
     from specplay.core.bench import HFPeer
     from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
