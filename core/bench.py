@@ -705,14 +705,22 @@ def _plain(value):
     return json.loads(json.dumps(value, default=str))
 
 
-_CHOICE_FIELDS = ("turns", "new_tokens", "wall_time", "accept_lengths", "token_ids", "drafted", "accepted",
-                  "time_to_first_token")
+_CHOICE_FIELDS = ("turns", "new_tokens", "wall_time", "token_ids", "drafted", "accepted", "time_to_first_token")
 
 
 def _answer_line(rec: dict, name: str, target_id: str, settings: dict, params: dict) -> dict:
-    """A Spec-Bench answer record, with what it takes to read it back and to check it was made the same way."""
+    """A Spec-Bench answer record, with what it takes to read it back and to check it was made the same way.
+
+    Its choice has Spec-Bench's keys in Spec-Bench's shapes: ``accept_lengths`` one flat list over
+    the turns, ``decoding_steps`` each turn's number of steps (both empty where the runner does
+    not say its steps: a peer, an endpoint); each turn's own list is ``accept_lengths_per_turn``
+    (None where the steps are not known).
+    """
+    per_turn = rec["accept_lengths"]
+    known = [] if per_turn is None else [turn or [] for turn in per_turn]
     choice = {"index": 0, **{k: rec[k] for k in _CHOICE_FIELDS},
-              "decoding_steps": None if rec["accept_lengths"] is None else [len(a) for a in rec["accept_lengths"]]}
+              "accept_lengths": [a for turn in known for a in turn], "decoding_steps": [len(t) for t in known],
+              "accept_lengths_per_turn": per_turn}
     return {"question_id": rec["question_id"], "category": rec["category"], "answer_id": uuid.uuid4().hex,
             "model_id": f"{target_id}/{name}", "repeat": rec["repeat"], "method": name, "params": params,
             "settings": settings, "question_turns": rec["question_turns"], "choices": [choice],
@@ -723,7 +731,8 @@ def _record_from_line(line: dict) -> dict:
     """The record that :func:`_answer_line` wrote, as :func:`summarize` reads it."""
     c = line["choices"][0]
     return {"question_id": line["question_id"], "category": line["category"], "repeat": line["repeat"],
-            "question_turns": line["question_turns"], **{k: c[k] for k in _CHOICE_FIELDS}, "error": line["error"]}
+            "question_turns": line["question_turns"], **{k: c[k] for k in _CHOICE_FIELDS},
+            "accept_lengths": c["accept_lengths_per_turn"], "error": line["error"]}
 
 
 def _append_line(path: Path, line: dict) -> None:

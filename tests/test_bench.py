@@ -85,7 +85,7 @@ def test_run_bench_writes_answer_files_and_feeds_answers_back(tmp_path):
     assert [x["question_id"] for x in lines] == [7, 8]
     first = lines[0]["choices"][0]
     assert len(first["turns"]) == 2 and len(first["new_tokens"]) == 2
-    assert sum(first["accept_lengths"][0]) == first["new_tokens"][0]
+    assert sum(first["accept_lengths_per_turn"][0]) == first["new_tokens"][0]
     doc = json.loads((tmp_path / "summary.json").read_text())
     assert doc["baseline"] == "autoregressive" and "verify_cost" in doc
     assert (tmp_path / "autoregressive.jsonl").is_file()
@@ -152,7 +152,7 @@ def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monk
     ok, base = lines["prompt_lookup"][0], lines["autoregressive"][0]
     assert got["tokens_per_s"] == pytest.approx(speed(ok))
     assert got["speedup"] == pytest.approx(speed(ok) / speed(base))
-    steps = ok["choices"][0]["accept_lengths"][0]
+    steps = ok["choices"][0]["accept_lengths"]
     assert got["mean_accepted"] == pytest.approx(sum(steps) / len(steps))
     table = format_summary(s)
     assert "prompt_lookup: 1 failed" in table and "out of memory" in table
@@ -400,6 +400,56 @@ def test_a_rerun_under_another_specplay_version_measures_afresh(tmp_path, monkey
     monkeypatch.setattr(core, "__version__", "99.0")
     bench()
     assert any("specplay" in m and "-> '99.0'" in m and "starts afresh" in m for m in logs)
+
+
+def read_like_spec_bench(path):
+    """What Spec-Bench's evaluation/speed.py takes from an answer file: per line, the first
+    choice's flat accept lengths (extended over the turns), and the sums of its new tokens, wall
+    times and decoding steps; numpy arrays of them."""
+    import numpy as np
+
+    lengths, speeds, steps = [], [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        choice = json.loads(line)["choices"][0]
+        lengths.extend(choice["accept_lengths"])
+        speeds.append(sum(choice["new_tokens"]) / sum(choice["wall_time"]))
+        steps.append(sum(choice["decoding_steps"]))
+        assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"])
+        assert len(choice["decoding_steps"]) in (0, len(choice["turns"]))  # none where no steps are known
+    return np.array(lengths), np.array(speeds), np.array(steps)
+
+
+def test_spec_bench_reads_a_bench_folder_as_it_reads_its_own(tmp_path, monkeypatch):
+    """Spec-Bench's record, choice by choice: one flat accept_lengths list over the turns and one
+    decoding_steps entry per turn; the turns apart stay under our own key. Two turns of unequal
+    lengths made a ragged array numpy refused ("inhomogeneous shape")."""
+    from specplay.core.remote import Endpoint
+
+    target = tiny_target()
+    fake_endpoints(monkeypatch, target)
+    endpoint = Endpoint("http://h:8000/v1", name="peer")
+    spec = BenchSpec(methods=["prompt_lookup", "remote:peer"], endpoints={"remote:peer": endpoint}, max_new_tokens=7,
+                     chat_template=False, warmup=0)
+    questions = [Question(1, "code", ("ab cd ab", "cd")), Question(2, "qa", ("ab",))]
+    run_bench(target, None, questions, spec, tmp_path, log=lambda m: None)
+    for name in ("autoregressive", "prompt_lookup"):
+        lengths, speeds, steps = read_like_spec_bench(tmp_path / f"{name}.jsonl")
+        assert lengths.ndim == 1 and lengths.dtype.kind == "i" and speeds.ndim == 1 and (speeds > 0).all()
+        assert steps.sum() == len(lengths)
+        for line in answer_lines(tmp_path / f"{name}.jsonl"):
+            c = line["choices"][0]
+            per_turn = c["accept_lengths_per_turn"]
+            assert [x for turn in per_turn for x in turn] == c["accept_lengths"]
+            assert [len(turn) for turn in per_turn] == c["decoding_steps"]
+            assert [sum(turn) for turn in per_turn] == c["new_tokens"]
+    # an endpoint says no steps: nothing to extend with and no steps, not a None numpy cannot read
+    lengths, speeds, steps = read_like_spec_bench(tmp_path / "remote-peer.jsonl")
+    assert len(lengths) == 0 and (steps == 0).all() and (speeds > 0).all()
+    assert answer_lines(tmp_path / "remote-peer.jsonl")[0]["choices"][0]["accept_lengths_per_turn"] is None
+    # and the bench reads its own files back the same (a resume)
+    again = run_bench(target, None, questions, spec, tmp_path, log=lambda m: None)["summary"]
+    assert again["prompt_lookup"]["overall"]["mean_accepted"] == pytest.approx(
+        read_like_spec_bench(tmp_path / "prompt_lookup.jsonl")[0].mean())
 
 
 def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their_results(tmp_path, monkeypatch):
