@@ -90,6 +90,12 @@ def load_questions(source: str, categories: list[str] | None = None, limit: int 
         turns = obj.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise ConfigError(f"{path}, line {n}: 'turns' must be a non-empty list of non-empty strings")
+        for i, turn in enumerate(turns, 1):  # JSON may escape a lone surrogate, which no model can read
+            try:
+                turn.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ConfigError(f"{path}, line {n}: turn {i} is not valid UTF-8 text (a lone surrogate at "
+                                  f"character {exc.start})") from None
         if "question_id" not in obj:
             raise ConfigError(f"{path}, line {n}: missing 'question_id'")
         questions.append(Question(obj["question_id"], str(obj.get("category", "default")), tuple(turns)))

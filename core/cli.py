@@ -121,7 +121,13 @@ def _add_generation_args(p: argparse.ArgumentParser, prompt_required: bool = Tru
 
 
 def _prompt_text(args) -> str:
+    """The prompt from ``--prompt`` or ``--prompt-file``; text that is not UTF-8 is an error here,
+    before any model loads (an argument that is not UTF-8 reaches Python as lone surrogates)."""
     if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise SpecPlayError(f"the prompt is not valid UTF-8 (a lone surrogate at character {exc.start})") from None
         return args.prompt
     try:
         return args.prompt_file.read_text(encoding="utf-8")
@@ -129,6 +135,14 @@ def _prompt_text(args) -> str:
         raise SpecPlayError(f"{args.prompt_file} is not valid UTF-8 (byte {exc.start})") from None
     except OSError as exc:
         raise SpecPlayError(f"cannot read {args.prompt_file}: {exc.strerror}") from None
+
+
+def _check_counts(args) -> None:
+    """The bench's counts in range, before any model loads (``--limit -1`` would drop the last question)."""
+    for flag, value, least in (("--repeats", args.repeats, 1), ("--limit", args.limit, 1),
+                               ("--per-category", args.per_category, 1), ("--warmup", args.warmup, 0)):
+        if value is not None and value < least:
+            raise SpecPlayError(f"{flag} must be {'at least 1' if least else '0 or more'}, got {value}")
 
 
 def _generation_config(args):
@@ -395,6 +409,7 @@ def cmd_bench(args) -> int:
 
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     check_methods(names)
+    _check_counts(args)
     endpoints = {f"remote:{ep.label}": ep for ep in (Endpoint.parse(e) for e in args.engine)}
     questions = load_questions(args.prompts, args.categories, args.limit, args.per_category)
     configs = {n: config_for(n, args) for n in names if n not in PEERS}

@@ -94,6 +94,64 @@ def test_bad_options_are_one_line_errors(folders, capsys, args, message):
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail any test that loads a model: its input was to be refused before."""
+    import specplay.core.models.loader as loader
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(loader, "load_model", refused)
+
+
+def one_line_error(code, err, message):
+    assert code == 1 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["run", "compare", "audit"])
+def test_an_invalid_utf8_prompt_is_refused_before_the_models_load(folders, capsys, tmp_path, no_model_loads, command):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"def f(x):\n    return \xff\xfe x\n")
+    extra = ["--methods", "prompt_lookup"] if command == "compare" else []
+    code, _, err = cli(capsys, command, "--target", folders["target"], "--prompt-file", bad, *extra)
+    one_line_error(code, err, "prompt.txt is not valid UTF-8 (byte 21)")
+    # an argument that is not UTF-8 reaches Python as surrogates (os.fsdecode)
+    code, _, err = cli(capsys, command, "--target", folders["target"], "--prompt", "a \udcff b", *extra)
+    one_line_error(code, err, "the prompt is not valid UTF-8")
+
+
+def write_questions(path, *lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_question_with_a_lone_surrogate_is_refused_before_the_models_load(folders, capsys, tmp_path,
+                                                                           no_model_loads):
+    questions = write_questions(tmp_path / "q.jsonl", '{"question_id": 1, "turns": ["ab"]}',
+                                '{"question_id": 2, "turns": ["ab", "c \\ud800 d"]}')
+    code, _, err = cli(capsys, "bench", "--prompts", questions, "--methods", "autoregressive", "--target",
+                       folders["target"], "--out", tmp_path / "out")
+    one_line_error(code, err, "line 2: turn 2 is not valid UTF-8 text (a lone surrogate at character 2)")
+
+
+@pytest.mark.parametrize("option,message", [
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--limit", "-1"], "--limit must be at least 1, got -1"),
+    (["--limit", "0"], "--limit must be at least 1, got 0"),
+    (["--per-category", "0"], "--per-category must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be 0 or more, got -1"),
+])
+def test_bench_counts_out_of_range_are_refused_before_the_models_load(folders, capsys, tmp_path, no_model_loads,
+                                                                       option, message):
+    questions = write_questions(tmp_path / "q.jsonl", '{"question_id": 1, "turns": ["ab"]}',
+                                '{"question_id": 2, "turns": ["cd"]}')
+    code, _, err = cli(capsys, "bench", "--prompts", questions, "--methods", "autoregressive", "--target",
+                       folders["target"], "--out", tmp_path / "out", *option)
+    one_line_error(code, err, message)
+
+
 def test_empty_prompt(folders, capsys):
     code, _, err = cli(capsys, "run", "--target", folders["target"], "--prompt", "   ")
     assert code == 1 and "prompt is empty" in err
