@@ -536,8 +536,14 @@ def cmd_train(args) -> int:
 
 
 # --------------------------------------------------------------------------- parser
+#: Every option an endpoint takes (:meth:`specplay.core.remote.Endpoint.parse`).
+ENGINE_METAVAR = "URL[,model=M][,name=N][,key-env=VAR][,timeout=S][,deadline=S]"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from specplay.core import __version__
     from specplay.core.audit import DEFAULT_DEPTH as AUDIT_DEPTH, DEFAULT_SAMPLES as AUDIT_SAMPLES
+    from specplay.core.bench import BUILTIN_SETS
     from specplay.core.compare import WARMUP_TOKENS
     from specplay.core.methods import METHODS
 
@@ -546,12 +552,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="SpecPlay: lossless LLM inference acceleration, compared and shown. "
                     "Without a command, the desktop app opens.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log details to stderr")
+    parser.add_argument("-v", "--version", action="version", version=f"specplay {__version__}")
+    parser.add_argument("--verbose", action="store_true", help="log details to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("run", help="generate with one method and stream the text")
     p.add_argument("--method", default="autoregressive", choices=list(METHODS))
-    p.add_argument("--engine", metavar="URL[,model=M][,name=N]",
+    p.add_argument("--engine", metavar=ENGINE_METAVAR,
                    help="stream from an OpenAI-compatible endpoint instead of a local method")
     _add_generation_args(p)
     _add_model_args(p)
@@ -560,7 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="run several methods on the same prompt and compare them")
     p.add_argument("--methods", help=f"comma-separated, from: {', '.join(METHODS)}")
-    p.add_argument("--engine", action="append", default=[], metavar="URL[,model=M][,name=N]",
+    p.add_argument("--engine", action="append", default=[], metavar=ENGINE_METAVAR,
                    help="an OpenAI-compatible endpoint to compare instead of local methods (repeatable; the first "
                         "is the baseline); an API key is sent only from the variable key-env=VAR names or the OS "
                         "keyring entry for the URL, and never over plain http:// to another machine")
@@ -575,14 +582,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("bench", help="benchmark methods and transformers peers on a prompt set (Spec-Bench style)")
-    p.add_argument("--prompts", default="code", help="a Spec-Bench question file, or a built-in set: code, spec_bench")
+    p.add_argument("--prompts", default="code", help=f"a Spec-Bench question file, or a built-in set: {', '.join(BUILTIN_SETS)}")
     p.add_argument("--categories", nargs="*", help="only these categories (mt_bench = the 8 MT-bench ones)")
     p.add_argument("--limit", type=int, help="first N questions")
     p.add_argument("--per-category", type=int, help="first N questions of each category")
     p.add_argument("--methods", required=True,
                    help="comma-separated methods and peers (hf_generate, hf_assisted, hf_prompt_lookup; with the "
                         "'peers' extra: llamacpp_generate, llamacpp_prompt_lookup)")
-    p.add_argument("--engine", action="append", default=[], metavar="URL[,model=M][,name=N]",
+    p.add_argument("--engine", action="append", default=[], metavar=ENGINE_METAVAR,
                    help="also benchmark an OpenAI-compatible endpoint on the same prompts (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -287,3 +287,30 @@ def test_train_save_corpus_keeps_its_own_targets_answers_in_a_shared_work_folder
     assert f"{corpus} holds 3 answers" in err
     with safe_open(str(corpus), framework="pt") as f:
         assert f.metadata()["target_key"] == target_key(folders[1], lambda *_: None)
+
+
+@pytest.mark.parametrize("flag", ["-v", "--version"])
+def test_the_version_flag_prints_the_version(capsys, flag):
+    from specplay.core import __version__
+
+    with pytest.raises(SystemExit) as exit:
+        main([flag])
+    assert exit.value.code == 0 and capsys.readouterr().out.strip() == f"specplay {__version__}"
+
+
+def help_of(capsys, *command):
+    with pytest.raises(SystemExit) as exit:
+        main([*command, "--help"])
+    assert exit.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
+
+
+def test_the_help_names_every_prompt_set_and_every_endpoint_option(capsys):
+    from specplay.core.bench import BUILTIN_SETS
+
+    bench = help_of(capsys, "bench")
+    prompts = bench.split("--prompts PROMPTS ", 1)[1].split("--categories")[0]  # the option's own help
+    assert "built-in set" in prompts and all(name in prompts for name in BUILTIN_SETS), prompts
+    for command in ("run", "compare", "bench"):
+        text = help_of(capsys, command)
+        assert "--engine URL[,model=M][,name=N][,key-env=VAR][,timeout=S][,deadline=S]" in text, command
