@@ -629,8 +629,9 @@ def remote_record(run: RemoteRun, *, max_new_tokens: int, temperature: float, to
         stop_reason=stop, cancelled=run.cancelled, error=run.error,
         temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
         new_tokens=run.new_tokens, wall_time=run.wall_time, accept_lengths=None,
-        choices=[{"index": 0, "turns": [run.text], "decoding_steps": [steps], "new_tokens": [run.new_tokens],
-                  "wall_time": [run.wall_time], "accept_lengths": [None]}],
+        # Spec-Bench's shapes: no steps known, so no accept lengths and no decoding steps listed.
+        choices=[{"index": 0, "turns": [run.text], "decoding_steps": [] if steps is None else [steps],
+                  "new_tokens": [run.new_tokens], "wall_time": [run.wall_time], "accept_lengths": []}],
         steps=steps, tokens_per_s=run.tokens_per_s, prefill_time=None,
         time_to_first_token=run.time_to_first_token, inter_token_latency=run.inter_token_latency,
         mean_accepted=stats.mean_accepted if stats else None,

@@ -1,7 +1,8 @@
 """Run logs: one JSON object per run, a superset of the Spec-Bench answer record.
 
 Spec-Bench's tools read ``question_id``, ``model_id`` and ``choices[i]`` with per-turn
-``turns``, ``new_tokens``, ``wall_time``, ``accept_lengths`` and ``decoding_steps``; vLLM-style
+``turns``, ``new_tokens``, ``wall_time`` and ``decoding_steps``, and one flat ``accept_lengths``
+list over the turns (empty where the steps are unknown: an endpoint's); vLLM-style
 readers find ``mean_acceptance_length`` and ``draft_acceptance_rate``. The flat fields carry
 the rest: models, method and parameters, prompt, output, metrics and environment. With
 ``events`` the record also keeps every token's fate and numbers, so a run can be reopened
@@ -160,7 +161,7 @@ class RunRecord:
             temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_new_tokens=result.config.max_new_tokens,
             new_tokens=m.new_tokens, wall_time=m.wall_time, accept_lengths=m.accept_lengths,
             choices=[{"index": 0, "turns": [result.text], "decoding_steps": [m.steps], "new_tokens": [m.new_tokens],
-                      "wall_time": [m.wall_time], "accept_lengths": [m.accept_lengths]}],
+                      "wall_time": [m.wall_time], "accept_lengths": m.accept_lengths}],  # one turn: already flat
             steps=m.steps, tokens_per_s=m.tokens_per_s, prefill_time=m.prefill_time,
             time_to_first_token=m.time_to_first_token, mean_accepted=m.mean_accepted,
             mean_acceptance_length=1 + m.accepted / m.num_drafts if m.num_drafts else None,

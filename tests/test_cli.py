@@ -43,6 +43,9 @@ def test_run_json_has_the_documented_fields(folders, capsys):
     assert record["method"] == "speculative" and record["params"]["gamma"] == 3
     assert record["new_tokens"] == len(record["token_ids"]) == sum(record["accept_lengths"])
     assert record["choices"][0]["new_tokens"] == [record["new_tokens"]]
+    # Spec-Bench's shapes: one flat list of accept lengths over the turns, the steps per turn.
+    assert record["choices"][0]["accept_lengths"] == record["accept_lengths"]
+    assert record["choices"][0]["decoding_steps"] == [record["steps"]] == [len(record["accept_lengths"])]
 
 
 def test_run_streams_text(folders, capsys):

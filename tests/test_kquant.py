@@ -136,17 +136,12 @@ def _tiny_gguf_decoder(seed: int = 0):
 
 
 def test_a_gguf_model_verifies_like_it_decodes():
+    from tiny import block_and_singles
+
     a, b = _tiny_gguf_decoder(), _tiny_gguf_decoder()
     assert a.info.dtype == "gguf" and a._kv.dtype == torch.float64
-    seq = [1, 5, 9, 13, 7, 3, 22, 40, 41, 17, 8, 30]
-    a.forward_chain(seq[:3])
-    block = a.forward(torch.tensor(seq[3:])).logits
-    b.forward_chain(seq[:3])
-    singles = []
-    for t in seq[3:]:
-        singles.append(b.forward(torch.tensor([t])).logits)
-        b.commit(1)
-    assert torch.equal(block, torch.cat(singles))
+    block, singles = block_and_singles(a, b, [1, 5, 9, 13, 7, 3, 22, 40, 41, 17, 8, 30])
+    assert torch.equal(block, singles)
 
 
 def test_speculation_on_a_gguf_target_emits_greedy_decodings_tokens():

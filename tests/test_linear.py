@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specplay.core.models.linear import Int8RowExactLinear, int8_supported
-from tiny import native_from_hf, tiny_hf_model
+from tiny import block_and_singles, native_from_hf, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="no x86 quantized engine")
 
@@ -28,17 +28,10 @@ def test_int8_model_verifies_like_it_decodes():
     """In int8 storage, the logits of a token are the same whether it is decoded alone or in a block."""
     model = tiny_hf_model(seed=2)
     a, b = native_from_hf(model, torch.float32, "int8"), native_from_hf(model, torch.float32, "int8")
-    seq = [1, 5, 9, 13, 7, 3, 22]
-    a.forward_chain(seq[:3])
-    block = a.forward(torch.tensor(seq[3:])).logits
-    b.forward_chain(seq[:3])
-    singles = []
-    for t in seq[3:]:
-        singles.append(b.forward(torch.tensor([t])).logits)
-        b.commit(1)
+    block, singles = block_and_singles(a, b, [1, 5, 9, 13, 7, 3, 22])
     # Linear layers are exact (test above) and attention runs in float64, whose shape-dependent
     # rounding differences vanish when results return to float32.
-    assert torch.equal(block, torch.cat(singles))
+    assert torch.equal(block, singles)
 
 
 def test_the_draft_layers_approximate_the_float_layer():

@@ -179,6 +179,7 @@ def test_a_streamed_run_is_timed_and_its_speculation_read_from_the_counters(monk
     record = remote_record(run, max_new_tokens=10, temperature=0.0, top_p=1.0, seed=0)
     assert "sk-secret" not in json.dumps(record)  # the key never reaches a record
     assert record["method"].startswith("remote:") and record["choices"][0]["turns"] == [run.text]
+    assert all(isinstance(a, int) for a in record["choices"][0]["accept_lengths"])  # Spec-Bench's flat list
     assert record["acceptance_by_position"] == [1.0, 0.75, 0.25] and record["spec_source"] == "vllm-metrics"
     # An endpoint's record carries its own keys and none of a local run's; it reads back as written.
     assert {"engine", "inter_token_latency"} <= record.keys() and not record.keys() & LOCAL_ONLY

@@ -41,6 +41,19 @@ def native_from_hf(model, dtype=torch.float64, storage: str = "float") -> Native
     return NativeDecoder(cfg, sd.get, name="tiny", dtype=dtype, storage=storage, eos_token_ids=(2,))
 
 
+def block_and_singles(a, b, seq, prefix: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of ``seq[prefix:]`` after ``seq[:prefix]``: read as one block by model ``a``, one
+    token at a time by ``b`` (the same weights). Exact storage must make them equal."""
+    a.forward_chain(seq[:prefix])
+    block = a.forward(torch.tensor(seq[prefix:])).logits
+    b.forward_chain(seq[:prefix])
+    singles = []
+    for t in seq[prefix:]:
+        singles.append(b.forward(torch.tensor([t])).logits)
+        b.commit(1)
+    return block, torch.cat(singles)
+
+
 def tiny_pair(arch: str = "qwen2", dtype=torch.float64, seed: int = 0, **kw):
     """(native, hf) views of the same random weights."""
     model = tiny_hf_model(arch, seed=seed, dtype=dtype, **kw)
