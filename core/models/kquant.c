@@ -8,16 +8,19 @@
  * - Inside a 256-weight block every product and sum is an integer (exact in any order). Weights
  *   are unsigned (Q4_K's 0..15, Q6_K's 0..63), activations in -127..127, so the 16-bit pair sums
  *   of vpmaddubsw stay below 2 * 63 * 127 = 16002 and never saturate.
- * - Each block's integer sum becomes float once, and an output's blocks are added in ascending
- *   order by the same scalar code on every path (compiled with -ffp-contract=off: no FMA that
- *   one path would contract and another not).
+ * - Each output's float work is one fixed sequence of vector-lane operations (the same on every
+ *   path and tile size, compiled with -ffp-contract=off: no FMA that one path would contract and
+ *   another not), blocks in ascending order, its four lanes summed at the end in one fixed order.
  * - Threads split the outputs (columns), never the sum over K: every output is one thread's.
  *
  * Weights are repacked once at load, keeping their values exactly: Q4_K's half-precision d and
  * dmin as float, its 6-bit scales and mins as bytes; Q6_K's d as float, its bits as they are.
+ * Each weight row (an output column) keeps its blocks contiguous, so the first r rows of a
+ * matrix are a matrix of r rows (a cut LM head).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -25,36 +28,47 @@
 
 enum { TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* GGML's type numbers */
 
-/* The order of a block's 256 positions in memory, for weights and activations alike: byte
- * 64t + 4j + i holds position 16j + 4t + i (chunk t = 0..3, lane j = 0..15, i = 0..3). One
- * vpdpbusd over chunk t then adds four products of group j (positions 16j .. 16j+15) into lane
- * j, so four of them leave each group's whole integer sum in its own lane, ready for its scale. */
-static inline int position(int byte) { return 16 * ((byte % 64) / 4) + 4 * (byte / 64) + byte % 4; }
+/* The order of a block's 256 positions in memory, for weights and activations alike. Byte
+ * 128h + 16t + 4i + j (half h = 0..1, chunk t = 0..7, slot i = 0..3, j = 0..3) holds position
+ * 128h + 32i + 4t + j. The kernel puts four columns side by side in one 512-bit vector (one
+ * 128-bit lane each) and multiplies a weight chunk by the same 16 activation bytes in every lane:
+ * a vpdpbusd lane (column, slot i) then sums four products of 32-group 4h + i, so the eight chunks
+ * of a half leave each group's integer sum in its own lane, ready for its column's scale. */
+static inline int position(int byte) {
+    return 128 * (byte / 128) + 32 * ((byte % 16) / 4) + 4 * ((byte % 128) / 16) + byte % 4;
+}
 
-/* One block of 256 activations of one row: ``value ≈ d * q``; ``bsum[j]`` is ``d`` times the
- * sum of q over group j (the part the weights' offsets multiply). */
+/* One block of 256 activations of one row: ``value ≈ d * q``, q in the order of ``position``.
+ * ``xmin[e][i]`` is ``d`` times the sum of q over 32-group 4e + i (what Q4_K's mins multiply);
+ * ``neg32[2h + u][i]`` is -32 times the sum over 16-group 8h + 2i + u (Q6_K's offset of 32). */
 typedef struct {
-    float d;
     int8_t q[QK];
-    float bsum[16];
+    int32_t neg32[4][4];
+    float xmin[2][4];
+    float d;
+    float pad[3];
 } blockx;
 
-typedef struct { /* Q4_K: value = d * sc[g/2] * q - dmin * m[g/2] in group g (of 16 positions) */
-    float d, dmin;
+typedef struct { /* Q4_K: value = d * sc[g] * q - dmin * m[g] in 32-group g */
     uint8_t sc[8], m[8];
-    uint8_t qs[128]; /* byte u*64 + b: low nibble at memory byte b of chunk u, high nibble of chunk u + 2 */
+    float d, dmin;
+    uint8_t qs[128]; /* byte b: low nibble at memory byte b, high nibble at byte b + 128 */
 } block4;
 
-typedef struct { /* Q6_K: value = d * sc[g] * (q - 32) in group g */
-    float d;
+typedef struct { /* Q6_K: value = d * sc[g] * (q - 32) in 16-group g */
     int8_t sc[16];
+    float d;
     uint8_t ql[128]; /* q's low four bits, packed as Q4_K's */
-    uint8_t qh[64];  /* q's high two bits: bits 2t, 2t+1 of byte b for memory byte b of chunk t */
+    uint8_t qh[64];  /* q's high two bits: bits 2s, 2s+1 of byte 16c + l for memory byte qh_byte(c, s, l) */
 } block6;
+
+/* Q6_K's high bits: chunk c (0..3) of qh, bit pair s (0..3), byte l (0..15) of the chunk belong
+ * to memory byte 128h + 16t + l with h = s/2 and t = 4(c/2) + 2(c%2) + s%2, so the kernel's two
+ * passes (chunks t = 0..3, then 4..7) each read the qh chunks 2z and 2z + 1 alone. */
+static inline int qh_byte(int c, int s, int l) { return 128 * (s / 2) + 16 * (4 * (c / 2) + 2 * (c % 2) + s % 2) + l; }
 
 int sp_sizeof_blockx(void) { return (int)sizeof(blockx); }
 int sp_sizeof_block(int type) { return type == TYPE_Q4_K ? (int)sizeof(block4) : type == TYPE_Q6_K ? (int)sizeof(block6) : -1; }
-
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
     if (exp == 0) {
@@ -142,15 +156,22 @@ int sp_repack(int type, const uint8_t *raw, void *out, int64_t rows, int64_t nb)
             uint8_t low[QK];
             for (int p = 0; p < QK; p++) low[p] = v[p] & 0xF;
             pack_nibbles(low, o[i].ql);
-            for (int m = 0; m < 64; m++) {
-                uint8_t hb = 0;
-                for (int t = 0; t < 4; t++) hb |= (uint8_t)((v[position(64 * t + m)] >> 4) << (2 * t));
-                o[i].qh[m] = hb;
-            }
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 16; l++) {
+                    uint8_t hb = 0;
+                    for (int s = 0; s < 4; s++) hb |= (uint8_t)((v[position(qh_byte(c, s, l))] >> 4) << (2 * s));
+                    o[i].qh[16 * c + l] = hb;
+                }
         }
         return 0;
     }
     return -1;
+}
+
+/* The high two bits of a Q6_K value at memory byte ``byte`` (the inverse of ``qh_byte``). */
+static int q6k_high(const block6 *q, int byte) {
+    int h = byte / 128, t = (byte % 128) / 16, c = 2 * (t / 4) + (t % 4) / 2, s = 2 * h + t % 2;
+    return (q->qh[16 * c + byte % 16] >> (2 * s)) & 3;
 }
 
 /* Rows of repacked weights as float (an embedding lookup), by GGUF's dequantization formulas. */
@@ -167,8 +188,7 @@ int sp_dequantize_rows(int type, const void *w, int64_t nb, const int64_t *ids, 
                     out[p] = q->d * q->sc[s] * v - q->dmin * q->m[s];
                 } else {
                     const block6 *q = (const block6 *)w + ids[r] * nb + i;
-                    int hi = (q->qh[byte % 64] >> (2 * (byte / 64))) & 3;
-                    int v = (((q->ql[b] >> (4 * half)) & 0xF) | (hi << 4)) - 32;
+                    int v = (((q->ql[b] >> (4 * half)) & 0xF) | (q6k_high(q, byte) << 4)) - 32;
                     out[p] = q->d * q->sc[p / 16] * v;
                 }
             }
@@ -188,6 +208,7 @@ void sp_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, blockx *out)
             float amax = 0.0f;
             for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(v[l]));
             float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            memset(b, 0, sizeof *b);
             b->d = amax / 127.0f;
             int sums[16] = {0};
             for (int byte = 0; byte < QK; byte++) {
@@ -197,186 +218,332 @@ void sp_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, blockx *out)
                 b->q[byte] = (int8_t)q;
                 sums[p / 16] += q;
             }
-            for (int g = 0; g < 16; g++) b->bsum[g] = b->d * (float)sums[g];
+            for (int i4 = 0; i4 < 4; i4++) {
+                for (int e = 0; e < 2; e++) b->xmin[e][i4] = b->d * (float)(sums[8 * e + 2 * i4] + sums[8 * e + 2 * i4 + 1]);
+                for (int hu = 0; hu < 4; hu++) b->neg32[hu][i4] = -32 * sums[8 * (hu / 2) + 2 * i4 + hu % 2];
+            }
         }
     }
 }
-
-/* ---- The dot products. A block's weights are decoded once into registers and shared by a tile
- * of R rows. Each row's float work is the same sequence on every tile size (8, 4, 2 or 1, chosen
- * by how many rows are left): acc += float(S) * (sc * xd), acc -= off * bsum, lane by lane, blocks
- * in ascending order, lanes summed at the end in one fixed order. R therefore never changes a
- * row's result; the tests prove it for every M from 1 to 64. */
+/* ---- The dot products. Four columns (weight rows) share a 512-bit vector, one 128-bit lane
+ * each, and a tile of R rows shares every decoded weight chunk. Each output (row, column) sees
+ * one float sequence on every path and tile size (8, 4, 2 or 1 rows, chosen by how many rows are
+ * left), in its four slot lanes, block after block (G: a lane's integer sum over one group):
+ *   Q4_K: u = float(G0) * (d sc0); u += float(G1) * (d sc1); acc += u * xd;
+ *         acc -= (dmin m0) * xmin0; acc -= (dmin m1) * xmin1
+ *   Q6_K: u = float(G00) * (d sc00); u += float(G10) * (d sc10); u += ... G01, G11; acc += u * xd
+ * then (s0 + s1) + (s2 + s3) over the slots. R therefore never changes a row's result; the tests
+ * prove it for every M from 1 to 65. The AVX-512 path reads Q4_K's high nibbles in place, as 16
+ * times their value, and multiplies their sum by (d sc1) / 16: exact scalings by 16, so the same
+ * products bit for bit (AVX2's vpmaddubsw would saturate on them, so it shifts them down). */
 
 #define AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"
+#define INLINE static inline __attribute__((always_inline))
+#define ROWS_MAX 8
 
-typedef struct { /* a decoded block: weights by chunk, and each group's float scale and offset */
-    __m512i w[4];
-    __m512 scale, off;
-} dec512;
+/* pshufb patterns (per 128-bit lane) that pick a block's scales for the slots: Q4_K's sc[i] and
+ * sc[4 + i], m[i] and m[4 + i] as int32; Q6_K's sc[8h + 2i + u] into the top byte (for its sign). */
+static const int8_t PICK_SC_LO[16] = {0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1};
+static const int8_t PICK_SC_HI[16] = {4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1};
+static const int8_t PICK_MIN_LO[16] = {8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1};
+static const int8_t PICK_MIN_HI[16] = {12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1};
+static const int8_t PICK_SC6[4][16] = {{-1, -1, -1, 0, -1, -1, -1, 2, -1, -1, -1, 4, -1, -1, -1, 6},
+                                       {-1, -1, -1, 1, -1, -1, -1, 3, -1, -1, -1, 5, -1, -1, -1, 7},
+                                       {-1, -1, -1, 8, -1, -1, -1, 10, -1, -1, -1, 12, -1, -1, -1, 14},
+                                       {-1, -1, -1, 9, -1, -1, -1, 11, -1, -1, -1, 13, -1, -1, -1, 15}};
 
-__attribute__((target(AVX512))) static inline void decode4_512(const block4 *b, dec512 *o) {
-    const __m512i m4 = _mm512_set1_epi8(0xF);
-    for (int u = 0; u < 2; u++) {
-        __m512i v = _mm512_loadu_si512((const void *)(b->qs + 64 * u));
-        o->w[u] = _mm512_and_si512(v, m4);
-        o->w[u + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    }
-    __m128i sc = _mm_loadl_epi64((const __m128i *)b->sc), m = _mm_loadl_epi64((const __m128i *)b->m);
-    o->scale = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sc, sc))), _mm512_set1_ps(b->d));
-    o->off = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(m, m))), _mm512_set1_ps(b->dmin));
+#define LOAD128(p) _mm_loadu_si128((const __m128i *)(const void *)(p))
+
+/* 16 bytes at ``off`` in each of four columns' blocks, one column per 128-bit lane. */
+__attribute__((target(AVX512))) INLINE __m512i lanes4(const uint8_t *const c[4], int64_t off) {
+    __m512i v = _mm512_castsi128_si512(LOAD128(c[0] + off));
+    v = _mm512_inserti32x4(v, LOAD128(c[1] + off), 1);
+    v = _mm512_inserti32x4(v, LOAD128(c[2] + off), 2);
+    return _mm512_inserti32x4(v, LOAD128(c[3] + off), 3);
 }
 
-__attribute__((target(AVX512))) static inline void decode6_512(const block6 *b, dec512 *o) {
-    const __m512i m4 = _mm512_set1_epi8(0xF), m2 = _mm512_set1_epi8(3);
-    __m512i hb = _mm512_loadu_si512((const void *)b->qh);
-    for (int u = 0; u < 2; u++) {
-        __m512i v = _mm512_loadu_si512((const void *)(b->ql + 64 * u));
-        o->w[u] = _mm512_and_si512(v, m4);
-        o->w[u + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    }
-    o->w[0] = _mm512_or_si512(o->w[0], _mm512_slli_epi16(_mm512_and_si512(hb, m2), 4));
-    o->w[1] = _mm512_or_si512(o->w[1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2), m2), 4));
-    o->w[2] = _mm512_or_si512(o->w[2], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), m2), 4));
-    o->w[3] = _mm512_or_si512(o->w[3], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 6), m2), 4));
-    __m512 sc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->sc))),
-                              _mm512_set1_ps(b->d));
-    o->scale = sc;
-    o->off = _mm512_mul_ps(sc, _mm512_set1_ps(32.0f));
+/* Chunks t = 0..3 (64 bytes at ``off``) of four columns, transposed: a[t] holds chunk t of each. */
+__attribute__((target(AVX512))) INLINE void chunks4(const uint8_t *const c[4], int64_t off, __m512i a[4]) {
+    __m512i v[4];
+    for (int k = 0; k < 4; k++) v[k] = _mm512_loadu_si512((const void *)(c[k] + off));
+    __m512i t0 = _mm512_shuffle_i64x2(v[0], v[1], 0x44), t1 = _mm512_shuffle_i64x2(v[0], v[1], 0xEE);
+    __m512i t2 = _mm512_shuffle_i64x2(v[2], v[3], 0x44), t3 = _mm512_shuffle_i64x2(v[2], v[3], 0xEE);
+    a[0] = _mm512_shuffle_i64x2(t0, t2, 0x88);
+    a[1] = _mm512_shuffle_i64x2(t0, t2, 0xDD);
+    a[2] = _mm512_shuffle_i64x2(t1, t3, 0x88);
+    a[3] = _mm512_shuffle_i64x2(t1, t3, 0xDD);
 }
 
-#define DEFINE_TILE_512(R)                                                                         \
-    __attribute__((target(AVX512))) static void tile##R##_512(int type, const uint8_t *wcol, int64_t nb, \
-                                                              int64_t bsize, const blockx *x, float *y,  \
-                                                              int64_t ldy) {                       \
-        __m512 acc[R];                                                                             \
-        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                  \
-        for (int64_t b = 0; b < nb; b++) {                                                         \
-            dec512 d;                                                                              \
-            if (type == TYPE_Q4_K) decode4_512((const block4 *)(wcol + b * bsize), &d);            \
-            else decode6_512((const block6 *)(wcol + b * bsize), &d);                              \
-            for (int i = 0; i < R; i++) {                                                          \
-                const blockx *xb = x + i * nb + b;                                                 \
-                __m512i s = _mm512_setzero_si512();                                                \
-                for (int t = 0; t < 4; t++)                                                        \
-                    s = _mm512_dpbusd_epi32(s, d.w[t], _mm512_loadu_si512((const void *)(xb->q + 64 * t))); \
-                __m512 f = _mm512_mul_ps(d.scale, _mm512_set1_ps(xb->d));                          \
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), f, acc[i]);                        \
-                acc[i] = _mm512_fnmadd_ps(d.off, _mm512_loadu_ps(xb->bsum), acc[i]);               \
-            }                                                                                      \
-        }                                                                                          \
-        for (int i = 0; i < R; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);                     \
-    }
+/* Chunks 2z and 2z + 1 of four columns' Q6_K high bits (32 bytes at ``off``), transposed. */
+__attribute__((target(AVX512))) INLINE void chunks2(const uint8_t *const c[4], int64_t off, __m512i a[2]) {
+    __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c[0] + off))),
+                                    _mm256_loadu_si256((const __m256i *)(c[1] + off)), 1);
+    __m512i cd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c[2] + off))),
+                                    _mm256_loadu_si256((const __m256i *)(c[3] + off)), 1);
+    a[0] = _mm512_shuffle_i64x2(ab, cd, 0x88);
+    a[1] = _mm512_shuffle_i64x2(ab, cd, 0xDD);
+}
 
-DEFINE_TILE_512(1)
-DEFINE_TILE_512(2)
-DEFINE_TILE_512(4)
-DEFINE_TILE_512(8)
+__attribute__((target(AVX512))) INLINE __m512i bcast512(const void *p) { return _mm512_broadcast_i32x4(LOAD128(p)); }
 
-/* AVX2 + FMA: the same layout in halves of 32 bytes (lanes of groups 0-7, then 8-15); without
- * VNNI, vpmaddubsw's pair sums (below 2 * 63 * 127, no saturation) and vpmaddwd by ones make
- * each lane's four-product sum. */
-typedef struct {
-    __m256i w[8]; /* chunk t, half h at 2t + h */
-    __m256 scale[2], off[2];
-} dec256;
+/* Bits 2s, 2s+1 of every byte moved to bits 4, 5 (the rest is masked off by the caller). */
+__attribute__((target(AVX512))) INLINE __m512i high512(__m512i v, int s) {
+    return s == 0 ? _mm512_slli_epi16(v, 4) : s == 1 ? _mm512_slli_epi16(v, 2) : s == 2 ? v : _mm512_srli_epi16(v, 2);
+}
 
-__attribute__((target("avx2,fma"))) static inline void decode4_256(const block4 *b, dec256 *o) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    for (int u = 0; u < 2; u++)
-        for (int h = 0; h < 2; h++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(b->qs + 64 * u + 32 * h));
-            o->w[2 * u + h] = _mm256_and_si256(v, m4);
-            o->w[2 * (u + 2) + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+/* A row's four slot sums per column, (s0 + s1) + (s2 + s3), stored for the ``ncols`` real columns
+ * (``step`` outputs apart). */
+__attribute__((target(AVX512))) INLINE void store512(__m512 v, float *y, int64_t step, int ncols) {
+    float o[16];
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+    _mm512_storeu_ps(o, _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E)));
+    for (int i = 0; i < ncols; i++) y[i * step] = o[4 * i];
+}
+
+__attribute__((target(AVX512))) INLINE void q4_tile512(const uint8_t *const col[4], int64_t nb, const blockx *x,
+                                                       float *y, int64_t ldy, int64_t step, int ncols, const int R) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), mf0 = _mm512_set1_epi8((char)0xF0), lo = bcast512(PICK_SC_LO),
+                  hi = bcast512(PICK_SC_HI), mlo = bcast512(PICK_MIN_LO), mhi = bcast512(PICK_MIN_HI);
+    __m512 acc[ROWS_MAX];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w[4];
+        _Pragma("GCC unroll 8") for (int k = 0; k < 4; k++) w[k] = col[k] + b * (int64_t)sizeof(block4);
+        __m512i sm = lanes4(w, offsetof(block4, sc));
+        __m512 dd = _mm512_castsi512_ps(lanes4(w, offsetof(block4, d)));
+        __m512 d = _mm512_permute_ps(dd, 0x00), dmin = _mm512_permute_ps(dd, 0x55);
+        __m512 slo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, lo)), d);
+        __m512 shi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, hi)), _mm512_mul_ps(d, _mm512_set1_ps(0.0625f)));
+        __m512 wlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, mlo)), dmin);
+        __m512 whi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, mhi)), dmin);
+        __m512i g0[ROWS_MAX], g1[ROWS_MAX], e0 = _mm512_setzero_si512(), e1 = e0;
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g0[r] = g1[r] = _mm512_setzero_si512();
+        _Pragma("GCC unroll 8") for (int z = 0; z < 2; z++) {
+            __m512i p[4];
+            chunks4(w, offsetof(block4, qs) + 64 * z, p);
+            _Pragma("GCC unroll 8") for (int u = 0; u < 4; u++) {
+                int t = 4 * z + u;
+                __m512i wl = _mm512_and_si512(p[u], m4), wh = _mm512_and_si512(p[u], mf0);
+                if (R == 1 && u % 2) { /* a lone row: two chains per sum, for the latency */
+                    const int8_t *q = x[b].q;
+                    e0 = _mm512_dpbusd_epi32(e0, wl, bcast512(q + 16 * t));
+                    e1 = _mm512_dpbusd_epi32(e1, wh, bcast512(q + 128 + 16 * t));
+                    continue;
+                }
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                    const int8_t *q = x[r * nb + b].q;
+                    g0[r] = _mm512_dpbusd_epi32(g0[r], wl, bcast512(q + 16 * t));
+                    g1[r] = _mm512_dpbusd_epi32(g1[r], wh, bcast512(q + 128 + 16 * t));
+                }
+            }
         }
-    __m128i sc = _mm_loadl_epi64((const __m128i *)b->sc), m = _mm_loadl_epi64((const __m128i *)b->m);
-    sc = _mm_unpacklo_epi8(sc, sc);
-    m = _mm_unpacklo_epi8(m, m);
-    for (int h = 0; h < 2; h++) {
-        o->scale[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(sc, 8) : sc)),
-                                    _mm256_set1_ps(b->d));
-        o->off[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(m, 8) : m)),
-                                  _mm256_set1_ps(b->dmin));
-    }
-}
-
-__attribute__((target("avx2,fma"))) static inline void decode6_256(const block6 *b, dec256 *o) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        __m256i hb = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-        for (int u = 0; u < 2; u++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * u + 32 * h));
-            o->w[2 * u + h] = _mm256_and_si256(v, m4);
-            o->w[2 * (u + 2) + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (R == 1) g0[0] = _mm512_add_epi32(g0[0], e0), g1[0] = _mm512_add_epi32(g1[0], e1);
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+            const blockx *xb = x + r * nb + b;
+            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(g0[r]), slo);
+            u = _mm512_fmadd_ps(_mm512_cvtepi32_ps(g1[r]), shi, u);
+            acc[r] = _mm512_fmadd_ps(u, _mm512_set1_ps(xb->d), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(wlo, _mm512_broadcast_f32x4(_mm_loadu_ps(xb->xmin[0])), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(whi, _mm512_broadcast_f32x4(_mm_loadu_ps(xb->xmin[1])), acc[r]);
         }
-        for (int t = 0; t < 4; t++) {
-            __m256i hi = _mm256_and_si256(t ? _mm256_srli_epi16(hb, 2 * t) : hb, m2);
-            o->w[2 * t + h] = _mm256_or_si256(o->w[2 * t + h], _mm256_slli_epi16(hi, 4));
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) store512(acc[r], y + r * ldy, step, ncols);
+}
+
+__attribute__((target(AVX512))) INLINE void q6_tile512(const uint8_t *const col[4], int64_t nb, const blockx *x,
+                                                       float *y, int64_t ldy, int64_t step, int ncols, const int R) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[ROWS_MAX];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w[4];
+        _Pragma("GCC unroll 8") for (int k = 0; k < 4; k++) w[k] = col[k] + b * (int64_t)sizeof(block6);
+        __m512i sc = lanes4(w, offsetof(block6, sc));
+        __m512 d = _mm512_permute_ps(_mm512_castsi512_ps(lanes4(w, offsetof(block6, d))), 0x00), s[4];
+        _Pragma("GCC unroll 8") for (int hu = 0; hu < 4; hu++)
+            s[hu] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_shuffle_epi8(sc, bcast512(PICK_SC6[hu])), 24)), d);
+        __m512 u[ROWS_MAX];
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) u[r] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 8") for (int z = 0; z < 2; z++) {
+            __m512i p[4], h[2], g0[ROWS_MAX], g1[ROWS_MAX];
+            chunks4(w, offsetof(block6, ql) + 64 * z, p);
+            chunks2(w, offsetof(block6, qh) + 32 * z, h);
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                g0[r] = bcast512(x[r * nb + b].neg32[z]);
+                g1[r] = bcast512(x[r * nb + b].neg32[2 + z]);
+            }
+            _Pragma("GCC unroll 8") for (int v = 0; v < 4; v++) {
+                int t = 4 * z + v;
+                __m512i wl = _mm512_ternarylogic_epi32(_mm512_and_si512(p[v], m4), high512(h[v / 2], v % 2), m30, 0xF8);
+                __m512i wh = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(p[v], 4), m4),
+                                                       high512(h[v / 2], 2 + v % 2), m30, 0xF8);
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                    const int8_t *q = x[r * nb + b].q;
+                    g0[r] = _mm512_dpbusd_epi32(g0[r], wl, bcast512(q + 16 * t));
+                    g1[r] = _mm512_dpbusd_epi32(g1[r], wh, bcast512(q + 128 + 16 * t));
+                }
+            }
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                __m512 f = _mm512_cvtepi32_ps(g0[r]);
+                u[r] = z == 0 ? _mm512_mul_ps(f, s[0]) : _mm512_fmadd_ps(f, s[1], u[r]);
+                u[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(g1[r]), s[2 + z], u[r]);
+            }
         }
-        __m128i sc = _mm_loadl_epi64((const __m128i *)(b->sc + 8 * h));
-        o->scale[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), _mm256_set1_ps(b->d));
-        o->off[h] = _mm256_mul_ps(o->scale[h], _mm256_set1_ps(32.0f));
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(u[r], _mm512_set1_ps(x[r * nb + b].d), acc[r]);
     }
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) store512(acc[r], y + r * ldy, step, ncols);
 }
 
-__attribute__((target("avx2,fma"))) static inline float hsum8f(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* AVX2 + FMA: the same layout and float sequence, two columns per 256-bit vector; without VNNI,
+ * vpmaddubsw's pair sums (below 2 * 63 * 127, no saturation) and vpmaddwd by ones make each
+ * lane's four-product sum. */
+#define AVX2 "avx2,fma"
+
+__attribute__((target(AVX2))) INLINE __m256i lanes2(const uint8_t *const c[2], int64_t off) {
+    return _mm256_loadu2_m128i((const __m128i *)(const void *)(c[1] + off), (const __m128i *)(const void *)(c[0] + off));
 }
 
-#define DEFINE_TILE_256(R)                                                                         \
-    __attribute__((target("avx2,fma"))) static void tile##R##_256(int type, const uint8_t *wcol, int64_t nb, \
-                                                                  int64_t bsize, const blockx *x, float *y,  \
-                                                                  int64_t ldy) {                   \
-        const __m256i ones = _mm256_set1_epi16(1);                                                 \
-        __m256 acc[R][2];                                                                          \
-        for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                   \
-        for (int64_t b = 0; b < nb; b++) {                                                         \
-            dec256 d;                                                                              \
-            if (type == TYPE_Q4_K) decode4_256((const block4 *)(wcol + b * bsize), &d);            \
-            else decode6_256((const block6 *)(wcol + b * bsize), &d);                              \
-            for (int i = 0; i < R; i++) {                                                          \
-                const blockx *xb = x + i * nb + b;                                                 \
-                __m256 xd = _mm256_set1_ps(xb->d);                                                 \
-                for (int h = 0; h < 2; h++) {                                                      \
-                    __m256i s = _mm256_setzero_si256();                                            \
-                    for (int t = 0; t < 4; t++) {                                                  \
-                        __m256i xv = _mm256_loadu_si256((const __m256i *)(xb->q + 64 * t + 32 * h)); \
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(d.w[2 * t + h], xv), ones)); \
-                    }                                                                              \
-                    __m256 f = _mm256_mul_ps(d.scale[h], xd);                                      \
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), f, acc[i][h]);              \
-                    acc[i][h] = _mm256_fnmadd_ps(d.off[h], _mm256_loadu_ps(xb->bsum + 8 * h), acc[i][h]); \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        for (int i = 0; i < R; i++) y[i * ldy] = hsum8f(_mm256_add_ps(acc[i][0], acc[i][1]));     \
+__attribute__((target(AVX2))) INLINE __m256i bcast256(const void *p) { return _mm256_broadcastsi128_si256(LOAD128(p)); }
+
+__attribute__((target(AVX2))) INLINE __m256i dot256(__m256i acc, __m256i w, const void *x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, bcast256(x)), _mm256_set1_epi16(1)));
+}
+
+__attribute__((target(AVX2))) INLINE __m256i high256(__m256i v, int s) {
+    return s == 0 ? _mm256_slli_epi16(v, 4) : s == 1 ? _mm256_slli_epi16(v, 2) : s == 2 ? v : _mm256_srli_epi16(v, 2);
+}
+
+__attribute__((target(AVX2))) INLINE void store256(__m256 v, float *y, int64_t step, int ncols) {
+    float o[8];
+    v = _mm256_add_ps(v, _mm256_permute_ps(v, 0xB1));
+    _mm256_storeu_ps(o, _mm256_add_ps(v, _mm256_permute_ps(v, 0x4E)));
+    for (int i = 0; i < ncols; i++) y[i * step] = o[4 * i];
+}
+
+__attribute__((target(AVX2))) INLINE void q4_tile256(const uint8_t *const col[2], int64_t nb, const blockx *x,
+                                                     float *y, int64_t ldy, int64_t step, int ncols, const int R) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), lo = bcast256(PICK_SC_LO),
+                  hi = bcast256(PICK_SC_HI), mlo = bcast256(PICK_MIN_LO), mhi = bcast256(PICK_MIN_HI);
+    __m256 acc[ROWS_MAX];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w[2];
+        _Pragma("GCC unroll 8") for (int k = 0; k < 2; k++) w[k] = col[k] + b * (int64_t)sizeof(block4);
+        __m256i sm = lanes2(w, offsetof(block4, sc));
+        __m256 dd = _mm256_castsi256_ps(lanes2(w, offsetof(block4, d)));
+        __m256 d = _mm256_permute_ps(dd, 0x00), dmin = _mm256_permute_ps(dd, 0x55);
+        __m256 slo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(sm, lo)), d);
+        __m256 shi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(sm, hi)), d);
+        __m256 wlo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(sm, mlo)), dmin);
+        __m256 whi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(sm, mhi)), dmin);
+        __m256i g0[ROWS_MAX], g1[ROWS_MAX];
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g0[r] = g1[r] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {
+            __m256i p = lanes2(w, offsetof(block4, qs) + 16 * t);
+            __m256i wl = _mm256_and_si256(p, m4), wh = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                const int8_t *q = x[r * nb + b].q;
+                g0[r] = dot256(g0[r], wl, q + 16 * t);
+                g1[r] = dot256(g1[r], wh, q + 128 + 16 * t);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+            const blockx *xb = x + r * nb + b;
+            __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(g0[r]), slo);
+            u = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1[r]), shi, u);
+            acc[r] = _mm256_fmadd_ps(u, _mm256_set1_ps(xb->d), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(wlo, _mm256_broadcast_ps((const __m128 *)xb->xmin[0]), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(whi, _mm256_broadcast_ps((const __m128 *)xb->xmin[1]), acc[r]);
+        }
     }
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) store256(acc[r], y + r * ldy, step, ncols);
+}
 
-DEFINE_TILE_256(1)
-DEFINE_TILE_256(2)
-DEFINE_TILE_256(4)
+__attribute__((target(AVX2))) INLINE void q6_tile256(const uint8_t *const col[2], int64_t nb, const blockx *x,
+                                                     float *y, int64_t ldy, int64_t step, int ncols, const int R) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[ROWS_MAX];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w[2];
+        _Pragma("GCC unroll 8") for (int k = 0; k < 2; k++) w[k] = col[k] + b * (int64_t)sizeof(block6);
+        __m256i sc = lanes2(w, offsetof(block6, sc));
+        __m256 d = _mm256_permute_ps(_mm256_castsi256_ps(lanes2(w, offsetof(block6, d))), 0x00), s[4];
+        _Pragma("GCC unroll 8") for (int hu = 0; hu < 4; hu++)
+            s[hu] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(sc, bcast256(PICK_SC6[hu])), 24)), d);
+        __m256 u[ROWS_MAX];
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) u[r] = _mm256_setzero_ps();
+        _Pragma("GCC unroll 8") for (int z = 0; z < 2; z++) {
+            __m256i g0[ROWS_MAX], g1[ROWS_MAX];
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                g0[r] = bcast256(x[r * nb + b].neg32[z]);
+                g1[r] = bcast256(x[r * nb + b].neg32[2 + z]);
+            }
+            _Pragma("GCC unroll 8") for (int v = 0; v < 4; v++) {
+                int t = 4 * z + v;
+                __m256i p = lanes2(w, offsetof(block6, ql) + 16 * t), h = lanes2(w, offsetof(block6, qh) + 16 * (2 * z + v / 2));
+                __m256i wl = _mm256_or_si256(_mm256_and_si256(p, m4), _mm256_and_si256(high256(h, v % 2), m30));
+                __m256i wh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), m4),
+                                             _mm256_and_si256(high256(h, 2 + v % 2), m30));
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                    const int8_t *q = x[r * nb + b].q;
+                    g0[r] = dot256(g0[r], wl, q + 16 * t);
+                    g1[r] = dot256(g1[r], wh, q + 128 + 16 * t);
+                }
+            }
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
+                __m256 f = _mm256_cvtepi32_ps(g0[r]);
+                u[r] = z == 0 ? _mm256_mul_ps(f, s[0]) : _mm256_fmadd_ps(f, s[1], u[r]);
+                u[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g1[r]), s[2 + z], u[r]);
+            }
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(u[r], _mm256_set1_ps(x[r * nb + b].d), acc[r]);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) store256(acc[r], y + r * ldy, step, ncols);
+}
 
-#define DEFINE_GEMM(SUFFIX, TARGET, WIDEST)                                                        \
+/* The columns go in groups of ``WIDTH``, ``groups`` apart (group g: columns g, g + groups, ...;
+ * a column past ``n`` repeats the last one and is not stored), so each lane of a group streams its
+ * own quarter (half) of the weights from memory, one after the other as g grows, which the
+ * hardware prefetcher follows far better than neighbouring columns sharing a page. Every row is
+ * computed in tiles of 8, 4, 2 or 1 rows. */
+#define DEFINE_GEMM(SUFFIX, TARGET, WIDTH, WIDEST)                                                        \
+    __attribute__((target(TARGET))) static void tile_##SUFFIX(int type, const uint8_t *const c[WIDTH], int64_t nb, \
+                                                              const blockx *x, float *y, int64_t ldy, int64_t step, int ncols, int R) { \
+        if (type == TYPE_Q4_K) {                                                                         \
+            if (R == 8) q4_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, WIDEST);                                \
+            else if (R == 4) q4_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 4);                                \
+            else if (R == 2) q4_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 2);                                \
+            else q4_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 1);                                            \
+        } else {                                                                                         \
+            if (R == 8) q6_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, WIDEST);                                \
+            else if (R == 4) q6_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 4);                                \
+            else if (R == 2) q6_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 2);                                \
+            else q6_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 1);                                            \
+        }                                                                                                \
+    }                                                                                                    \
     __attribute__((target(TARGET))) static void gemm_##SUFFIX(int type, const void *w, int64_t n, int64_t k, \
                                                               const blockx *x, int64_t m, float *y, int64_t ldy) { \
-        int64_t nb = k / QK, bsize = sp_sizeof_block(type);                                       \
-        _Pragma("omp parallel for schedule(static)")                                              \
-        for (int64_t col = 0; col < n; col++) {                                                   \
-            const uint8_t *wcol = (const uint8_t *)w + col * nb * bsize;                          \
-            int64_t r = 0;                                                                        \
-            WIDEST                                                                                \
-            for (; r + 4 <= m; r += 4) tile4_##SUFFIX(type, wcol, nb, bsize, x + r * nb, y + r * ldy + col, ldy); \
-            if (r + 2 <= m) tile2_##SUFFIX(type, wcol, nb, bsize, x + r * nb, y + r * ldy + col, ldy), r += 2; \
-            if (r < m) tile1_##SUFFIX(type, wcol, nb, bsize, x + r * nb, y + r * ldy + col, ldy); \
-        }                                                                                         \
+        int64_t nb = k / QK, stride = nb * sp_sizeof_block(type), groups = (n + WIDTH - 1) / WIDTH;      \
+        _Pragma("omp parallel for schedule(static)")                                                     \
+        for (int64_t g = 0; g < groups; g++) {                                                          \
+            const uint8_t *c[WIDTH];                                                                     \
+            int ncols = 0;                                                                               \
+            for (int i = 0; i < WIDTH; i++) {                                                            \
+                int64_t col = g + i * groups < n ? g + i * groups : n - 1;                               \
+                ncols += g + i * groups < n;                                                             \
+                c[i] = (const uint8_t *)w + col * stride;                                                \
+            }                                                                                            \
+            for (int64_t r = 0; r < m;) {                                                                \
+                int R = m - r >= WIDEST ? WIDEST : m - r >= 4 ? 4 : m - r >= 2 ? 2 : 1;                   \
+                tile_##SUFFIX(type, c, nb, x + r * nb, y + r * ldy + g, ldy, groups, ncols, R);          \
+                r += R;                                                                                  \
+            }                                                                                            \
+        }                                                                                                \
     }
 
-DEFINE_GEMM(512, AVX512,
-            for (; r + 8 <= m; r += 8) tile8_512(type, wcol, nb, bsize, x + r * nb, y + r * ldy + col, ldy);)
-DEFINE_GEMM(256, "avx2,fma", )
+DEFINE_GEMM(512, AVX512, 4, 8)
+DEFINE_GEMM(256, AVX2, 2, 4)
 
 /* y[:, :n] (row stride ``ldy``) = quantized rows ``x`` times the ``n`` weight rows ``w``.
  * ``isa``: 2 for AVX2 + FMA, 3 for AVX-512 with VNNI (F, BW, VL, DQ, VNNI). Returns 0, or -1 for
