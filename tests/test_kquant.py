@@ -69,6 +69,20 @@ def test_every_block_size_gives_the_rows_alone_bits_at_one_and_two_threads(type_
     assert kquant.row_exact(layer, kquant.adversarial_rows(512, PROVED_ROWS))
 
 
+@pytest.mark.parametrize("type_", [Q4_K, Q6_K])
+@pytest.mark.parametrize("isa", ISAS)
+def test_outputs_past_the_last_whole_group_of_columns_are_computed_too(type_, isa, monkeypatch):
+    """The kernel takes the columns four (AVX2: two) at a time; 83 and a cut to 41 leave a short group."""
+    monkeypatch.setattr(kquant, "isa", lambda: isa)
+    w = weight(type_, 83, 512, seed=4)
+    x = torch.randn(5, 512)
+    layer = KQuantLinear(w)
+    got, want = layer(x), x @ w.dequantize().T
+    assert ((got - want).norm(dim=0) / want.norm(dim=0)).max() < 0.05  # every output column
+    assert torch.equal(layer.first_rows(41)(x), got[:, :41])
+    assert kquant.row_exact(layer, kquant.adversarial_rows(512, 9))
+
+
 def test_both_instruction_sets_give_the_same_bits(monkeypatch):
     if len(ISAS) < 2:
         pytest.skip("this CPU has one of the two paths")
