@@ -240,6 +240,9 @@ void sp_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, blockx *out)
 #define AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma"
 #define INLINE static inline __attribute__((always_inline))
 #define ROWS_MAX 8
+#define KEPT 20 /* vectors of a decoded block: 16 weight chunks, 4 of scales */
+#define KEEP_BLOCKS 64
+enum { DIRECT, SAVE, LOAD }; /* where a tile's decoded blocks come from and go */
 
 /* pshufb patterns (per 128-bit lane) that pick a block's scales for the slots: Q4_K's sc[i] and
  * sc[4 + i], m[i] and m[4 + i] as int32; Q6_K's sc[8h + 2i + u] into the top byte (for its sign). */
@@ -301,7 +304,8 @@ __attribute__((target(AVX512))) INLINE void store512(__m512 v, float *y, int64_t
 }
 
 __attribute__((target(AVX512))) INLINE void q4_tile512(const uint8_t *const col[4], int64_t nb, const blockx *x,
-                                                       float *y, int64_t ldy, int64_t step, int ncols, const int R) {
+                                                       float *y, int64_t ldy, int64_t step, int ncols, const int R,
+                                                       __m512i *keep, const int mode) {
     const __m512i m4 = _mm512_set1_epi8(0xF), mf0 = _mm512_set1_epi8((char)0xF0), lo = bcast512(PICK_SC_LO),
                   hi = bcast512(PICK_SC_HI), mlo = bcast512(PICK_MIN_LO), mhi = bcast512(PICK_MIN_HI);
     __m512 acc[ROWS_MAX];
@@ -309,21 +313,38 @@ __attribute__((target(AVX512))) INLINE void q4_tile512(const uint8_t *const col[
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w[4];
         _Pragma("GCC unroll 8") for (int k = 0; k < 4; k++) w[k] = col[k] + b * (int64_t)sizeof(block4);
-        __m512i sm = lanes4(w, offsetof(block4, sc));
-        __m512 dd = _mm512_castsi512_ps(lanes4(w, offsetof(block4, d)));
-        __m512 d = _mm512_permute_ps(dd, 0x00), dmin = _mm512_permute_ps(dd, 0x55);
-        __m512 slo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, lo)), d);
-        __m512 shi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, hi)), _mm512_mul_ps(d, _mm512_set1_ps(0.0625f)));
-        __m512 wlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, mlo)), dmin);
-        __m512 whi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, mhi)), dmin);
+        __m512i *kb = keep + KEPT * b;
+        __m512 slo, shi, wlo, whi;
+        if (mode == LOAD) {
+            slo = _mm512_castsi512_ps(kb[16]), shi = _mm512_castsi512_ps(kb[17]);
+            wlo = _mm512_castsi512_ps(kb[18]), whi = _mm512_castsi512_ps(kb[19]);
+        } else {
+            __m512i sm = lanes4(w, offsetof(block4, sc));
+            __m512 dd = _mm512_castsi512_ps(lanes4(w, offsetof(block4, d)));
+            __m512 d = _mm512_permute_ps(dd, 0x00), dmin = _mm512_permute_ps(dd, 0x55);
+            slo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, lo)), d);
+            shi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, hi)), _mm512_mul_ps(d, _mm512_set1_ps(0.0625f)));
+            wlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, mlo)), dmin);
+            whi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(sm, mhi)), dmin);
+            if (mode == SAVE) {
+                kb[16] = _mm512_castps_si512(slo), kb[17] = _mm512_castps_si512(shi);
+                kb[18] = _mm512_castps_si512(wlo), kb[19] = _mm512_castps_si512(whi);
+            }
+        }
         __m512i g0[ROWS_MAX], g1[ROWS_MAX], e0 = _mm512_setzero_si512(), e1 = e0;
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) g0[r] = g1[r] = _mm512_setzero_si512();
         _Pragma("GCC unroll 8") for (int z = 0; z < 2; z++) {
             __m512i p[4];
-            chunks4(w, offsetof(block4, qs) + 64 * z, p);
+            if (mode != LOAD) chunks4(w, offsetof(block4, qs) + 64 * z, p);
             _Pragma("GCC unroll 8") for (int u = 0; u < 4; u++) {
                 int t = 4 * z + u;
-                __m512i wl = _mm512_and_si512(p[u], m4), wh = _mm512_and_si512(p[u], mf0);
+                __m512i wl, wh;
+                if (mode == LOAD) {
+                    wl = kb[t], wh = kb[8 + t];
+                } else {
+                    wl = _mm512_and_si512(p[u], m4), wh = _mm512_and_si512(p[u], mf0);
+                    if (mode == SAVE) kb[t] = wl, kb[8 + t] = wh;
+                }
                 if (R == 1 && u % 2) { /* a lone row: two chains per sum, for the latency */
                     const int8_t *q = x[b].q;
                     e0 = _mm512_dpbusd_epi32(e0, wl, bcast512(q + 16 * t));
@@ -351,32 +372,49 @@ __attribute__((target(AVX512))) INLINE void q4_tile512(const uint8_t *const col[
 }
 
 __attribute__((target(AVX512))) INLINE void q6_tile512(const uint8_t *const col[4], int64_t nb, const blockx *x,
-                                                       float *y, int64_t ldy, int64_t step, int ncols, const int R) {
+                                                       float *y, int64_t ldy, int64_t step, int ncols, const int R,
+                                                       __m512i *keep, const int mode) {
     const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
     __m512 acc[ROWS_MAX];
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w[4];
         _Pragma("GCC unroll 8") for (int k = 0; k < 4; k++) w[k] = col[k] + b * (int64_t)sizeof(block6);
-        __m512i sc = lanes4(w, offsetof(block6, sc));
-        __m512 d = _mm512_permute_ps(_mm512_castsi512_ps(lanes4(w, offsetof(block6, d))), 0x00), s[4];
-        _Pragma("GCC unroll 8") for (int hu = 0; hu < 4; hu++)
-            s[hu] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_shuffle_epi8(sc, bcast512(PICK_SC6[hu])), 24)), d);
+        __m512i *kb = keep + KEPT * b;
+        __m512 s[4];
+        if (mode == LOAD) {
+            _Pragma("GCC unroll 8") for (int hu = 0; hu < 4; hu++) s[hu] = _mm512_castsi512_ps(kb[16 + hu]);
+        } else {
+            __m512i sc = lanes4(w, offsetof(block6, sc));
+            __m512 d = _mm512_permute_ps(_mm512_castsi512_ps(lanes4(w, offsetof(block6, d))), 0x00);
+            _Pragma("GCC unroll 8") for (int hu = 0; hu < 4; hu++) {
+                s[hu] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_shuffle_epi8(sc, bcast512(PICK_SC6[hu])), 24)), d);
+                if (mode == SAVE) kb[16 + hu] = _mm512_castps_si512(s[hu]);
+            }
+        }
         __m512 u[ROWS_MAX];
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) u[r] = _mm512_setzero_ps();
         _Pragma("GCC unroll 8") for (int z = 0; z < 2; z++) {
             __m512i p[4], h[2], g0[ROWS_MAX], g1[ROWS_MAX];
-            chunks4(w, offsetof(block6, ql) + 64 * z, p);
-            chunks2(w, offsetof(block6, qh) + 32 * z, h);
+            if (mode != LOAD) {
+                chunks4(w, offsetof(block6, ql) + 64 * z, p);
+                chunks2(w, offsetof(block6, qh) + 32 * z, h);
+            }
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
                 g0[r] = bcast512(x[r * nb + b].neg32[z]);
                 g1[r] = bcast512(x[r * nb + b].neg32[2 + z]);
             }
             _Pragma("GCC unroll 8") for (int v = 0; v < 4; v++) {
                 int t = 4 * z + v;
-                __m512i wl = _mm512_ternarylogic_epi32(_mm512_and_si512(p[v], m4), high512(h[v / 2], v % 2), m30, 0xF8);
-                __m512i wh = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(p[v], 4), m4),
-                                                       high512(h[v / 2], 2 + v % 2), m30, 0xF8);
+                __m512i wl, wh;
+                if (mode == LOAD) {
+                    wl = kb[t], wh = kb[8 + t];
+                } else {
+                    wl = _mm512_ternarylogic_epi32(_mm512_and_si512(p[v], m4), high512(h[v / 2], v % 2), m30, 0xF8);
+                    wh = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(p[v], 4), m4),
+                                                   high512(h[v / 2], 2 + v % 2), m30, 0xF8);
+                    if (mode == SAVE) kb[t] = wl, kb[8 + t] = wh;
+                }
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {
                     const int8_t *q = x[r * nb + b].q;
                     g0[r] = _mm512_dpbusd_epi32(g0[r], wl, bcast512(q + 16 * t));
@@ -502,48 +540,93 @@ __attribute__((target(AVX2))) INLINE void q6_tile256(const uint8_t *const col[2]
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) store256(acc[r], y + r * ldy, step, ncols);
 }
 
-/* The columns go in groups of ``WIDTH``, ``groups`` apart (group g: columns g, g + groups, ...;
+/* The columns go in groups of ``width``, ``groups`` apart (group g: columns g, g + groups, ...;
  * a column past ``n`` repeats the last one and is not stored), so each lane of a group streams its
  * own quarter (half) of the weights from memory, one after the other as g grows, which the
- * hardware prefetcher follows far better than neighbouring columns sharing a page. Every row is
- * computed in tiles of 8, 4, 2 or 1 rows. */
-#define DEFINE_GEMM(SUFFIX, TARGET, WIDTH, WIDEST)                                                        \
-    __attribute__((target(TARGET))) static void tile_##SUFFIX(int type, const uint8_t *const c[WIDTH], int64_t nb, \
-                                                              const blockx *x, float *y, int64_t ldy, int64_t step, int ncols, int R) { \
-        if (type == TYPE_Q4_K) {                                                                         \
-            if (R == 8) q4_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, WIDEST);                                \
-            else if (R == 4) q4_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 4);                                \
-            else if (R == 2) q4_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 2);                                \
-            else q4_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 1);                                            \
-        } else {                                                                                         \
-            if (R == 8) q6_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, WIDEST);                                \
-            else if (R == 4) q6_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 4);                                \
-            else if (R == 2) q6_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 2);                                \
-            else q6_tile##SUFFIX(c, nb, x, y, ldy, step, ncols, 1);                                            \
-        }                                                                                                \
-    }                                                                                                    \
-    __attribute__((target(TARGET))) static void gemm_##SUFFIX(int type, const void *w, int64_t n, int64_t k, \
-                                                              const blockx *x, int64_t m, float *y, int64_t ldy) { \
-        int64_t nb = k / QK, stride = nb * sp_sizeof_block(type), groups = (n + WIDTH - 1) / WIDTH;      \
-        _Pragma("omp parallel for schedule(static)")                                                     \
-        for (int64_t g = 0; g < groups; g++) {                                                          \
-            const uint8_t *c[WIDTH];                                                                     \
-            int ncols = 0;                                                                               \
-            for (int i = 0; i < WIDTH; i++) {                                                            \
-                int64_t col = g + i * groups < n ? g + i * groups : n - 1;                               \
-                ncols += g + i * groups < n;                                                             \
-                c[i] = (const uint8_t *)w + col * stride;                                                \
-            }                                                                                            \
-            for (int64_t r = 0; r < m;) {                                                                \
-                int R = m - r >= WIDEST ? WIDEST : m - r >= 4 ? 4 : m - r >= 2 ? 2 : 1;                   \
-                tile_##SUFFIX(type, c, nb, x + r * nb, y + r * ldy + g, ldy, groups, ncols, R);          \
-                r += R;                                                                                  \
-            }                                                                                            \
-        }                                                                                                \
+ * hardware prefetcher follows far better than neighbouring columns sharing a page. Returns the
+ * group's real columns. */
+static int group_columns(const void *w, int64_t n, int64_t stride, int64_t groups, int64_t g, int width,
+                         const uint8_t **c) {
+    int ncols = 0;
+    for (int i = 0; i < width; i++) {
+        int64_t col = g + i * groups < n ? g + i * groups : n - 1;
+        ncols += g + i * groups < n;
+        c[i] = (const uint8_t *)w + col * stride;
     }
+    return ncols;
+}
 
-DEFINE_GEMM(512, AVX512, 4, 8)
-DEFINE_GEMM(256, AVX2, 2, 4)
+/* Rows go in tiles of ``widest``, then 4, 2, 1 as they run out. */
+static int tile_rows(int64_t left, int widest) { return left >= widest ? widest : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+
+#define TILE_SIZES(FN, MODE)                                                                              \
+    do {                                                                                                  \
+        if (R == 8) FN(c, nb, x, y, ldy, step, ncols, 8, keep, MODE);                                     \
+        else if (R == 4) FN(c, nb, x, y, ldy, step, ncols, 4, keep, MODE);                                \
+        else if (R == 2) FN(c, nb, x, y, ldy, step, ncols, 2, keep, MODE);                                \
+        else FN(c, nb, x, y, ldy, step, ncols, 1, keep, MODE);                                            \
+    } while (0)
+
+__attribute__((target(AVX512))) static void tile_512(int type, const uint8_t *const c[4], int64_t nb, const blockx *x,
+                                                     float *y, int64_t ldy, int64_t step, int ncols, int R,
+                                                     __m512i *keep, int mode) {
+    if (type == TYPE_Q4_K) {
+        if (mode == SAVE) q4_tile512(c, nb, x, y, ldy, step, ncols, 8, keep, SAVE);
+        else if (mode == LOAD) TILE_SIZES(q4_tile512, LOAD);
+        else TILE_SIZES(q4_tile512, DIRECT);
+    } else {
+        if (mode == SAVE) q6_tile512(c, nb, x, y, ldy, step, ncols, 8, keep, SAVE);
+        else if (mode == LOAD) TILE_SIZES(q6_tile512, LOAD);
+        else TILE_SIZES(q6_tile512, DIRECT);
+    }
+}
+
+/* With more than one tile of rows, the first keeps its decoded blocks (the same values) for the
+ * others, where a group's blocks fit: up to KEEP_BLOCKS blocks of KEPT vectors each. */
+__attribute__((target(AVX512))) static void gemm_512(int type, const void *w, int64_t n, int64_t k, const blockx *x,
+                                                     int64_t m, float *y, int64_t ldy) {
+    int64_t nb = k / QK, stride = nb * sp_sizeof_block(type), groups = (n + 3) / 4;
+    int keeps = m > 8 && nb <= KEEP_BLOCKS;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i keep[KEPT * KEEP_BLOCKS];
+        const uint8_t *c[4];
+        int ncols = group_columns(w, n, stride, groups, g, 4, c);
+        for (int64_t r = 0; r < m;) {
+            int R = tile_rows(m - r, 8), mode = !keeps ? DIRECT : r == 0 ? SAVE : LOAD;
+            tile_512(type, c, nb, x + r * nb, y + r * ldy + g, ldy, groups, ncols, R, keep, mode);
+            r += R;
+        }
+    }
+}
+
+#define TILE_SIZES_256(FN)                                                                                \
+    do {                                                                                                  \
+        if (R == 4) FN(c, nb, x, y, ldy, step, ncols, 4);                                                 \
+        else if (R == 2) FN(c, nb, x, y, ldy, step, ncols, 2);                                            \
+        else FN(c, nb, x, y, ldy, step, ncols, 1);                                                        \
+    } while (0)
+
+__attribute__((target(AVX2))) static void tile_256(int type, const uint8_t *const c[2], int64_t nb, const blockx *x,
+                                                   float *y, int64_t ldy, int64_t step, int ncols, int R) {
+    if (type == TYPE_Q4_K) TILE_SIZES_256(q4_tile256);
+    else TILE_SIZES_256(q6_tile256);
+}
+
+__attribute__((target(AVX2))) static void gemm_256(int type, const void *w, int64_t n, int64_t k, const blockx *x,
+                                                   int64_t m, float *y, int64_t ldy) {
+    int64_t nb = k / QK, stride = nb * sp_sizeof_block(type), groups = (n + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *c[2];
+        int ncols = group_columns(w, n, stride, groups, g, 2, c);
+        for (int64_t r = 0; r < m;) {
+            int R = tile_rows(m - r, 4);
+            tile_256(type, c, nb, x + r * nb, y + r * ldy + g, ldy, groups, ncols, R);
+            r += R;
+        }
+    }
+}
 
 /* y[:, :n] (row stride ``ldy``) = quantized rows ``x`` times the ``n`` weight rows ``w``.
  * ``isa``: 2 for AVX2 + FMA, 3 for AVX-512 with VNNI (F, BW, VL, DQ, VNNI). Returns 0, or -1 for
