@@ -75,10 +75,10 @@ def test_outputs_past_the_last_whole_group_of_columns_are_computed_too(type_, is
     """The kernel takes the columns four (AVX2: two) at a time; 83 and a cut to 41 leave a short group."""
     monkeypatch.setattr(kquant, "isa", lambda: isa)
     w = weight(type_, 83, 512, seed=4)
-    x = torch.randn(5, 512)
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0))
     layer = KQuantLinear(w)
     got, want = layer(x), x @ w.dequantize().T
-    assert ((got - want).norm(dim=0) / want.norm(dim=0)).max() < 0.05  # every output column
+    assert ((got - want).norm(dim=0) / want.norm(dim=0)).max() < 0.03  # every output column
     assert torch.equal(layer.first_rows(41)(x), got[:, :41])
     assert kquant.row_exact(layer, kquant.adversarial_rows(512, 9))
 
