@@ -71,28 +71,29 @@ def test_a_short_training_run_lowers_the_loss(target):
 def test_tree_drafting_reads_the_path_as_training_does():
     """A node's candidates come from the head state its path gives in training (teacher forcing
     with the path's tokens), whatever branch of the tree it is on."""
-    heads = random_heads(3, seed=2)
-    emb_table = torch.randn(64, 32)
-    lm = torch.randn(64, 32)
+    # float64: the batched tree and the step-by-step replay multiply in other shapes, whose float32
+    # rounding differs by more than the comparison allows on some CPUs (an Intel Xeon with AMX).
+    heads = random_heads(3, seed=2).double()
+    emb_table = torch.randn(64, 32, dtype=torch.float64)
+    lm = torch.randn(64, 32, dtype=torch.float64)
     spec = TreeSpec.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 1, 0), (1, 0, 2)])
-    hidden, root = torch.randn(2, 32), torch.tensor([5, 9])
-    torch.set_grad_enabled(False)
-    index, prob = heads.draft_tree(hidden, emb_table[root], spec.parents, spec.ranks, spec.depth_of,
-                                   lambda s: s @ lm.T, lambda i: emb_table[i])
-    for b in range(2):
-        for node, path in enumerate(spec.paths):
-            chain = [node]
-            while spec.parents[chain[0]] >= 0:
-                chain.insert(0, spec.parents[chain[0]])
-            tokens = [int(root[b])] + [int(index[b, n]) for n in chain[:-1]]
-            state = hidden[b]
-            for k, t in enumerate(tokens):  # teacher forcing along the node's path
-                state = heads.step(k, state, emb_table[t])
-            probs = torch.softmax(state @ lm.T, -1)
-            want = probs.topk(path[-1] + 1).indices[-1]
-            assert int(index[b, node]) == int(want)
-            assert float(prob[b, node]) == pytest.approx(float(probs[want]), rel=1e-5)
-    torch.set_grad_enabled(True)
+    hidden, root = torch.randn(2, 32, dtype=torch.float64), torch.tensor([5, 9])
+    with torch.no_grad():  # a failed assertion must not leave gradients off for the tests after it
+        index, prob = heads.draft_tree(hidden, emb_table[root], spec.parents, spec.ranks, spec.depth_of,
+                                       lambda s: s @ lm.T, lambda i: emb_table[i])
+        for b in range(2):
+            for node, path in enumerate(spec.paths):
+                chain = [node]
+                while spec.parents[chain[0]] >= 0:
+                    chain.insert(0, spec.parents[chain[0]])
+                tokens = [int(root[b])] + [int(index[b, n]) for n in chain[:-1]]
+                state = hidden[b]
+                for k, t in enumerate(tokens):  # teacher forcing along the node's path
+                    state = heads.step(k, state, emb_table[t])
+                probs = torch.softmax(state @ lm.T, -1)
+                want = probs.topk(path[-1] + 1).indices[-1]
+                assert int(index[b, node]) == int(want)
+                assert float(prob[b, node]) == pytest.approx(float(probs[want]), rel=1e-5)
 
 
 @pytest.mark.parametrize("tree", ["auto", "chain", "small", "large"])
