@@ -11,8 +11,11 @@ def test_the_report_proves_each_engine_row_exact_and_times_it(tmp_path, monkeypa
     before = torch.backends.quantized.engine
     report = engines._engine_report()
     assert torch.backends.quantized.engine == before  # measuring leaves the process as it was
-    assert report and all(r["exact"] for r in report.values())
-    assert all(set(r["ms"]) == {"1", "8", "16"} and min(r["ms"].values()) > 0 for r in report.values())
+    # Each engine is proved on every shape of PROVED_SHAPES (onednn was exact on the 1536-wide layer
+    # and not on a 64-wide one, on an Intel Xeon): only the exact ones are timed.
+    assert report and any(r["exact"] for r in report.values())
+    assert all(set(r["ms"]) == {"1", "8", "16"} and min(r["ms"].values()) > 0 for r in report.values() if r["exact"])
+    assert all(not r["ms"] for r in report.values() if not r["exact"])
 
 
 def _inexact_at(monkeypatch, rows: int, engine: str | None = None):

@@ -38,7 +38,10 @@ VERIFY_ROWS = 65
 _TIMED_ROWS = (1, 8, 16)  # the decode row and two verify blocks: what the layer spends its time on
 _DEFAULT_ENGINE = torch.backends.quantized.engine  # torch's own choice, read before anything changes it
 #: The measurement's key: it names the rows proved, so a report that proved fewer is measured again.
-QUANT_KEY = f"quantized engine, rows 1-{VERIFY_ROWS} proved"
+#: The layers (out, in) an engine is proved on: the 1.5B target's two input sizes, and a small one
+#: like a tiny model's (torch's onednn engine was exact on the first and not on 96 x 64 here).
+PROVED_SHAPES = ((8960, 1536), (1536, 8960), (96, 64))
+QUANT_KEY = f"quantized engine, rows 1-{VERIFY_ROWS} proved on {len(PROVED_SHAPES)} shapes"
 
 
 def cpu_name() -> str:
@@ -126,15 +129,22 @@ def measured(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool
     return table[key]
 
 
+def _row_exact(layer, x: torch.Tensor) -> bool:
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+    return all(torch.equal(layer(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1))
+
+
 def _engine_report(progress=None) -> dict:
-    """Each candidate engine's exactness and fastest time per block size on a 1536 x 8960 layer."""
+    """Each candidate engine's exactness on :data:`PROVED_SHAPES` and fastest time per block size
+    on the first (a 1536 x 8960 layer)."""
     from specplay.core.models.linear import Int8RowExactLinear, QuantizedWeight
 
     if progress:
         progress("Measuring this machine's int8 kernels (once)", None)
     gen = torch.Generator().manual_seed(0)
-    weight = QuantizedWeight.quantize(torch.randn(8960, 1536, generator=gen) * 0.02)
-    x = torch.randn(VERIFY_ROWS, 1536, generator=gen)
+    weights = [QuantizedWeight.quantize(torch.randn(n, k, generator=gen) * 0.02) for n, k in PROVED_SHAPES]
+    inputs = [torch.randn(VERIFY_ROWS, k, generator=gen) for _, k in PROVED_SHAPES]
+    x = inputs[0]  # the timed layer's
     before = torch.backends.quantized.engine
     layers, report = {}, {}
     try:
@@ -143,9 +153,9 @@ def _engine_report(progress=None) -> dict:
                 continue
             torch.backends.quantized.engine = engine
             try:
-                layer = Int8RowExactLinear(weight)
-                alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
-                exact = all(torch.equal(layer(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1))
+                shaped = [Int8RowExactLinear(w) for w in weights]
+                exact = all(_row_exact(lin, xs) for lin, xs in zip(shaped, inputs))
+                layer = shaped[0]
             except RuntimeError as exc:  # an engine without this kernel (or its reduced range) here
                 report[engine] = {"exact": False, "ms": {}, "error": str(exc).splitlines()[0][:200]}
                 continue
