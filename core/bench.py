@@ -340,13 +340,11 @@ class RemotePeer:
 
 def gguf_file(target) -> Path:
     """The GGUF file a target was loaded from: a ``.gguf`` path, or a catalog model's assembled file."""
-    from specplay.core.models.catalog import CATALOG
-    from specplay.core.models.prepare import catalog_gguf
+    from specplay.core.models.prepare import source_gguf
 
-    if target.model_id in CATALOG:
-        return catalog_gguf(CATALOG[target.model_id])
-    if target.model_id.lower().endswith(".gguf"):
-        return Path(target.model_id).expanduser()
+    gguf = source_gguf(target.model_id)
+    if gguf is not None:
+        return gguf
     raise ConfigError(f"the llama.cpp peers need a GGUF file; target '{target.model_id}' is not one (use a catalog id "
                       "or a .gguf file)")
 

@@ -174,7 +174,7 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     if role == "draft" and storage in ("int8", "gguf"):
         storage = draft_storage()  # a draft's numerics never decide a token: its fastest layers
     notes: list[str] = []
-    gguf_source = _exact_gguf_source(model_id, notes, progress) if storage == "gguf" else None
+    gguf_reader = _exact_gguf_reader(model_id, notes, progress) if storage == "gguf" else None
     if storage not in ("float", "gguf") and torch.device(dev).type == "cpu":
         storage = _exact_quant_engine(model_id, dtype, storage, notes, progress)  # before any int8 layer is packed
     # Every quantized storage is built from the cache's int8 rows; an int4 draft's packed layers
@@ -198,7 +198,7 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
         elif backend == "llamacpp":
             raise ModelError(f"{model_id}: the llama.cpp draft is unavailable: {why_not}")
     model, path = _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
-                               should_cancel, gguf_source)
+                               should_cancel, gguf_reader)
     if compute_dtype in (torch.bfloat16, torch.float16):
         notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
                      "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
@@ -231,18 +231,15 @@ def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str
     return "float"
 
 
-def _exact_gguf_source(model_id: str, notes: list[str], progress) -> Path:
-    """The GGUF file whose own blocks a target runs on (``--dtype gguf``), once the exact k-quant
-    kernel is built here, reads every matrix of the file and was proved exact on its real layers."""
+def _exact_gguf_reader(model_id: str, notes: list[str], progress):
+    """The reader of the GGUF file whose own blocks a target runs on (``--dtype gguf``), once the exact
+    k-quant kernel is built here, reads every matrix of the file and was proved exact on its real layers."""
     from specplay.core.models import kquant
     from specplay.core.models.engines import measured
-    from specplay.core.models.prepare import catalog_gguf
+    from specplay.core.models.prepare import source_gguf
 
-    if model_id in CATALOG:
-        source = catalog_gguf(CATALOG[model_id], progress)
-    elif model_id.lower().endswith(".gguf"):
-        source = Path(model_id).expanduser()
-    else:
+    source = source_gguf(model_id, progress)
+    if source is None:
         raise ModelError(f"{model_id}: gguf storage runs a GGUF file's own blocks; name a catalog id or a .gguf file")
     why = kquant.unavailable()
     reader = kquant.GGUFBlocksReader(source) if why is None else None
@@ -258,11 +255,11 @@ def _exact_gguf_source(model_id: str, notes: list[str], progress) -> Path:
         raise ModelError(f"{model_id}: gguf storage is unavailable: {why}; use --dtype int8")
     notes.append(f"weights: the GGUF's own Q4_K/Q6_K blocks, exact k-quant kernel "
                  f"({kquant.isa_name(kquant.isa())}, proved 1-{kquant.PROVED_ROWS} rows)")
-    return source
+    return reader
 
 
 def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
-                 should_cancel, gguf_source: Path | None = None) -> tuple[CausalLM, Path]:
+                 should_cancel, gguf_reader=None) -> tuple[CausalLM, Path]:
     """The model on the native decoder where it implements the architecture, else on transformers."""
     from specplay.core.models.layers import DecoderConfig, unsupported_reason
     from specplay.core.models.native import NativeDecoder
@@ -275,12 +272,7 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
         raise ModelError(f"{model_id}: gguf storage runs on the native decoder only ({reason})")
     if use_native:
         try:
-            if gguf_source is not None:
-                from specplay.core.models.kquant import GGUFBlocksReader
-
-                reader = GGUFBlocksReader(gguf_source)
-            else:
-                reader = _weights_reader(path, storage, progress)
+            reader = gguf_reader or _weights_reader(path, storage, progress)
         except FileNotFoundError:
             if backend == "native":
                 raise ModelError(f"{model_id}: the native path needs .safetensors weights") from None

@@ -389,6 +389,15 @@ def catalog_gguf(entry: CatalogEntry, progress: Progress = log_progress, should_
     return dest
 
 
+def source_gguf(model_id: str, progress: Progress = log_progress) -> Path | None:
+    """The GGUF file a model id names: a catalog model's assembled file, a ``.gguf`` path, or None."""
+    if model_id in CATALOG:
+        return catalog_gguf(get_entry(model_id), progress)
+    if model_id.lower().endswith(".gguf"):
+        return Path(model_id).expanduser()
+    return None
+
+
 def sha256_file(path: Path, progress: Progress = log_progress, should_cancel: ShouldCancel = never) -> str:
     return _copy_hashing([path], None, path.stat().st_size, progress, should_cancel, f"Checking {path.name}")
 
