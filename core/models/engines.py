@@ -129,15 +129,10 @@ def measured(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool
     return table[key]
 
 
-def _row_exact(layer, x: torch.Tensor) -> bool:
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
-    return all(torch.equal(layer(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1))
-
-
 def _engine_report(progress=None) -> dict:
     """Each candidate engine's exactness on :data:`PROVED_SHAPES` and fastest time per block size
     on the first (a 1536 x 8960 layer)."""
-    from specplay.core.models.linear import Int8RowExactLinear, QuantizedWeight
+    from specplay.core.models.linear import Int8RowExactLinear, QuantizedWeight, blocks_match, rows_one_at_a_time
 
     if progress:
         progress("Measuring this machine's int8 kernels (once)", None)
@@ -154,7 +149,7 @@ def _engine_report(progress=None) -> dict:
             torch.backends.quantized.engine = engine
             try:
                 shaped = [Int8RowExactLinear(w) for w in weights]
-                exact = all(_row_exact(lin, xs) for lin, xs in zip(shaped, inputs))
+                exact = all(blocks_match(lin, xs, rows_one_at_a_time(lin, xs)) for lin, xs in zip(shaped, inputs))
                 layer = shaped[0]
             except RuntimeError as exc:  # an engine without this kernel (or its reduced range) here
                 report[engine] = {"exact": False, "ms": {}, "error": str(exc).splitlines()[0][:200]}

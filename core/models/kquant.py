@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from specplay.core.atomic import replacing
-from specplay.core.models.linear import cpu_flags
+from specplay.core.errors import ModelError
+from specplay.core.models.linear import blocks_match, cpu_flags, rows_one_at_a_time
 from specplay.core.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,8 @@ def isa_name(code: int) -> str:
 
 
 def _compiler() -> str | None:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shutil.which(cc.split()[0]) and cc.split()[0]
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    return cc if shutil.which(cc) else None
 
 
 def library_digest() -> str:
@@ -220,10 +221,10 @@ def row_exact(layer: KQuantLinear, x: torch.Tensor, threads=(1, 2)) -> bool:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+        alone = rows_one_at_a_time(layer, x)
         for n in threads:
             torch.set_num_threads(n)
-            if not all(torch.equal(layer(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1)):
+            if not blocks_match(layer, x, alone):
                 return False
         return True
     finally:
@@ -273,8 +274,6 @@ class GGUFBlocksReader:
 
     def __init__(self, path: Path):
         from gguf import GGUFReader
-
-        from specplay.core.errors import ModelError
 
         try:
             self._reader = GGUFReader(str(path))

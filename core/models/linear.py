@@ -290,6 +290,16 @@ class Int4DraftLinear:
         return y.reshape(*shape[:-1], w.rows)
 
 
+def rows_one_at_a_time(layer, x: torch.Tensor) -> torch.Tensor:
+    """``layer`` applied to each row of ``x`` alone: what a row-exact layer must give in any block."""
+    return torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+def blocks_match(layer, x: torch.Tensor, alone: torch.Tensor) -> bool:
+    """Whether every block of the first 1 .. len(x) rows gives ``alone``'s rows bit for bit."""
+    return all(torch.equal(layer(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1))
+
+
 def storage_of(info) -> str:
     """The storage kind for layers made to match a loaded model's (``ModelInfo``) weights: ``int8`` or
     ``float`` (a target on the GGUF's own blocks gets int8 rows: they only draft)."""

@@ -302,9 +302,9 @@ class NativeDecoder(CausalLM):
         mask4 = None if mask is None else mask[None, None]
 
         dt = self.compute_dtype
-        # Row-exact storage only (int8, the GGUF's blocks): a prompt is read alike by every method, so the float64 attention that
-        # keeps its decoding and verification row-exact is not needed there (on a long prompt it cost
-        # a third of the time). A float64 model keeps float64 everywhere: it is the exact reference.
+        # Row-exact storage only (int8, the GGUF's blocks): a prompt is read alike by every method, so
+        # the float64 attention that keeps its decoding and verification row-exact is not needed there
+        # (on a long prompt it cost a third of the time). A float64 model keeps float64 everywhere: it is the exact reference.
         attn_dtype = torch.float32 if prefill and self.storage in EXACT_QUANTIZED else None
         cos, sin = self.rope(positions)
         x = self._embed_rows(tokens).to(dt)
