@@ -419,19 +419,9 @@ class ReusedPrompt(CausalLM):
         return self.model.head_rows(rows)
 
 
-#: How deep a method's draft reaches, where its node budget says more than its depth (a tree is
-#: never deeper than its nodes, a chain exactly as deep: γ, a copy's length).
-_DEPTH_OF = {
-    "medusa": lambda method: method.tree.max_depth,
-    "eagle": lambda method: method.config.depth,
-    "lookahead": lambda method: method.config.ngram - 1,  # its candidates are pool n-grams past the root
-}
-
-
 def deepest_draft(method) -> int:
     """The deepest draft ``method`` proposes when its step's budget does not cut it."""
-    depth_of = _DEPTH_OF.get(method.name)
-    return depth_of(method) if depth_of is not None else method.max_draft_nodes
+    return method.max_draft_depth
 
 
 def deepest_judged(event, tested: int) -> int:

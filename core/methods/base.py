@@ -151,6 +151,12 @@ class Method(ABC):
     timing_sized: str | None = None
 
     @property
+    def max_draft_depth(self) -> int:
+        """How deep a step's draft reaches at most: a chain's nodes (γ, a copy's length); a tree
+        method says its own depth."""
+        return self.max_draft_nodes
+
+    @property
     def lossy(self) -> bool:
         """Whether the output may differ from the target's distribution (only typical acceptance)."""
         return self.typical is not None

@@ -137,6 +137,10 @@ class Eagle(Method):
     draft_source = "EAGLE level {depth}"
     needs_hidden = True
 
+    @property
+    def max_draft_depth(self) -> int:
+        return self.config.depth
+
     def __init__(self, config: EagleConfig, target_lm, target_id: str):
         super().__init__(config)
         from specplay.core.models.native import NativeDecoder

@@ -81,6 +81,10 @@ class Lookahead(Method):
     name = "lookahead"
     draft_source = "lookahead pool"
 
+    @property
+    def max_draft_depth(self) -> int:
+        return self.config.ngram - 1  # its candidates are pool n-grams past the root; the window is never checked
+
     def __init__(self, config: LookaheadConfig):
         super().__init__(config)
         c = config

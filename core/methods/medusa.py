@@ -104,6 +104,10 @@ class Medusa(Method):
     draft_source = "Medusa head {depth}"
     needs_hidden = True
 
+    @property
+    def max_draft_depth(self) -> int:
+        return self.tree.max_depth
+
     def __init__(self, config: MedusaConfig, target_lm, target_id: str):
         super().__init__(config)
         path = resolve_heads_path(config.heads, "medusa", target_id)
