@@ -45,6 +45,7 @@ from specplay.core.atomic import write_text_atomic
 from specplay.core.errors import ConfigError, ModelError, SpecPlayError, is_out_of_memory
 from specplay.core.paths import assets_dir
 from specplay.core.runlog import dumps, write_jsonl_atomic
+from specplay.core.text import lone_surrogate_at
 
 HF_PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
 LLAMACPP_PEERS = ("llamacpp_generate", "llamacpp_prompt_lookup")
@@ -90,12 +91,11 @@ def load_questions(source: str, categories: list[str] | None = None, limit: int 
         turns = obj.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise ConfigError(f"{path}, line {n}: 'turns' must be a non-empty list of non-empty strings")
-        for i, turn in enumerate(turns, 1):  # JSON may escape a lone surrogate, which no model can read
-            try:
-                turn.encode("utf-8")
-            except UnicodeEncodeError as exc:
+        for i, turn in enumerate(turns, 1):
+            at = lone_surrogate_at(turn)
+            if at is not None:
                 raise ConfigError(f"{path}, line {n}: turn {i} is not valid UTF-8 text (a lone surrogate at "
-                                  f"character {exc.start})") from None
+                                  f"character {at})")
         if "question_id" not in obj:
             raise ConfigError(f"{path}, line {n}: missing 'question_id'")
         questions.append(Question(obj["question_id"], str(obj.get("category", "default")), tuple(turns)))

@@ -124,11 +124,12 @@ def _add_generation_args(p: argparse.ArgumentParser, prompt_required: bool = Tru
 def _prompt_text(args) -> str:
     """The prompt from ``--prompt`` or ``--prompt-file``; text that is not UTF-8 is an error here,
     before any model loads (an argument that is not UTF-8 reaches Python as lone surrogates)."""
+    from specplay.core.text import lone_surrogate_at
+
     if args.prompt is not None:
-        try:
-            args.prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise SpecPlayError(f"the prompt is not valid UTF-8 (a lone surrogate at character {exc.start})") from None
+        at = lone_surrogate_at(args.prompt)
+        if at is not None:
+            raise SpecPlayError(f"the prompt is not valid UTF-8 (a lone surrogate at character {at})")
         return args.prompt
     try:
         return args.prompt_file.read_text(encoding="utf-8")

@@ -7,6 +7,16 @@ from specplay.core.errors import ConfigError
 MAX_PROMPT_CHARS = 200_000
 
 
+def lone_surrogate_at(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate, which no tokenizer can read (an argument that is not
+    UTF-8 reaches Python so, and JSON may escape one), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def encode_prompt(tokenizer, prompt: str, chat_template: bool = True, system: str | None = None) -> list[int]:
     """Token ids for a user prompt, wrapped in the model's chat template unless disabled."""
     if prompt is None or not prompt.strip():
