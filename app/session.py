@@ -25,7 +25,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from specplay.app.engine_client import EngineClient, EngineFailed
 from specplay.app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
 from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunDone, RunRequest
-from specplay.core.compare import annotate
+from specplay.core.compare import BASELINE, annotate
 from specplay.core.history import Entry, History, summary_of
 from specplay.core.methods import method_title
 from specplay.core.remote import annotate_remote
@@ -34,7 +34,6 @@ from specplay.core.types import RunResult, StepEvent, StopReason
 
 log = logging.getLogger(__name__)
 
-BASELINE = "autoregressive"  # what core.compare.annotate measures every method against
 FRAME_MS = 33  # how often arriving step events are handed to the views (about 30 frames a second)
 
 

@@ -28,7 +28,11 @@ class Comparison:
     records_with_events: list[dict] = field(default_factory=list)
 
 
-def annotate(records: list[dict], greedy: bool, baseline: str = "autoregressive") -> None:
+#: The method every other is measured against.
+BASELINE = "autoregressive"
+
+
+def annotate(records: list[dict], greedy: bool, baseline: str = BASELINE) -> None:
     """Add ``speedup`` and ``identical_to_baseline`` to each local run record, in place (remote
     runs are compared with each other: :func:`specplay.core.remote.annotate_remote`)."""
     runs = [(r, RunRecord.from_dict(r)) for r in records]
