@@ -176,7 +176,7 @@ class History:
         with open(self.path, "rb") as f:
             f.seek(start)
             offset = start
-            for n, raw in enumerate(f, 1):
+            for raw in f:
                 if raw.endswith(b"\n") and raw.strip():
                     try:
                         record = json.loads(raw)
