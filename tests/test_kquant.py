@@ -153,9 +153,38 @@ def test_a_gguf_model_verifies_like_it_decodes():
     from tiny import block_and_singles
 
     a, b = _tiny_gguf_decoder(), _tiny_gguf_decoder()
-    assert a.info.dtype == "gguf" and a._kv.dtype == torch.float64
+    assert a.info.dtype == "gguf" and a._fused is not None and a._kv.dtype == torch.float32
     block, singles = block_and_singles(a, b, [1, 5, 9, 13, 7, 3, 22, 40, 41, 17, 8, 30])
     assert torch.equal(block, singles)
+
+
+def test_a_tree_verified_on_the_c_layer_gives_its_paths_decoded_alone():
+    """Root r, its children c1 and c2 (the same position), c2's child g: the path r, c2, g read
+    inside the tree gives the logits of r, c2, g decoded one at a time, bit for bit."""
+    a, b = _tiny_gguf_decoder(seed=3), _tiny_gguf_decoder(seed=3)
+    prompt, tree = [1, 5, 9, 13, 7], [22, 40, 41, 17]  # r, c1, c2, g
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    a.forward_chain(prompt, prefill=True)
+    base = a.cache_len
+    block = a.forward(torch.tensor(tree), positions=torch.tensor([base, base + 1, base + 1, base + 2]),
+                      attn_mask=mask).logits
+    b.forward_chain(prompt, prefill=True)
+    alone = []
+    for t in (22, 41, 17):
+        alone.append(b.forward(torch.tensor([t])).logits)
+        b.commit(1)
+    assert torch.equal(block[[0, 2, 3]], torch.cat(alone))
+
+
+def test_the_c_layer_computes_torchs_layer():
+    """The one-call layer is the same function as the torch layers it replaces: logits within
+    float32 rounding (the norms' last bits can move an activation across a quantization step)."""
+    fused, plain = _tiny_gguf_decoder(seed=1), _tiny_gguf_decoder(seed=1)
+    plain._fused = None
+    seq = [1, 5, 9, 13, 7, 3, 22, 40, 41, 17, 8, 30]
+    got, want = (m.forward_chain(seq).logits for m in (fused, plain))
+    assert (got - want).norm() / want.norm() < 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_speculation_on_a_gguf_target_emits_greedy_decodings_tokens():
@@ -174,3 +203,136 @@ def test_speculation_on_a_gguf_target_emits_greedy_decodings_tokens():
     res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
     assert res.token_ids == want.token_ids
     assert res.metrics.accepted > 0
+
+
+def test_a_draft_matrix_fitted_into_q4_k_blocks_keeps_its_values_and_pads_its_rows():
+    """A draft's matrix with rows of 896 (the 0.5B draft's, not a multiple of 256) fitted into Q4_K
+    blocks: zero-padded to 1024 values a row, its values within 4-bit rounding, its layer the product."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 896, generator=gen) * 0.05
+    w[3, 7] = 1.0  # an outlier takes its own 32-group's scale, not the row's
+    q = KQuantWeight.quantize(w)
+    assert (q.type, q.shape, q.cols) == (Q4_K, torch.Size((40, 896)), 1024)
+    back = q.dequantize()
+    assert back.shape == (40, 896)
+    assert (back - w).norm() / w.norm() < 0.09  # 16 levels over each 32-group's range: about 7%
+    assert abs(float(back[3, 7]) - 1.0) < 0.02
+    x = torch.randn(5, 896, generator=gen)
+    y, want = KQuantLinear(q)(x), x @ back.T
+    assert y.shape == (5, 40) and (y - want).norm() / want.norm() < 0.02  # activations in int8
+
+
+def test_fitted_blocks_are_kept_read_back_and_fitted_again_under_another_kernel(tmp_path, monkeypatch):
+    from specplay.core.models import cache
+
+    q = KQuantWeight.quantize(torch.randn(8, 300))
+    dest = tmp_path / cache.KQUANT_DRAFT_WEIGHTS
+    kquant.save_blocks({"a.weight": q, "n.weight": torch.ones(3)}, dest)
+    cache.record_weights(tmp_path, "kquant-draft")
+    assert cache.check_weights(tmp_path, "kquant-draft") == "ok"
+    reader = kquant.BlocksFileReader(dest)
+    back = reader.get("a.weight")
+    assert (back.type, back.rows, back.cols, back.width) == (Q4_K, 8, 512, 300) and torch.equal(back.data, q.data)
+    assert torch.equal(reader.get("n.weight"), torch.ones(3)) and reader.get("b.weight") is None
+    monkeypatch.setattr(kquant, "library_digest", lambda: "a kernel with another layout")
+    assert cache.check_weights(tmp_path, "kquant-draft") == "stale"
+
+
+def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly(tmp_path, monkeypatch):
+    """A .gguf draft (float32 tensors, rows of 32) loads on the kernel without a conversion: its
+    blocks fitted and kept in the cache at the first load, read back at the next; speculation with
+    it emits greedy's tokens."""
+    from specplay.core.engine import drain, generate
+    from specplay.core.methods import build_method
+    from specplay.core.methods.speculative import SpeculativeConfig
+    from specplay.core.models import loader
+    from specplay.core.models.cache import KQUANT_DRAFT_WEIGHTS, check_weights
+    from specplay.core.types import GenerationConfig
+    from tiny import loaded, native_from_hf, tiny_hf_model, write_tiny_gguf
+
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_hf_model(seed=3, dtype=torch.float32, vocab=64, hidden=32, inter=64)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, path)
+    draft = loader.load_model(str(path), dtype="int8", role="draft", backend="native")
+    assert draft.model.storage == "kquant-draft" and draft.model.info.dtype == "kquant"
+    assert check_weights(draft.path, "kquant-draft") == "ok"
+    # The cache's folder holds the config, the tokenizer and the fitted blocks: nothing converted.
+    assert sorted(p.name for p in draft.path.glob("*.safetensors")) == [KQUANT_DRAFT_WEIGHTS]
+    monkeypatch.setattr(kquant.KQuantWeight, "quantize", lambda *a: pytest.fail("fitted again"))
+    again = loader.load_model(str(path), dtype="int8", role="draft", backend="native")
+    assert isinstance(again.model.linears["lm_head.weight"], KQuantLinear)
+    assert (draft.path / KQUANT_DRAFT_WEIGHTS).is_file()
+
+    target = loaded(native_from_hf(model, torch.float32, "int8"))
+    gen = GenerationConfig(max_new_tokens=24, stop_at_eos=False, stand_down=False)
+    prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6]
+    want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
+    method = build_method("speculative", SpeculativeConfig(gamma=4), target, again)
+    res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+    assert res.token_ids == want.token_ids and res.metrics.accepted > 0
+
+
+def test_a_first_load_runs_the_kquant_draft_without_trying_llamacpp_unless_it_was_timed_faster(tmp_path,
+                                                                                             monkeypatch):
+    """No 4-bit file to make and no child process on the critical path: ``auto`` runs the kernel's
+    draft at once, and tries llama.cpp's only where `specplay models measure` timed it faster here."""
+    from specplay.core.models import engines, llamacpp, llamacpp_draft, loader
+    from tiny import tiny_hf_model, write_tiny_gguf
+
+    monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measurements"))
+    monkeypatch.setattr(llamacpp, "available", lambda: None)
+    tried = []
+    monkeypatch.setattr(llamacpp_draft, "load_llamacpp_draft", lambda *a: tried.append(a) or (None, []))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny_hf_model(seed=3, dtype=torch.float32, vocab=64, hidden=32, inter=64), path)
+    first = loader.load_model(str(path), dtype="auto", role="draft")
+    assert first.model.storage == "kquant-draft" and tried == []
+    assert any("specplay models measure" in note for note in first.notes)
+    engines.measured(loader._draft_choice_key(str(path)), lambda: {"llamacpp_won": True})
+    loader.load_model(str(path), dtype="auto", role="draft")
+    assert len(tried) == 1
+
+
+def test_the_gguf_index_reads_what_gguf_reader_reads_and_refuses_a_cut_file(tmp_path):
+    """The header read directly (an eleventh of a second, not GGUFReader's 11 s on the 1.5B file):
+    the same tensors, shapes, types and bytes; the tokenizer's hash shared by files with one
+    tokenizer; a file cut inside its header or its tensors is refused with a reason."""
+    from gguf import GGUFReader
+
+    from specplay.core.models.gguf_index import GGUFIndex
+    from tiny import tiny_hf_model, write_tiny_gguf
+
+    paths = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    for seed, path in enumerate(paths):
+        write_tiny_gguf(tiny_hf_model(seed=seed, dtype=torch.float32, vocab=64, hidden=32, inter=64), path)
+    index = GGUFIndex(paths[0])
+    theirs = GGUFReader(str(paths[0]))
+    assert index.architecture == "qwen2" and len(index.tensors) == len(theirs.tensors)
+    for t in theirs.tensors:
+        ours = index.tensors[t.name]
+        assert ours.shape == tuple(int(d) for d in t.shape) and ours.tensor_type == t.tensor_type
+        assert np.array_equal(ours.data, np.asarray(t.data))
+    assert GGUFIndex(paths[1]).tokenizer_digest == index.tokenizer_digest  # other weights, the same tokenizer
+    data = paths[0].read_bytes()
+    for size in (100, len(data) - 1000):
+        cut = tmp_path / f"cut-{size}.gguf"
+        cut.write_bytes(data[:size])
+        with pytest.raises(ValueError, match="ends inside its header|runs past the end"):
+            GGUFIndex(cut)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_a_drafts_32_value_blocks_are_fitted_straight_from_the_file_as_from_their_values(kind):
+    """Q8_0 and Q5_0 matrices (the 0.5B draft's) fitted in C from their blocks give the same
+    Q4_K blocks, bit for bit, as their values dequantized by gguf and then fitted."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kind = GGMLQuantizationType[kind]
+    values = np.random.default_rng(1).normal(0, 0.05, size=(24, 96)).astype(np.float32)
+    raw = quantize(values, kind)
+    fitted = KQuantWeight.fit_blocks(int(kind), raw, values.shape[1])
+    want = KQuantWeight.quantize(torch.from_numpy(dequantize(raw, kind).copy()))
+    assert (fitted.rows, fitted.width, fitted.cols) == (24, 96, 256) and torch.equal(fitted.data, want.data)

@@ -338,7 +338,7 @@ def test_an_entry_the_new_conversion_cannot_replace_stays_whole(tmp_path, monkey
 def draft_logits(folder, monkeypatch):
     from specplay.core.models import loader
 
-    monkeypatch.setattr(loader, "draft_storage", lambda: "int4-draft")
+    monkeypatch.setattr(loader, "draft_storage", lambda model_id: "int4-draft")
     model = load_model(str(folder), device="cpu", dtype="int8", role="draft").model
     model.reset()
     return model.forward(TOKENS).logits

@@ -11,6 +11,10 @@ and the weights in the form the model runs on:
   int4 kernel's packed layout, written from the int8 file at the first such load, so later
   loads neither re-quantize nor pack. The layout is torch's, so the marker records the torch
   version that wrote it, and another version packs it again.
+* ``weights-kquant-draft.safetensors`` for a model loaded as a k-quant draft: its matrices in the
+  k-quant kernel's repacked blocks, written at the first such load (fitting a GGUF's other block
+  types into Q4_K takes seconds a load otherwise). The marker records the kernel's digest, and a
+  kernel with another layout fits them again.
 * ``model.safetensors``, float32, written only when a float dtype is asked for.
 * ``draft-iq4_nl.gguf``, the model's 4-bit weights for llama.cpp, written at its first load as a
   llama.cpp draft (:mod:`specplay.core.models.llamacpp_draft`).
@@ -41,6 +45,7 @@ FORMAT = 2
 WEIGHT_KINDS = ("int8", "float32")  # what a conversion writes; int4 draft layers are made from int8
 INT8_WEIGHTS = "weights-int8.safetensors"
 INT4_WEIGHTS = "weights-int4-draft.safetensors"
+KQUANT_DRAFT_WEIGHTS = "weights-kquant-draft.safetensors"
 FLOAT_WEIGHTS = "model.safetensors"
 #: The file a draft's 4-bit weights are kept in, and earlier versions' names for it.
 DRAFT_GGUF = "draft-iq4_nl.gguf"
@@ -51,8 +56,8 @@ _CHUNK = 16 << 20
 
 
 def weights_name(kind: str) -> str:
-    """The weights file for ``kind``: ``"int8"``, ``"int4-draft"`` or ``"float32"``."""
-    return {"int8": INT8_WEIGHTS, "int4-draft": INT4_WEIGHTS}.get(kind, FLOAT_WEIGHTS)
+    """The weights file for ``kind``: ``"int8"``, ``"int4-draft"``, ``"kquant-draft"`` or ``"float32"``."""
+    return {"int8": INT8_WEIGHTS, "int4-draft": INT4_WEIGHTS, "kquant-draft": KQUANT_DRAFT_WEIGHTS}.get(kind, FLOAT_WEIGHTS)
 
 
 def read_marker(folder: Path) -> dict:
@@ -80,8 +85,8 @@ _checked: set[tuple[str, int, int, int]] = set()
 
 
 def check_weights(folder: Path, kind: str) -> str:
-    """``"ok"``, ``"missing"``, ``"stale"`` (int4 layers packed by another torch), or ``"damaged"``
-    (its size or checksum differs from what was written)."""
+    """``"ok"``, ``"missing"``, ``"stale"`` (int4 layers packed by another torch, k-quant blocks by
+    another kernel), or ``"damaged"`` (its size or checksum differs from what was written)."""
     name = weights_name(kind)
     path = folder / name
     if not path.is_file():
@@ -90,7 +95,7 @@ def check_weights(folder: Path, kind: str) -> str:
     if recorded is None:
         # A format-1 folder recorded nothing: its float32 file is taken as it is.
         return "ok" if kind == "float32" and "format" not in read_marker(folder) else "missing"
-    if kind == "int4-draft" and recorded.get("torch") != torch.__version__:
+    if any(recorded.get(key) != value for key, value in _made_by(kind).items()):
         return "stale"
     stat = path.stat()
     seen = (str(path), stat.st_size, stat.st_mtime_ns, recorded["crc32"])
@@ -107,10 +112,20 @@ def record_weights(folder: Path, kind: str) -> None:
     marker = read_marker(folder)
     marker["format"] = FORMAT
     record = file_record(folder / weights_name(kind))
-    if kind == "int4-draft":
-        record["torch"] = torch.__version__
+    record.update(_made_by(kind))
     marker.setdefault("files", {})[weights_name(kind)] = record
     write_marker(folder, marker)
+
+
+def _made_by(kind: str) -> dict:
+    """What a weights kind's layout depends on, recorded with its file: another value makes it stale."""
+    if kind == "int4-draft":
+        return {"torch": torch.__version__}
+    if kind == "kquant-draft":
+        from specplay.core.models.kquant import library_digest
+
+        return {"kquant": library_digest()}
+    return {}
 
 
 def write_int8_weights(tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]], dest: Path) -> None:

@@ -128,10 +128,11 @@ static void q6k_values(const uint8_t *ql, const uint8_t *qh, uint8_t *v) {
 /* Repack ``rows`` rows of ``nb`` raw GGUF blocks each. Returns 0, or -1 for an unknown type. */
 int sp_repack(int type, const uint8_t *raw, void *out, int64_t rows, int64_t nb) {
     int64_t total = rows * nb;
-    uint8_t v[QK];
     if (type == TYPE_Q4_K) {
         block4 *o = (block4 *)out;
+#pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < total; i++) {
+            uint8_t v[QK];
             const uint8_t *b = raw + i * 144;
             uint16_t d, dmin;
             memcpy(&d, b, 2);
@@ -146,7 +147,9 @@ int sp_repack(int type, const uint8_t *raw, void *out, int64_t rows, int64_t nb)
     }
     if (type == TYPE_Q6_K) {
         block6 *o = (block6 *)out;
+#pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < total; i++) {
+            uint8_t v[QK];
             const uint8_t *b = raw + i * 210;
             uint16_t d;
             memcpy(&d, b + 208, 2);
@@ -166,6 +169,106 @@ int sp_repack(int type, const uint8_t *raw, void *out, int64_t rows, int64_t nb)
         return 0;
     }
     return -1;
+}
+
+/* One 32-group's Q4_K-style fit: value ≈ scale * q - offset, q in 0..15, by a few rounds of least
+ * squares from the group's min/max (a draft's weights: any fit is lossless, a closer one drafts better). */
+static void fit_group(const float *x, float *scale, float *offset) {
+    float mn = 0.0f, mx = 0.0f;
+    for (int l = 0; l < 32; l++) mn = fminf(mn, x[l]), mx = fmaxf(mx, x[l]);
+    float s = (mx - mn) / 15.0f, o = -mn;
+    for (int round = 0; round < 3 && s > 0.0f; round++) {
+        double sq = 0, sqq = 0, sx = 0, sqx = 0;
+        for (int l = 0; l < 32; l++) {
+            float q = fminf(15.0f, fmaxf(0.0f, rintf((x[l] + o) / s)));
+            sq += q, sqq += q * q, sx += x[l], sqx += q * x[l];
+        }
+        double det = 32 * sqq - sq * sq;
+        if (det <= 0) break;
+        double ns = (32 * sqx - sq * sx) / det, no = (ns * sq - sx) / 32;
+        if (ns <= 0 || no < 0) break; /* the offset must stay a non-negative min */
+        s = (float)ns, o = (float)no;
+    }
+    *scale = s, *offset = o;
+}
+
+static void fit_block(const float *x, block4 *b);
+
+/* Quantize ``rows`` float rows of ``k`` values (a multiple of 256, row stride ``ldw``) into repacked
+ * Q4_K blocks: for a draft model's matrices, which ship in other formats. */
+void sp_quantize_q4k(const float *w, int64_t rows, int64_t k, int64_t ldw, block4 *out) {
+    int64_t nb = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < nb; i++) fit_block(w + r * ldw + i * QK, out + r * nb + i);
+}
+
+enum { TYPE_Q5_0 = 6, TYPE_Q8_0 = 8 }; /* GGML's type numbers of the draft's other blocks */
+
+/* One row of ``width`` values in GGUF's Q8_0 or Q5_0 blocks (32 values each) as floats. */
+static void row_values(int type, const uint8_t *raw, int64_t width, float *out) {
+    for (int64_t blk = 0; blk < width / 32; blk++) {
+        uint16_t h;
+        float *y = out + 32 * blk;
+        if (type == TYPE_Q8_0) {
+            const uint8_t *b = raw + 34 * blk;
+            memcpy(&h, b, 2);
+            float d = half_to_float(h);
+            for (int j = 0; j < 32; j++) y[j] = (float)(int8_t)b[2 + j] * d;
+        } else {
+            const uint8_t *b = raw + 22 * blk;
+            uint32_t qh;
+            memcpy(&h, b, 2);
+            memcpy(&qh, b + 2, 4);
+            float d = half_to_float(h);
+            for (int j = 0; j < 16; j++) {
+                int lo = (b[6 + j] & 0xF) | (((qh >> j) & 1) << 4), hi = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+                y[j] = (float)(lo - 16) * d, y[j + 16] = (float)(hi - 16) * d;
+            }
+        }
+    }
+}
+
+/* A GGUF matrix of ``rows`` rows of ``width`` values in Q8_0 or Q5_0 blocks, fitted into repacked
+ * Q4_K blocks of ``k`` values a row (zeros past ``width``) without a float copy of the matrix.
+ * Returns 0, or -1 for another type or a width not a multiple of 32. */
+int sp_fit_q4k_from(int type, const uint8_t *raw, int64_t rows, int64_t width, int64_t k, block4 *out) {
+    if ((type != TYPE_Q8_0 && type != TYPE_Q5_0) || width % 32 || width > k || k % QK) return -1;
+    int64_t nb = k / QK, row_bytes = width / 32 * (type == TYPE_Q8_0 ? 34 : 22);
+#pragma omp parallel
+    {
+        float *row = calloc((size_t)k, sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!row) continue;
+            row_values(type, raw + r * row_bytes, width, row);
+            for (int64_t i = 0; i < nb; i++) fit_block(row + i * QK, out + r * nb + i);
+        }
+        free(row);
+    }
+    return 0;
+}
+
+/* 256 floats fitted into one repacked Q4_K block: each 32-group's fit, its scale and offset
+ * rounded to 6 bits of the block's largest, the values then rounded on that grid. */
+static void fit_block(const float *x, block4 *b) {
+    float scale[8], offset[8], smax = 0.0f, omax = 0.0f;
+    for (int g = 0; g < 8; g++) {
+        fit_group(x + 32 * g, &scale[g], &offset[g]);
+        smax = fmaxf(smax, scale[g]), omax = fmaxf(omax, offset[g]);
+    }
+    b->d = smax / 63.0f, b->dmin = omax / 63.0f;
+    uint8_t v[QK];
+    for (int g = 0; g < 8; g++) {
+        int sc = b->d > 0.0f ? (int)lrintf(scale[g] / b->d) : 0, m = b->dmin > 0.0f ? (int)lrintf(offset[g] / b->dmin) : 0;
+        b->sc[g] = (uint8_t)(sc > 63 ? 63 : sc), b->m[g] = (uint8_t)(m > 63 ? 63 : m);
+        float step = b->d * b->sc[g], off = b->dmin * b->m[g];
+        for (int l = 0; l < 32; l++) {
+            float q = step > 0.0f ? rintf((x[32 * g + l] + off) / step) : 0.0f;
+            v[32 * g + l] = (uint8_t)fminf(15.0f, fmaxf(0.0f, q));
+        }
+    }
+    pack_nibbles(v, b->qs);
 }
 
 /* The high two bits of a Q6_K value at memory byte ``byte`` (the inverse of ``qh_byte``). */
@@ -197,13 +300,22 @@ int sp_dequantize_rows(int type, const void *w, int64_t nb, const int64_t *ids, 
     return 0;
 }
 
-/* Quantize rows of x (``m`` x ``k``, row stride ``ldx``) into blocks of 256, row by row. */
-void sp_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, blockx *out) {
+/* Quantize rows of x (``m`` x ``width``, row stride ``ldx``) into blocks of 256, row by row, the
+ * values from ``width`` up to ``k`` (a multiple of 256) taken as zeros. Shares the outputs among
+ * the threads of the parallel region it is called in. */
+void sp_quantize_rows(const float *x, int64_t m, int64_t k, int64_t width, int64_t ldx, blockx *out) {
     int64_t nb = k / QK;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
         for (int64_t i = 0; i < nb; i++) {
+            float padded[QK];
             const float *v = x + r * ldx + i * QK;
+            if ((i + 1) * QK > width) { /* the last block of a row that is not whole */
+                int64_t have = width - i * QK;
+                memset(padded, 0, sizeof padded);
+                if (have > 0) memcpy(padded, v, (size_t)have * sizeof(float));
+                v = padded;
+            }
             blockx *b = out + r * nb + i;
             float amax = 0.0f;
             for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(v[l]));
@@ -225,6 +337,7 @@ void sp_quantize(const float *x, int64_t m, int64_t k, int64_t ldx, blockx *out)
         }
     }
 }
+
 /* ---- The dot products. Four columns (weight rows) share a 512-bit vector, one 128-bit lane
  * each, and a tile of R rows shares every decoded weight chunk. Each output (row, column) sees
  * one float sequence on every path and tile size (8, 4, 2 or 1 rows, chosen by how many rows are
@@ -587,7 +700,7 @@ __attribute__((target(AVX512))) static void gemm_512(int type, const void *w, in
                                                      int64_t m, float *y, int64_t ldy) {
     int64_t nb = k / QK, stride = nb * sp_sizeof_block(type), groups = (n + 3) / 4;
     int keeps = m > 8 && nb <= KEEP_BLOCKS;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         __m512i keep[KEPT * KEEP_BLOCKS];
         const uint8_t *c[4];
@@ -616,7 +729,7 @@ __attribute__((target(AVX2))) static void tile_256(int type, const uint8_t *cons
 __attribute__((target(AVX2))) static void gemm_256(int type, const void *w, int64_t n, int64_t k, const blockx *x,
                                                    int64_t m, float *y, int64_t ldy) {
     int64_t nb = k / QK, stride = nb * sp_sizeof_block(type), groups = (n + 1) / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c[2];
         int ncols = group_columns(w, n, stride, groups, g, 2, c);
@@ -628,17 +741,32 @@ __attribute__((target(AVX2))) static void gemm_256(int type, const void *w, int6
     }
 }
 
-/* y[:, :n] (row stride ``ldy``) = quantized rows ``x`` times the ``n`` weight rows ``w``.
- * ``isa``: 2 for AVX2 + FMA, 3 for AVX-512 with VNNI (F, BW, VL, DQ, VNNI). Returns 0, or -1 for
- * bad arguments. */
-int sp_gemm(int isa, int type, const void *w, int64_t n, int64_t k, const blockx *x, int64_t m, float *y,
-            int64_t ldy) {
-    if (k % QK || sp_sizeof_block(type) < 0 || n < 0 || m < 0) return -1;
+/* y[:, :n] (row stride ``ldy``) = quantized rows ``x`` times the ``n`` weight rows ``w``, on the
+ * path ``isa`` names (2: AVX2 + FMA; 3: AVX-512 F, BW, VL, DQ with VNNI), its columns shared among
+ * the threads of the region it runs in. */
+void sp_gemm_rows(int isa, int type, const void *w, int64_t n, int64_t k, const blockx *x, int64_t m, float *y,
+                  int64_t ldy) {
     if (isa == 3)
         gemm_512(type, w, n, k, x, m, y, ldy);
-    else if (isa == 2)
-        gemm_256(type, w, n, k, x, m, y, ldy);
     else
-        return -1;
+        gemm_256(type, w, n, k, x, m, y, ldy);
+}
+
+/* A whole layer in one parallel region: rows ``x`` (``m`` x ``width``, stride ``ldx``) quantized
+ * into ``xq`` (``m`` x ``k / 256`` blocks, zeros past ``width``), then multiplied by ``parts``
+ * weight matrices (``types[i]``, ``ws[i]``, ``ns[i]`` rows of ``k`` values), their outputs side by
+ * side in ``y`` (row stride ``ldy``). One region instead of one per step: each costs a wake-up of
+ * the threads, a third of a small draft layer's time. Returns 0, or -1 for bad arguments. */
+int sp_linear(int isa, int parts, const int *types, const void *const *ws, const int64_t *ns, int64_t k,
+              int64_t width, const float *x, int64_t m, int64_t ldx, blockx *xq, float *y, int64_t ldy) {
+    if (k % QK || width > k || m < 0 || (isa != 2 && isa != 3)) return -1;
+    for (int i = 0; i < parts; i++)
+        if (sp_sizeof_block(types[i]) < 0 || ns[i] < 0) return -1;
+#pragma omp parallel
+    {
+        sp_quantize_rows(x, m, k, width, ldx, xq);
+        int64_t col = 0;
+        for (int i = 0; i < parts; col += ns[i], i++) sp_gemm_rows(isa, types[i], ws[i], ns[i], k, xq, m, y + col, ldy);
+    }
     return 0;
 }

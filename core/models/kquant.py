@@ -40,11 +40,12 @@ log = logging.getLogger(__name__)
 Q4_K, Q6_K = 12, 14
 TYPES = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
 _RAW_BYTES = {Q4_K: 144, Q6_K: 210}
+_Q5_0, _Q8_0 = 6, 8  # the 32-value blocks a draft's other matrices ship in, fitted into Q4_K
 QK = 256
 #: The largest verification block the methods send at their defaults (Medusa's 64-node tree and
 #: its root): every block size up to it is proved.
 PROVED_ROWS = 65
-_SOURCE = Path(__file__).with_name("kquant.c")
+_SOURCES = (Path(__file__).with_name("kquant.c"), Path(__file__).with_name("kquant_layer.c"))
 _FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 _AVX2 = {"avx2", "fma"}
@@ -71,7 +72,7 @@ def _compiler() -> str | None:
 
 def library_digest() -> str:
     """The kernel's source and build flags (what its proof of exactness is kept under)."""
-    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:16]
 
 
 def _library_path() -> Path:
@@ -88,9 +89,10 @@ def build() -> Path:
         raise OSError("no C compiler (cc) on this machine")
     lib.parent.mkdir(parents=True, exist_ok=True)
     with replacing(lib) as tmp:
-        done = subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(_SOURCE), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([cc, *_FLAGS, "-o", str(tmp), *map(str, _SOURCES), "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
-            raise OSError(f"{cc} could not compile {_SOURCE.name}: {(done.stderr.strip().splitlines() or [''])[-1][:200]}")
+            raise OSError(f"{cc} could not compile the k-quant kernel: "
+                          f"{(done.stderr.strip().splitlines() or [''])[-1][:200]}")
     return lib
 
 
@@ -100,8 +102,12 @@ def _lib() -> ctypes.CDLL:
     i64, vp, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.sp_repack.argtypes = [cint, vp, vp, i64, i64]
     lib.sp_dequantize_rows.argtypes = [cint, vp, i64, vp, i64, vp]
-    lib.sp_quantize.argtypes = [vp, i64, i64, i64, vp]
-    lib.sp_gemm.argtypes = [cint, cint, vp, i64, i64, vp, i64, vp, i64]
+    lib.sp_quantize_q4k.argtypes = [vp, i64, i64, i64, vp]
+    lib.sp_fit_q4k_from.argtypes = [cint, vp, i64, i64, i64, vp]
+    lib.sp_linear.argtypes = [cint, cint, vp, vp, vp, i64, i64, vp, i64, i64, vp, vp, i64]
+    lib.sp_layer_scratch.argtypes = [vp, i64]
+    lib.sp_layer_scratch.restype = i64
+    lib.sp_layer.argtypes = [cint, vp, vp, i64, vp, vp, vp, i64, i64, vp, cint, vp]
     return lib
 
 
@@ -112,7 +118,11 @@ class KQuantWeight:
     type: int
     data: torch.Tensor  # uint8, rows * (cols / 256) repacked blocks
     rows: int
-    cols: int
+    cols: int  # values stored a row: a multiple of 256
+    width: int = 0  # the matrix's own input size: cols, or fewer (the rest zeros up to a whole block)
+
+    def __post_init__(self):
+        self.width = self.width or self.cols
 
     @staticmethod
     def from_raw(type_: int, raw: np.ndarray, cols: int) -> "KQuantWeight":
@@ -131,12 +141,41 @@ class KQuantWeight:
         lib.sp_repack(type_, raw.ctypes.data, data.data_ptr(), rows, nb)
         return KQuantWeight(type_, data, rows, cols)
 
+    @staticmethod
+    def quantize(w: torch.Tensor, chunk: int = 8192) -> "KQuantWeight":
+        """A float matrix ``[rows, width]`` in Q4_K blocks fitted here, each row zero-padded to whole
+        blocks: for a draft model's matrices (its numerics never decide a token), a chunk of rows at a time."""
+        rows, width = w.shape
+        cols = -(-width // QK) * QK
+        lib = _lib()
+        per_row = cols // QK * lib.sp_sizeof_block(Q4_K)
+        data = torch.empty(rows * per_row, dtype=torch.uint8)
+        for start in range(0, rows, chunk):
+            part = torch.zeros(min(chunk, rows - start), cols)
+            part[:, :width] = w[start:start + chunk]
+            lib.sp_quantize_q4k(part.data_ptr(), part.shape[0], cols, cols, data.data_ptr() + start * per_row)
+        return KQuantWeight(Q4_K, data, rows, cols, width)
+
+    @staticmethod
+    def fit_blocks(type_: int, raw: np.ndarray, width: int) -> "KQuantWeight | None":
+        """A GGUF matrix in Q8_0 or Q5_0 blocks (``raw``: ``[rows, bytes]``) fitted into Q4_K like
+        :meth:`quantize`, straight from its blocks (no float copy); None for another type."""
+        if type_ not in (_Q8_0, _Q5_0) or width % 32:
+            return None
+        rows, cols = raw.shape[0], -(-width // QK) * QK
+        lib = _lib()
+        data = torch.empty(rows * cols // QK * lib.sp_sizeof_block(Q4_K), dtype=torch.uint8)
+        raw = np.ascontiguousarray(raw)
+        if lib.sp_fit_q4k_from(type_, raw.ctypes.data, rows, width, cols, data.data_ptr()) != 0:
+            return None
+        return KQuantWeight(Q4_K, data, rows, cols, width)
+
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.rows, self.cols))
+        return torch.Size((self.rows, self.width))
 
     def numel(self) -> int:
-        return self.rows * self.cols
+        return self.rows * self.width
 
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows ``ids`` (an embedding lookup), by GGUF's own dequantization."""
@@ -144,7 +183,7 @@ class KQuantWeight:
         out = torch.empty(ids.numel(), self.cols)
         _lib().sp_dequantize_rows(self.type, self.data.data_ptr(), self.cols // QK, ids.data_ptr(), ids.numel(),
                                   out.data_ptr())
-        return out
+        return out if self.width == self.cols else out[:, :self.width]
 
     def dequantize(self) -> torch.Tensor:
         return self.rows_float(torch.arange(self.rows))
@@ -159,13 +198,17 @@ class KQuantLinear:
 
     def __init__(self, parts: "KQuantWeight | list[KQuantWeight]", bias: torch.Tensor | None = None):
         self.parts = parts if isinstance(parts, list) else [parts]
-        cols = {p.cols for p in self.parts}
-        if len(cols) != 1:
-            raise ValueError(f"fused k-quant matrices must share their input size, got {sorted(cols)}")
-        self.in_features = cols.pop()
+        sizes = {(p.width, p.cols) for p in self.parts}
+        if len(sizes) != 1:
+            raise ValueError(f"fused k-quant matrices must share their input size, got {sorted(sizes)}")
+        self.in_features, self._cols = sizes.pop()
         self._out = sum(p.rows for p in self.parts)
         self.bias = None if bias is None else bias.detach().to(torch.float32)
         self._isa = isa()
+        n = len(self.parts)  # the kernel's arguments for the parts, made once
+        self._types = (ctypes.c_int * n)(*[p.type for p in self.parts])
+        self._ptrs = (ctypes.c_void_p * n)(*[p.data.data_ptr() for p in self.parts])
+        self._rows = (ctypes.c_int64 * n)(*[p.rows for p in self.parts])
 
     @property
     def out_features(self) -> int:
@@ -173,18 +216,13 @@ class KQuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        k = self.in_features
-        x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         m = x2.shape[0]
         lib = _lib()
-        xq = torch.empty(m * (k // QK) * lib.sp_sizeof_blockx(), dtype=torch.uint8)
-        lib.sp_quantize(x2.data_ptr(), m, k, k, xq.data_ptr())
+        xq = torch.empty(m * (self._cols // QK) * lib.sp_sizeof_blockx(), dtype=torch.uint8)
         y = torch.empty(m, self._out)
-        col = 0
-        for part in self.parts:
-            lib.sp_gemm(self._isa, part.type, part.data.data_ptr(), part.rows, k, xq.data_ptr(), m,
-                        y.data_ptr() + 4 * col, self._out)
-            col += part.rows
+        lib.sp_linear(self._isa, len(self.parts), self._types, self._ptrs, self._rows, self._cols, self.in_features,
+                      x2.data_ptr(), m, self.in_features, xq.data_ptr(), y.data_ptr(), self._out)
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*shape[:-1], self._out)
@@ -199,8 +237,67 @@ class KQuantLinear:
         w = self.parts[0]
         rows = min(rows, w.rows)
         per_row = w.data.numel() // w.rows
-        cut = KQuantWeight(w.type, w.data[: rows * per_row], rows, w.cols)
+        cut = KQuantWeight(w.type, w.data[: rows * per_row], rows, w.cols, w.width)
         return KQuantLinear(cut, None if self.bias is None else self.bias[:rows])
+
+
+class _Projection(ctypes.Structure):  # kquant_layer.c's sp_linear_t
+    _fields_ = [("parts", ctypes.c_int32), ("types", ctypes.c_int32 * 3), ("ws", ctypes.c_void_p * 3),
+                ("ns", ctypes.c_int64 * 3), ("k", ctypes.c_int64), ("width", ctypes.c_int64), ("out", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):  # kquant_layer.c's sp_layer_t
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("unused", ctypes.c_int32), ("ln_in", ctypes.c_void_p), ("ln_post", ctypes.c_void_p),
+                ("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection), ("down", _Projection)]
+
+
+def _projection(layer: KQuantLinear) -> _Projection:
+    parts = layer.parts
+    return _Projection(len(parts), (ctypes.c_int32 * 3)(*[p.type for p in parts]),
+                       (ctypes.c_void_p * 3)(*[p.data.data_ptr() for p in parts]),
+                       (ctypes.c_int64 * 3)(*[p.rows for p in parts]), layer._cols, layer.in_features,
+                       layer.out_features, None if layer.bias is None else layer.bias.data_ptr())
+
+
+class FusedLayers:
+    """A decoder's layers on the kernel as one C call each (``kquant_layer.c``): norm, projections,
+    RoPE, cache write, attention and MLP without torch's per-operation cost (a third of a small
+    model's token). Row-invariant like the kernel, so a target may decode and verify on it alike."""
+
+    def __init__(self, cfg, layers: list):
+        self._norms = [(l.ln_in.float().contiguous(), l.ln_post.float().contiguous()) for l in layers]
+        self._layers = [_Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                               cfg.rms_norm_eps, 0, ln_in.data_ptr(), ln_post.data_ptr(), _projection(l.qkv),
+                               _projection(l.o), _projection(l.gate_up), _projection(l.down))
+                        for l, (ln_in, ln_post) in zip(layers, self._norms)]
+        self._isa = isa()
+
+    @staticmethod
+    def fits(cfg, layers: list) -> bool:
+        """Whether the C layer runs this model: every projection on the kernel in at most three
+        matrices, heads of at most 256 values, sizes in multiples of 8."""
+        projections = [p for l in layers for p in (l.qkv, l.o, l.gate_up, l.down)]
+        return (cfg.head_dim <= 256 and cfg.head_dim % 8 == 0 and cfg.hidden_size % 8 == 0
+                and all(isinstance(p, KQuantLinear) and len(p.parts) <= 3 for p in projections))
+
+    def run(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, base: int,
+            mask: torch.Tensor | None, causal: bool) -> None:
+        """Layer ``i`` over rows ``x`` (float32 ``[m, hidden]``, contiguous, updated in place), their keys
+        and values written into ``kv`` (float32 ``[2, kv_heads, capacity, head_dim]``) from slot ``base``;
+        a row sees the slots ``mask`` (``[m, base + m]``) allows, else its own and those before it
+        (``causal``) or all."""
+        lib, layer = _lib(), ctypes.byref(self._layers[i])
+        m = x.shape[0]
+        scratch = torch.empty(lib.sp_layer_scratch(layer, m), dtype=torch.uint8)
+        mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
+        done = lib.sp_layer(self._isa, layer, x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
+                            kv.shape[2], base, None if mask_bytes is None else mask_bytes.data_ptr(), int(causal),
+                            scratch.data_ptr())
+        if done != 0:
+            raise MemoryError("the k-quant layer could not run (out of memory for attention scores?)")
 
 
 def adversarial_rows(k: int, rows: int, seed: int = 0) -> torch.Tensor:
@@ -273,15 +370,14 @@ class GGUFBlocksReader:
     GGUF stores unpermuted, is read (llama's are permuted for llama.cpp's RoPE)."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
+        from specplay.core.models.gguf_index import GGUFIndex
 
         try:
-            self._reader = GGUFReader(str(path))
-            arch = self._reader.fields["general.architecture"]
-            self.architecture = bytes(arch.parts[arch.data[0]]).decode()
-        except Exception as exc:  # gguf raises ValueError, IndexError, KeyError on damaged files
+            index = GGUFIndex(path)
+        except Exception as exc:  # a damaged file: ValueError, struct.error, KeyError of an unknown type
             raise ModelError(f"cannot read the GGUF file {path}: {exc}") from None
-        self.tensors = {t.name: t for t in self._reader.tensors}
+        self.architecture = index.architecture
+        self.tensors = index.tensors
         self.path = path
 
     def unreadable(self) -> str | None:
@@ -308,3 +404,76 @@ class GGUFBlocksReader:
             if len(t.shape) == 2 and kind in TYPES and t.shape[1] <= 16384 and len(found.setdefault(kind, [])) < count:
                 found[kind].append(KQuantWeight.from_raw(kind, t.data, int(t.shape[0])))
         return [w for ws in found.values() for w in ws]
+
+
+class GGUFDraftReader(GGUFBlocksReader):
+    """A draft model's GGUF for the kernel: matrices in Q4_K or Q6_K blocks kept as shipped, the
+    others (Q5_0, Q8_0, float, rows of 896) dequantized and fitted into Q4_K blocks here. A draft's
+    numerics never decide a token, so no proof is needed; only its speed and its guesses change."""
+
+    def unreadable(self) -> str | None:
+        if self.architecture != "qwen2":
+            return f"the k-quant draft reads Qwen2 GGUF files, not {self.architecture}"
+        return None
+
+    def get(self, hf_name: str):
+        tensor = self.tensors.get(gguf_name(hf_name))
+        if tensor is None or len(tensor.shape) == 1 or (int(tensor.tensor_type) in TYPES and int(tensor.shape[0]) % QK == 0):
+            return super().get(hf_name)
+        fitted = KQuantWeight.fit_blocks(int(tensor.tensor_type), tensor.data, int(tensor.shape[0]))
+        if fitted is not None:
+            return fitted
+        from gguf.quants import dequantize
+
+        return KQuantWeight.quantize(torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32)))
+
+
+_SHAPE = ":kquant"  # a matrix's [type, rows, cols, width] beside its blocks, in a file of blocks
+
+
+class KeptBlocks:
+    """Hands on what a reader gives (``get``), keeping each tensor, so that a draft fitted once
+    can be written (:func:`save_blocks`) and read back (:class:`BlocksFileReader`) next time."""
+
+    def __init__(self, reader):
+        self.reader, self.kept = reader, {}
+
+    def get(self, hf_name: str):
+        value = self.reader.get(hf_name)
+        if value is not None:
+            self.kept[hf_name] = value
+        return value
+
+
+def save_blocks(tensors: dict, dest: Path) -> None:
+    """Write matrices (:class:`KQuantWeight`) and vectors by name into one safetensors file."""
+    from safetensors.torch import save_file
+
+    out = {}
+    for name, value in tensors.items():
+        if isinstance(value, KQuantWeight):
+            out[name] = value.data
+            out[name + _SHAPE] = torch.tensor([value.type, value.rows, value.cols, value.width], dtype=torch.int64)
+        else:
+            out[name] = value.contiguous()
+    with replacing(dest) as tmp:
+        save_file(out, str(tmp), metadata={"format": "pt", "specplay": "k-quant kernel blocks"})
+
+
+class BlocksFileReader:
+    """``get(name)`` from a file :func:`save_blocks` wrote: a :class:`KQuantWeight` or a float32 vector."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        self._file = safe_open(str(path), framework="pt")
+        self._names = set(self._file.keys())
+
+    def get(self, hf_name: str):
+        if hf_name not in self._names:
+            return None
+        if hf_name + _SHAPE not in self._names:
+            return self._file.get_tensor(hf_name)
+        type_, rows, cols, width = self._file.get_tensor(hf_name + _SHAPE).tolist()
+        return KQuantWeight(type_, self._file.get_tensor(hf_name), rows, cols, width)

@@ -307,8 +307,9 @@ def storage_of(info) -> str:
 
 
 #: Weight storage kinds: float (the compute dtype), row-exact int8, the GGUF's own k-quant blocks
-#: (exact, :mod:`specplay.core.models.kquant`), and int8 or int4 for drafts only.
-STORAGES = ("float", "int8", "gguf", "int8-draft", "int4-draft")
+#: (exact, :mod:`specplay.core.models.kquant`), and int8, int4 or the k-quant kernel's Q4_K blocks
+#: fitted to a draft's weights, for drafts only.
+STORAGES = ("float", "int8", "gguf", "int8-draft", "int4-draft", "kquant-draft")
 #: The quantized storages whose results are bit-exact across block sizes (a target's).
 EXACT_QUANTIZED = ("int8", "gguf")
 
@@ -317,9 +318,9 @@ def make_linear(weight: "torch.Tensor | QuantizedWeight | Int4Packed", bias: tor
     """Build the linear layer for a storage kind (see :data:`STORAGES`).
 
     Quantized kinds take a :class:`QuantizedWeight` too, ``int4-draft`` an :class:`Int4Packed`, and
-    ``gguf`` a k-quant matrix or a list of them (fused).
+    ``gguf`` and ``kquant-draft`` a k-quant matrix or a list of them (fused).
     """
-    if storage == "gguf":
+    if storage in ("gguf", "kquant-draft"):
         from specplay.core.models.kquant import KQuantLinear
 
         return KQuantLinear(weight, bias)

@@ -28,10 +28,13 @@ import torch.nn.functional as F
 
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
 from specplay.core.models.layers import FUSED, DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
-from specplay.core.models.kquant import KQuantLinear, KQuantWeight
+from specplay.core.models.kquant import FusedLayers, KQuantLinear, KQuantWeight
 from specplay.core.models.linear import EXACT_QUANTIZED, Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
+
+#: Storages on the k-quant kernel: a GGUF's own blocks (a target's, exact), or a draft's fitted ones.
+KQUANT_STORAGES = ("gguf", "kquant-draft")
 
 
 def fused_name(prefixes: Sequence[str]) -> str:
@@ -66,7 +69,7 @@ class _WeightBuilder:
 
     def matrix(self, key: str, required: bool = True):
         w = self.tensor(key, required)
-        if self.storage == "gguf" and isinstance(w, torch.Tensor):
+        if self.storage in KQUANT_STORAGES and isinstance(w, torch.Tensor):
             raise KeyError(f"weight '{key}' is not in k-quant blocks")
         return QuantizedWeight.quantize(w) if self.quantized and isinstance(w, torch.Tensor) else w
 
@@ -79,7 +82,7 @@ class _WeightBuilder:
             parts = [self.matrix(p + ".weight") for p in prefixes]
             if len(parts) == 1:
                 weight = parts[0]
-            elif self.storage == "gguf":  # the kernel runs the parts one after another into one output
+            elif self.storage in KQUANT_STORAGES:  # the kernel runs the parts one after another into one output
                 weight = parts
             else:
                 weight = QuantizedWeight.cat(parts) if self.quantized else torch.cat(parts, dim=0)
@@ -130,6 +133,10 @@ class NativeDecoder(CausalLM):
         self.dtype = dtype
         self.storage = storage
         separate_head = self._read_weights(get_tensor)
+        # On the k-quant kernel a layer is one C call (decoding and verification alike; a prompt's
+        # prefill keeps torch's attention, which is faster over many rows).
+        self._fused = (FusedLayers(cfg, self.layers)
+                       if storage in KQUANT_STORAGES and FusedLayers.fits(cfg, self.layers) else None)
         self._inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=self.device)
 
         self._kv = torch.empty(0)
@@ -166,7 +173,7 @@ class NativeDecoder(CausalLM):
             # A tied head is the embedding; an int4 cache stores it packed under the head's name, and a
             # GGUF may ship its own (the 1.5B target's is Q6_K, its embedding Q4_K).
             head = (weights.matrix("lm_head.weight", required=False)
-                    if not cfg.tie_word_embeddings or storage in ("int4-draft", "gguf") else None)
+                    if not cfg.tie_word_embeddings or storage in ("int4-draft", *KQUANT_STORAGES) else None)
             weights.submit("lm_head.weight", self._embedding if head is None else head, None)
             pending: list[dict] = []
             for i in range(cfg.num_layers):
@@ -212,9 +219,11 @@ class NativeDecoder(CausalLM):
 
     @property
     def _cache_dtype(self) -> torch.dtype:
-        # Row-exact storage (int8, the GGUF's blocks): attention runs in float64 (see the module doc),
-        # so the cache is kept in float64. A draft's int8 needs no exactness: float32.
-        return torch.float64 if self.storage in EXACT_QUANTIZED else self.compute_dtype
+        # Row-exact storage (int8, the GGUF's blocks) on torch's layers: attention runs in float64 (see
+        # the module doc), so the cache is kept in float64. The C layer's attention is row-invariant in
+        # float32; a draft needs no exactness: float32.
+        exact_on_torch = self.storage in EXACT_QUANTIZED and self._fused is None
+        return torch.float64 if exact_on_torch else self.compute_dtype
 
     @torch.inference_mode()  # the cache may have been (re)allocated inside a forward pass
     def commit(self, keep) -> None:
@@ -310,10 +319,17 @@ class NativeDecoder(CausalLM):
         x = self._embed_rows(tokens).to(dt)
         wanted = set(layers)
         layer_out: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4, attn_dtype, causal)
-            if i in wanted:
-                layer_out[i] = x
+        if self._fused is not None and not prefill:
+            x, cos, sin = x.contiguous(), cos[0].contiguous(), sin[0].contiguous()
+            for i in range(len(self.layers)):
+                self._fused.run(i, x, cos, sin, self._kv[i], base, mask, causal)
+                if i in wanted:
+                    layer_out[i] = x.clone()
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4, attn_dtype, causal)
+                if i in wanted:
+                    layer_out[i] = x
         self._pending = n
         normed = self.final_norm(x)
         head_in = normed if logit_rows is None else normed[torch.as_tensor(logit_rows, dtype=torch.long)]

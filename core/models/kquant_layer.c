@@ -1,0 +1,177 @@
+/* A whole Llama/Qwen2 decoder layer on the k-quant kernel, in one call and one parallel region.
+ *
+ * Torch runs a layer as some forty small operations; at one row each costs more in dispatch than
+ * in arithmetic, a third of a 0.5B draft's token. Here the same layer is one C call: RMS norm,
+ * the fused q/k/v projection, RoPE, the cache write, attention, the output projection, the gated
+ * MLP and both residual adds.
+ *
+ * Row-invariant by construction, like the kernel it calls: every row's norm, RoPE and attention
+ * read that row (and the cache) alone, each sum runs in one fixed order (eight float lanes, then
+ * those lanes in one order; attention over the visible slots in ascending order), and the threads
+ * share rows or (row, head) pairs, never one sum. A row's result is therefore the same whether it
+ * is computed alone or inside a block of any size, at any thread count.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void sp_quantize_rows(const float *x, int64_t m, int64_t k, int64_t width, int64_t ldx, void *out);
+void sp_gemm_rows(int isa, int type, const void *w, int64_t n, int64_t k, const void *x, int64_t m, float *y,
+                  int64_t ldy);
+int sp_sizeof_blockx(void);
+
+typedef struct { /* one (fused) projection: up to three k-quant matrices side by side */
+    int32_t parts;
+    int32_t types[3];
+    const void *ws[3];
+    int64_t ns[3];
+    int64_t k, width, out; /* stored inputs (a multiple of 256), real inputs, outputs */
+    const float *bias;     /* or NULL */
+} sp_linear_t;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps;
+    int32_t unused;
+    const float *ln_in, *ln_post;
+    sp_linear_t qkv, o, gate_up, down;
+} sp_layer_t;
+
+#define VEC "avx2,fma"
+
+/* Sum of x[i] * y[i] over n (a multiple of 8) in eight lanes, the lanes added in one fixed order. */
+__attribute__((target(VEC))) static float dot8(const float *x, const float *y, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i), acc);
+    float l[8];
+    _mm256_storeu_ps(l, acc);
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+/* out = weight * (x / sqrt(mean(x^2) + eps)), a row of n values. */
+__attribute__((target(VEC))) static void rms_norm_row(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float r = 1.0f / sqrtf(dot8(x, x, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* The rotate-half RoPE of one head of d values, in place. */
+static void rope(float *x, const float *c, const float *s, int64_t d) {
+    int64_t half = d / 2;
+    float t[256];
+    for (int64_t j = 0; j < half; j++) t[j] = x[j] * c[j] - x[j + half] * s[j];
+    for (int64_t j = half; j < d; j++) t[j] = x[j] * c[j] + x[j - half] * s[j];
+    memcpy(x, t, (size_t)d * sizeof(float));
+}
+
+static void project(int isa, const sp_linear_t *l, const float *in, int64_t m, int64_t ldin, void *xq, float *out) {
+    sp_quantize_rows(in, m, l->k, l->width, ldin, xq);
+    int64_t col = 0;
+    for (int i = 0; i < l->parts; col += l->ns[i], i++)
+        sp_gemm_rows(isa, l->types[i], l->ws[i], l->ns[i], l->k, xq, m, out + col, l->out);
+}
+
+static int64_t most_blocks(const sp_layer_t *L) {
+    int64_t k = L->qkv.k;
+    if (L->o.k > k) k = L->o.k;
+    if (L->gate_up.k > k) k = L->gate_up.k;
+    if (L->down.k > k) k = L->down.k;
+    return k / 256;
+}
+
+/* Bytes of scratch a call of ``m`` rows needs. */
+int64_t sp_layer_scratch(const sp_layer_t *L, int64_t m) {
+    int64_t floats = m * (2 * L->hidden + L->qkv.out + L->heads * L->head_dim + 3 * L->inter);
+    return floats * (int64_t)sizeof(float) + 64 + m * most_blocks(L) * sp_sizeof_blockx();
+}
+
+/* Attention of row i, head h over the visible slots, ascending; ``sc`` holds a score a slot. */
+__attribute__((target(VEC))) static void attend(const sp_layer_t *L, const float *q, const float *kv, int64_t cap,
+                                                int64_t i, int64_t h, int64_t slots, const uint8_t *mask,
+                                                int causal, int64_t base, float *sc, float *out) {
+    int64_t d = L->head_dim, g = h / (L->heads / L->kv_heads);
+    const float *K = kv + g * cap * d, *V = kv + (L->kv_heads + g) * cap * d;
+    float scale = 1.0f / sqrtf((float)d), top = -INFINITY;
+    for (int64_t t = 0; t < slots; t++) {
+        int seen = mask ? mask[i * slots + t] != 0 : causal ? t <= base + i : 1;
+        sc[t] = seen ? dot8(q, K + t * d, d) * scale : -INFINITY;
+        top = fmaxf(top, sc[t]);
+    }
+    float acc[256] = {0}, total = 0.0f;
+    for (int64_t t = 0; t < slots; t++) {
+        if (sc[t] == -INFINITY) continue;
+        float p = expf(sc[t] - top);
+        total += p;
+        const float *v = V + t * d;
+        for (int64_t j = 0; j < d; j += 8)
+            _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + j), _mm256_loadu_ps(acc + j)));
+    }
+    for (int64_t j = 0; j < d; j++) out[j] = acc[j] / total;
+}
+
+/* One decoder layer over ``m`` new rows ``x`` (``m`` x hidden, updated in place) at cache slots
+ * ``base`` .. ``base + m - 1`` of ``kv`` (this layer's [2, kv_heads, cap, head_dim] float32).
+ * ``cos``/``sin``: the rows' RoPE tables (m x head_dim). A row sees the slots ``mask`` allows
+ * (m x (base + m) bytes), or without one: slots up to its own (``causal``) or all of them.
+ * ``scratch``: :func:`sp_layer_scratch` bytes. Returns 0, or -1 for sizes it does not run
+ * (head_dim above 256 or not a multiple of 8, hidden not a multiple of 8). */
+int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos, const float *sin, float *kv,
+             int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch) {
+    int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, I = L->inter;
+    if (d > 256 || d % 8 || H % 8 || base + m > cap) return -1;
+    float *h = (float *)scratch, *qkv = h + m * H, *att = qkv + m * L->qkv.out, *gu = att + m * nq,
+          *act = gu + m * 2 * I, *y = act + m * I;
+    void *xq = (void *)(((uintptr_t)(y + m * H) + 63) & ~(uintptr_t)63);
+    int64_t slots = base + m;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *sc = malloc((size_t)slots * sizeof(float));
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) rms_norm_row(x + r * H, L->ln_in, H, L->eps, h + r * H);
+        project(isa, &L->qkv, h, m, H, xq, qkv);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            float *row = qkv + r * L->qkv.out;
+            if (L->qkv.bias)
+                for (int64_t j = 0; j < L->qkv.out; j++) row[j] += L->qkv.bias[j];
+            for (int64_t hq = 0; hq < L->heads; hq++) rope(row + hq * d, cos + r * d, sin + r * d, d);
+            for (int64_t g = 0; g < L->kv_heads; g++) {
+                float *k = row + nq + g * d;
+                rope(k, cos + r * d, sin + r * d, d);
+                memcpy(kv + (g * cap + base + r) * d, k, (size_t)d * sizeof(float));
+                memcpy(kv + ((L->kv_heads + g) * cap + base + r) * d, row + nq + nkv + g * d, (size_t)d * sizeof(float));
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < m * L->heads; p++) {
+            int64_t r = p / L->heads, hq = p % L->heads;
+            if (sc) attend(L, qkv + r * L->qkv.out + hq * d, kv, cap, r, hq, slots, mask, causal, base, sc, att + r * nq + hq * d);
+        }
+        project(isa, &L->o, att, m, nq, xq, y);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            for (int64_t j = 0; j < H; j++) x[r * H + j] += L->o.bias ? y[r * H + j] + L->o.bias[j] : y[r * H + j];
+            rms_norm_row(x + r * H, L->ln_post, H, L->eps, h + r * H);
+        }
+        project(isa, &L->gate_up, h, m, H, xq, gu);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < I; j++) {
+                float g = gu[r * 2 * I + j], u = gu[r * 2 * I + I + j];
+                if (L->gate_up.bias) g += L->gate_up.bias[j], u += L->gate_up.bias[I + j];
+                act[r * I + j] = g / (1.0f + expf(-g)) * u;
+            }
+        project(isa, &L->down, act, m, I, xq, y);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < H; j++) x[r * H + j] += L->down.bias ? y[r * H + j] + L->down.bias[j] : y[r * H + j];
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}
