@@ -374,10 +374,13 @@ def cmd_models(args) -> int:
 
 
 def _measure_again() -> None:
-    """Forget this machine's measurements and llama.cpp verdicts; measure the int8 kernels now."""
+    """Forget this machine's measurements and llama.cpp verdicts; measure the int8 kernels and the
+    default draft's engines (llama.cpp's against the native one) now."""
+    from specplay.core.models.catalog import DEFAULT_DRAFT
     from specplay.core.models.engines import describe_quant_engine, forget_measurements, quant_engine
     from specplay.core.models.linear import int8_supported
-    from specplay.core.models.llamacpp import forget_verdicts
+    from specplay.core.models.llamacpp import available, forget_verdicts
+    from specplay.core.models.loader import compare_draft_engines
 
     measurements, verdicts = forget_measurements(), forget_verdicts()
     print(f"forgot {measurements} measurement{'s' * (measurements != 1)} and {verdicts} llama.cpp "
@@ -385,7 +388,12 @@ def _measure_again() -> None:
     if int8_supported():
         quant_engine(_Progress())
         print("  " + describe_quant_engine())
-    print("  llama.cpp's probes and the draft engines' timings are measured again on the next load")
+    if available() is None:
+        for note in compare_draft_engines(DEFAULT_DRAFT, _Progress()):
+            if note.startswith("draft engine"):
+                print(f"  {DEFAULT_DRAFT}: {note}")
+    else:
+        print("  llama.cpp's probes are measured again on the next load")
 
 
 def _print_engines() -> None:

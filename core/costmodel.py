@@ -90,11 +90,28 @@ def is_measured(model) -> bool:
 
 
 def cost_curve(model) -> CostCurve:
-    """The model's cost curve, measured on first use (about a second on a CPU) and kept."""
+    """The model's cost curve: measured once per machine, model and storage (several seconds on a
+    CPU: a later start of a one-shot command should not pay them again), kept with the machine's
+    other measurements, and held per loaded model."""
     curve = _CURVES.get(model)
     if curve is None:
-        curve = _CURVES[model] = measure(model)
+        curve = _CURVES[model] = _kept_curve(model)
     return curve
+
+
+def _kept_curve(model) -> CostCurve:
+    from specplay.core import __version__
+    from specplay.core.models import kquant
+    from specplay.core.models.engines import measured
+
+    info = model.info
+    # What the curve depends on besides the machine (in the measurements' key already): the model,
+    # how it is stored and run, and the code that runs it.
+    key = (f"cost curve {info.name} {info.num_parameters} {info.backend} {info.dtype} {info.device} "
+           f"specplay {__version__} kquant {kquant.library_digest()}")
+    kept = measured(key, lambda: measure(model).to_dict(),
+                    valid=lambda d: all(isinstance(d.get(str(n)), (int, float)) for n in SIZES))
+    return CostCurve(SIZES, tuple(float(kept[str(n)]) for n in SIZES))
 
 
 def best_size(values: Sequence[float], curve: CostCurve, fixed: int = 1, cap: int | None = None) -> int:

@@ -65,3 +65,19 @@ def test_measured_curve_is_nondecreasing_cached_and_leaves_the_cache_empty():
     assert all(b >= a for a, b in zip(curve.relative, curve.relative[1:]))
     assert model.cache_len == 0
     assert cost_curve(model) is cost_curve(model)
+
+
+def test_a_curve_is_measured_once_per_machine_and_model_and_read_back_in_a_later_start(monkeypatch, tmp_path):
+    """A later start of a one-shot command does not time the model again: the curve is kept with
+    the machine's measurements, keyed by the model, its storage and the code that runs it."""
+    from specplay.core import costmodel
+
+    monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
+    first = native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32))
+    measured = cost_curve(first)
+    monkeypatch.setattr(costmodel, "measure", lambda *a, **k: pytest.fail("measured again"))
+    again = native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32))  # another process's load, as it were
+    assert cost_curve(again) == measured
+    other = native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32, hidden=64))
+    with pytest.raises(pytest.fail.Exception, match="measured again"):
+        cost_curve(other)

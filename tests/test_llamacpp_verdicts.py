@@ -69,6 +69,13 @@ def test_verdicts_and_measurements_are_kept_per_host(children, tmp_path, monkeyp
 
 def test_models_measure_forgets_this_hosts_measurements_and_measures_the_int8_kernels_again(
         children, tmp_path, monkeypatch, capsys):
+    """It also times the default draft's engines against each other (what a first load skips)."""
+    from specplay.core.models import loader
+    from specplay.core.models.catalog import DEFAULT_DRAFT
+
+    compared = []
+    monkeypatch.setattr(loader, "compare_draft_engines", lambda model_id, progress=None: compared.append(model_id)
+                        or ["weights: ...", "draft engine native kquant-draft: 20.0 ms/token against llama.cpp's 30.0"])
     usable_settings(tmp_path / "m.gguf", threads=1)
     engines.measured("memory bandwidth", lambda: {"read_gb_per_s": 9.0})
     other = {"another host [0] torch 2 1 threads|memory bandwidth": {"read_gb_per_s": 1.0}}
@@ -78,7 +85,11 @@ def test_models_measure_forgets_this_hosts_measurements_and_measures_the_int8_ke
     assert cli.main(["models", "measure"]) == 0
     out = capsys.readouterr().out
     assert "forgot 1 measurement and 2 llama.cpp verdicts of this machine" in out
-    assert "int8 kernel x86" in out and "measured again on the next load" in out
+    assert "int8 kernel x86" in out
+    if llamacpp.available() is None:
+        assert compared == [DEFAULT_DRAFT] and f"{DEFAULT_DRAFT}: draft engine native kquant-draft: 20.0" in out
+    else:
+        assert compared == [] and "measured again on the next load" in out
     assert llamacpp._read_verdicts() == {} and not engines.has_measured("memory bandwidth")
     assert engines.has_measured(engines.QUANT_KEY) and other.keys() <= engines._read().keys()
 

@@ -124,6 +124,30 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
     assert cmp.results["speculative"].metrics.mean_accepted > 2.0
 
 
+def test_the_default_models_run_on_the_ggufs_blocks_and_greedy_speculation_stays_exact():
+    """Nothing asked for: where the k-quant kernel runs, the target runs on the shipped file's own
+    Q4_K/Q6_K blocks and the draft on the kernel (its blocks fitted once), neither converted into
+    float weights; greedy speculation emits exactly greedy decoding's tokens."""
+    from specplay.core.compare import compare_methods
+    from specplay.core.models import kquant, load_model
+    from specplay.core.text import encode_prompt
+    from specplay.core.types import GenerationConfig
+
+    _require(DEFAULT_TARGET)
+    _require(DEFAULT_DRAFT)
+    if kquant.unavailable() is not None:
+        pytest.skip(f"no k-quant kernel here: {kquant.unavailable()}")
+    target = load_model(DEFAULT_TARGET, "cpu")
+    draft = load_model(DEFAULT_DRAFT, "cpu", role="draft")
+    assert target.model.info.dtype == "gguf" and target.model._fused is not None
+    assert draft.model.info.backend == "llama.cpp" or draft.model.storage == "kquant-draft"
+    ids = encode_prompt(target.tokenizer, "Write a Python function that returns the n-th Fibonacci number.")
+    cmp = compare_methods(target, draft, ["autoregressive", "speculative"], {}, ids,
+                          GenerationConfig(max_new_tokens=48, stand_down=False), warmup_tokens=0)
+    assert [r["identical_to_baseline"] for r in cmp.records] == [True, True]
+    assert cmp.results["speculative"].metrics.mean_accepted > 2.0
+
+
 def test_cancelling_the_first_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     """Cancel while the child process dequantizes: Cancelled, no model folder, no temporary files."""
     from specplay.core.errors import Cancelled

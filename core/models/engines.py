@@ -117,6 +117,12 @@ def has_measured(key: str) -> bool:
     return f"{machine_key()}|{key}" in _read()
 
 
+def kept_measurement(key: str) -> dict | None:
+    """What :func:`measured` keeps for ``key`` on this machine, without measuring; None if nothing."""
+    kept = _read().get(f"{machine_key()}|{key}")
+    return kept if isinstance(kept, dict) else None
+
+
 def measured(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool] = lambda kept: True) -> dict:
     """``measure()``'s result for ``key`` on this machine: measured once, then read back; measured
     again where what is kept is not a JSON object or not ``valid`` (a damaged or hand-edited file)."""

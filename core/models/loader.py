@@ -17,11 +17,13 @@ import torch
 
 from specplay.core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
 from specplay.core.memory import release_freed_memory
+from specplay.core.models import kquant
 from specplay.core.models.base import CausalLM
-from specplay.core.models.cache import INT4_WEIGHTS, INT8_WEIGHTS, CachedWeightsReader, check_weights
+from specplay.core.models.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, CachedWeightsReader,
+                                        check_weights)
 from specplay.core.models.catalog import CATALOG
 from specplay.core.models.linear import has_bf16_units, int8_supported
-from specplay.core.models.prepare import float_weights_dir, resolve, store_int4_layers
+from specplay.core.models.prepare import float_weights_dir, resolve, store_int4_layers, store_kquant_blocks
 from specplay.core.progress import Progress, ShouldCancel, log_progress, never
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, str]:
     ``auto``: bfloat16 on a GPU; on a CPU, row-exact int8 where the x86 int8 kernel exists
     (about 7x faster than float32 on the 1.5B target, verification of 8 tokens ~1.3x one
     token, next-token loss within 0.1% of float32; see docs/benchmarks.md), else float32.
+    :func:`load_model` puts a CPU target with a GGUF source on that file's own blocks instead
+    (``gguf``) where the exact k-quant kernel runs here.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
@@ -99,7 +103,8 @@ class _SafetensorsReader:
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
-            files = [p.name for p in sorted(folder.glob("*.safetensors")) if p.name not in (INT8_WEIGHTS, INT4_WEIGHTS)]
+            made = (INT8_WEIGHTS, INT4_WEIGHTS, KQUANT_DRAFT_WEIGHTS)
+            files = [p.name for p in sorted(folder.glob("*.safetensors")) if p.name not in made]
         if not files:
             raise FileNotFoundError("no .safetensors weights")
         self._handles = []
@@ -144,21 +149,27 @@ def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
 ROLES = ("target", "draft")
 
 
-def draft_storage() -> str:
-    """How a draft model stores int8-requested weights: int4 where the CPU has bfloat16 units (a
-    draft token reads half the bytes: about a third faster on the 0.5B draft), else int8; both
-    without the row pinning, which only a target's exactness needs."""
+def draft_storage(model_id: str) -> str:
+    """How a draft model stores quantized weights, none of them row-pinned (only a target's
+    exactness needs that): on the k-quant kernel where it builds here and the model has a GGUF
+    source (its Q4_K/Q6_K blocks kept, its other matrices fitted into Q4_K: about 4.6 bits a
+    weight), else int4 where the CPU has bfloat16 units, else int8."""
+    if _has_gguf_source(model_id) and kquant.unavailable() is None:
+        return "kquant-draft"
     return "int4-draft" if has_bf16_units() else "int8-draft"
 
 
 def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
-               progress: Progress = log_progress, should_cancel: ShouldCancel = never) -> LoadedModel:
+               progress: Progress = log_progress, should_cancel: ShouldCancel = never,
+               compare: bool = False) -> LoadedModel:
     """Load ``model_id`` for decoding on ``device`` with ``dtype`` (see :func:`pick_dtype`).
 
     A ``draft`` model's numerics never affect losslessness (the verifier sees the q that was
     sampled), so in int8 it takes the faster, not batch-invariant, draft layers
     (:func:`draft_storage`), or runs on llama.cpp in 4 bits where it can
     (:mod:`specplay.core.models.llamacpp_draft`; ``backend="native"`` keeps it in SpecPlay's layers).
+    A k-quant draft runs without trying llama.cpp unless llama.cpp was timed faster here before,
+    or ``compare`` asks to time it now (:func:`compare_draft_engines`).
     """
     if role not in ROLES:
         raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
@@ -172,14 +183,28 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     dev = pick_device(device)
     compute_dtype, storage = pick_dtype(dtype, dev)
     if role == "draft" and storage in ("int8", "gguf"):
-        storage = draft_storage()  # a draft's numerics never decide a token: its fastest layers
+        storage = draft_storage(model_id)  # a draft's numerics never decide a token: its fastest layers
     notes: list[str] = []
-    gguf_reader = _exact_gguf_reader(model_id, notes, progress) if storage == "gguf" else None
-    if storage not in ("float", "gguf") and torch.device(dev).type == "cpu":
+    gguf_reader = None
+    auto_gguf = (dtype == "auto" and torch.device(dev).type == "cpu" and role == "target"
+                 and backend in ("auto", "native") and _has_gguf_source(model_id))
+    if storage == "gguf" or auto_gguf:
+        gguf_reader, why = _exact_gguf_reader(model_id, progress)
+        if gguf_reader is not None:
+            storage = "gguf"
+            notes.append(f"weights: the GGUF's own Q4_K/Q6_K blocks, exact k-quant kernel "
+                         f"({kquant.isa_name(kquant.isa())}, proved 1-{kquant.PROVED_ROWS} rows)")
+        elif storage == "gguf":
+            raise ModelError(f"{model_id}: gguf storage is unavailable: {why}; use --dtype int8")
+        else:
+            notes.append(f"not on the GGUF's own blocks: {why}")
+    if storage not in ("float", "gguf", "kquant-draft") and torch.device(dev).type == "cpu":
         storage = _exact_quant_engine(model_id, dtype, storage, notes, progress)  # before any int8 layer is packed
-    # Every quantized storage is built from the cache's int8 rows; an int4 draft's packed layers
-    # are kept too, once made.
-    weights = "float32" if storage == "float" else "int4-draft" if storage == "int4-draft" else "int8"
+    # The k-quant storages read the GGUF itself (the folder gives the config and tokenizer); the other
+    # quantized storages are built from the cache's int8 rows; an int4 draft's packed layers are
+    # kept too, once made.
+    weights = {"float": "float32", "int4-draft": "int4-draft", "gguf": "none", "kquant-draft": "none"}.get(storage,
+                                                                                                        "int8")
     path = resolve(model_id, progress, should_cancel, weights)
     progress(f"Loading {model_id}", None)
     try:
@@ -190,7 +215,13 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     eos = _eos_ids(path, config, tokenizer)
     if role == "draft" and backend in ("auto", "llamacpp"):
         why_not = _llamacpp_draft_unavailable(model_id, dev, storage)
-        if why_not is None:
+        if (why_not is None and backend == "auto" and storage == "kquant-draft" and not compare
+                and not _llamacpp_draft_won(model_id)):
+            # The kernel's draft reads as many bytes a token as llama.cpp's 4-bit file, with no file to
+            # make and no child process to probe: it runs first; `specplay models measure` compares them.
+            notes.append("draft engine native kquant-draft (llama.cpp's is timed against it by "
+                         "`specplay models measure`)")
+        elif why_not is None:
             model = _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, progress)
             if model is not None:
                 progress(f"{model_id} loaded", 1.0)
@@ -231,16 +262,22 @@ def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str
     return "float"
 
 
-def _exact_gguf_reader(model_id: str, notes: list[str], progress):
-    """The reader of the GGUF file whose own blocks a target runs on (``--dtype gguf``), once the exact
-    k-quant kernel is built here, reads every matrix of the file and was proved exact on its real layers."""
-    from specplay.core.models import kquant
+def _has_gguf_source(model_id: str) -> bool:
+    return model_id in CATALOG or model_id.lower().endswith(".gguf")
+
+
+def _exact_gguf_reader(model_id: str, progress):
+    """(the reader, None) of the GGUF file whose own blocks a target runs on, once the exact k-quant
+    kernel is built here, reads every matrix of the file and was proved exact on its real layers;
+    else (None, why not)."""
     from specplay.core.models.engines import measured
     from specplay.core.models.prepare import source_gguf
 
+    if not _has_gguf_source(model_id):
+        return None, "it runs a GGUF file's own blocks; name a catalog id or a .gguf file"
     source = source_gguf(model_id, progress)
-    if source is None:
-        raise ModelError(f"{model_id}: gguf storage runs a GGUF file's own blocks; name a catalog id or a .gguf file")
+    if not source.is_file():
+        raise ModelError(f"GGUF file not found: {source}")
     why = kquant.unavailable()
     reader = kquant.GGUFBlocksReader(source) if why is None else None
     why = why or reader.unreadable()
@@ -251,11 +288,7 @@ def _exact_gguf_reader(model_id: str, notes: list[str], progress):
 
         if not measured(f"kquant exact {kquant.library_digest()} {reader.path.name}", measure).get("exact"):
             why = f"the k-quant kernel was not bit-exact across 1-{kquant.PROVED_ROWS} rows on this machine"
-    if why:
-        raise ModelError(f"{model_id}: gguf storage is unavailable: {why}; use --dtype int8")
-    notes.append(f"weights: the GGUF's own Q4_K/Q6_K blocks, exact k-quant kernel "
-                 f"({kquant.isa_name(kquant.isa())}, proved 1-{kquant.PROVED_ROWS} rows)")
-    return reader
+    return (None, why) if why else (reader, None)
 
 
 def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
@@ -272,7 +305,7 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
         raise ModelError(f"{model_id}: gguf storage runs on the native decoder only ({reason})")
     if use_native:
         try:
-            reader = gguf_reader or _weights_reader(path, storage, progress)
+            reader = gguf_reader or _weights_reader(model_id, path, storage, progress)
         except FileNotFoundError:
             if backend == "native":
                 raise ModelError(f"{model_id}: the native path needs .safetensors weights") from None
@@ -287,6 +320,8 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
                 raise ModelError(f"{model_id}: {exc.args[0]} (is the weights file complete?)") from None
             if storage == "int4-draft" and getattr(reader, "path", None) == path / INT8_WEIGHTS:
                 store_int4_layers(model, reader, path, progress)
+            if storage == "kquant-draft" and hasattr(reader, "kept"):
+                store_kquant_blocks(reader.kept, path, progress)
             return model, path
         _check_fallback_storage(model_id, dtype, storage, reason, notes)
         path = float_weights_dir(model_id, path, progress, should_cancel)  # transformers reads float weights
@@ -308,6 +343,7 @@ def _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, pro
     it must also be measured faster per token than the native draft, which is then built once
     to be timed (cached per machine, so later loads only read the two figures back).
     """
+    from specplay.core.models.engines import measured
     from specplay.core.models.llamacpp import describe
     from specplay.core.models.llamacpp_draft import load_llamacpp_draft
 
@@ -324,6 +360,7 @@ def _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, pro
         notes.append(f"draft engine llama.cpp, {model.settings.label} ({describe(probes)})")
         return model
     native_ms = _native_draft_ms(model_id, path, config, eos, storage, progress)
+    measured(_draft_choice_key(model_id), lambda: {"llamacpp_won": llama_ms <= native_ms, "storage": storage})
     if native_ms < llama_ms:
         model.close()
         notes.append(f"draft engine native {storage}: {native_ms:.1f} ms/token against llama.cpp's "
@@ -332,6 +369,27 @@ def _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, pro
     notes.append(f"draft engine llama.cpp, {model.settings.label}: {llama_ms:.1f} ms/token against native "
                  f"{storage}'s {native_ms:.1f} ({describe(probes)}), measured on this machine")
     return model
+
+
+def _draft_choice_key(model_id: str) -> str:
+    return f"draft engine {model_id}"
+
+
+def _llamacpp_draft_won(model_id: str) -> bool:
+    """Whether llama.cpp's draft was timed faster than the k-quant draft on this machine."""
+    from specplay.core.models.engines import kept_measurement
+
+    return bool((kept_measurement(_draft_choice_key(model_id)) or {}).get("llamacpp_won"))
+
+
+def compare_draft_engines(model_id: str, progress: Progress = log_progress) -> list[str]:
+    """Time llama.cpp's draft against the native one (what ``auto`` skips on a first load where the
+    k-quant draft runs) and keep the winner for later loads; the load's notes say which won."""
+    loaded = load_model(model_id, dtype="int8", backend="auto", role="draft", progress=progress, compare=True)
+    close = getattr(loaded.model, "close", None)
+    if close:
+        close()
+    return loaded.notes
 
 
 def _native_draft_ms(model_id, path, config, eos, storage, progress) -> float:
@@ -369,14 +427,25 @@ def _llamacpp_draft_unavailable(model_id: str, dev, storage: str) -> str | None:
 
     if torch.device(dev).type != "cpu" or storage == "float":
         return "it runs quantized drafts on the CPU only"
-    if not (model_id in CATALOG or model_id.lower().endswith(".gguf")):
+    if not _has_gguf_source(model_id):
         return "it needs a GGUF source (a catalog id or a .gguf file)"
     return available()
 
 
-def _weights_reader(path: Path, storage: str, progress: Progress):
-    """The reader of the weights a model in ``storage`` is built from: an int4 draft's packed
-    layers when the cache has them (checked), the cache's int8 rows, or the folder's safetensors."""
+def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress):
+    """The reader of the weights a model in ``storage`` is built from: a k-quant draft's GGUF, an
+    int4 draft's packed layers when the cache has them (checked), the cache's int8 rows, or the
+    folder's safetensors."""
+    if storage == "kquant-draft":
+        from specplay.core.models.prepare import source_gguf
+
+        status = check_weights(path, "kquant-draft")
+        if status == "ok":
+            return kquant.BlocksFileReader(path / KQUANT_DRAFT_WEIGHTS)
+        if status != "missing":
+            log.warning("%s: the cached k-quant draft blocks are %s; fitting them again", path.name, status)
+        progress(f"Fitting {model_id}'s matrices into k-quant blocks (once)", None)
+        return kquant.KeptBlocks(kquant.GGUFDraftReader(source_gguf(model_id, progress)))
     if storage == "float" or not (path / INT8_WEIGHTS).is_file():
         return _SafetensorsReader(path)
     if storage == "int4-draft":

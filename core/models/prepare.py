@@ -43,11 +43,12 @@ import torch
 
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled, ModelError
-from specplay.core.models.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, MARKER, OLD_DRAFT_GGUFS,
-                                        WEIGHT_KINDS, CachedWeightsReader, add_int8_weights, check_weights,
+from specplay.core.models.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS,
+                                        MARKER, OLD_DRAFT_GGUFS, WEIGHT_KINDS, CachedWeightsReader, add_int8_weights, check_weights,
                                         folder_size, read_marker, record_weights, weights_name, write_int4_weights,
                                         write_int8_weights, write_marker)
 from specplay.core.models.catalog import CATALOG, CatalogEntry, get_entry
+from specplay.core.models.gguf_index import GGUFIndex
 from specplay.core.paths import cache_dir
 from specplay.core.progress import Progress, ShouldCancel, log_progress, never
 
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 
 _CHUNK = 16 << 20
 #: Files a conversion does not write, made from the entry's weights when a load first needs them.
-_MADE_ON_LOAD = (DRAFT_GGUF, INT4_WEIGHTS)
+_MADE_ON_LOAD = (DRAFT_GGUF, INT4_WEIGHTS, KQUANT_DRAFT_WEIGHTS)
 _LOCK = ".lock"  # in the models root, and in each work folder while a conversion works in it
 # Beside the ``gguf`` folder rather than in it, so that deleting the folder never deletes a lock
 # file someone waits on: held shared while a catalog GGUF is assembled there, exclusively while
@@ -75,8 +76,9 @@ def resolve(model_id: str, progress: Progress = log_progress, should_cancel: Sho
     """Return a local Hugging Face-style directory for ``model_id``, preparing it if needed.
 
     A catalog model or a ``.gguf`` file is converted into the cache with ``weights``
-    (``"int8"``, ``"float32"``, or ``"int4-draft"``: its packed layers if already made, else
-    int8; see :mod:`specplay.core.models.cache`).
+    (``"int8"``, ``"float32"``, ``"int4-draft"``: its packed layers if already made, else
+    int8; see :mod:`specplay.core.models.cache`; or ``"none"``: the config and tokenizer alone,
+    for a model that runs on its GGUF's own blocks).
     """
     if not model_id or not model_id.strip():
         raise ModelError("no model given")
@@ -125,6 +127,11 @@ def prepare_catalog_model(entry: CatalogEntry, progress: Progress = log_progress
     kinds = _needed_kinds(target, weights, progress)
     if kinds is None:
         return target
+    if not kinds:  # the config and tokenizer, read from the GGUF the kernel runs on (assembled once)
+        gguf = catalog_gguf(entry, progress, should_cancel)
+        with _work_folder(f".{entry.id}-") as work:
+            _convert_gguf(gguf, target, work, entry.id, entry.sha256, progress, should_cancel, kinds)
+        return target
     files = entry.part_files()
     with _work_folder(f".{entry.id}-") as work:
         gguf = work / f"{entry.id}.gguf"
@@ -160,6 +167,8 @@ def _needed_kinds(folder: Path, weights: str, progress: Progress) -> set[str] | 
     An older cache's float32 file gives the int8 one without a conversion; a damaged file is
     converted again (with the other kinds the folder recorded), never loaded.
     """
+    if weights == "none":  # any converted folder has the config and tokenizer
+        return None if is_converted(folder) else set()
     if weights == "int4-draft":  # made from the int8 file when missing, by the loader
         if is_converted(folder) and check_weights(folder, weights) == "ok":
             return None
@@ -236,8 +245,15 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
 
     started = time.perf_counter()
     out.mkdir(parents=True)
+    digest = GGUFIndex(gguf).tokenizer_digest
+    if not kinds and _copy_tokenizer(digest, gguf, out):
+        _write_config_and_tokenizer(gguf, out, name, sha, digest, None, None, started)
+        return
     progress(f"Reading the tokenizer of {name}", None)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if not kinds:
+        _write_config_and_tokenizer(gguf, out, name, sha, digest, tokenizer, None, started)
+        return
     progress(f"Dequantizing {name} to float32 (about a minute per billion parameters)", None)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     state = {}
@@ -254,17 +270,51 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
     if "int8" in kinds:
         progress(f"Writing {name} as int8 safetensors", None)
         write_int8_weights(lambda: state.items(), out / INT8_WEIGHTS)
-    cfg = model.config.to_dict()
+    _write_config_and_tokenizer(gguf, out, name, sha, digest, tokenizer, model, started)
+    for kind in sorted(kinds):
+        record_weights(out, kind)
+
+
+#: A converted folder's tokenizer, as ``save_pretrained`` writes it (the chat template beside it).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _copy_tokenizer(digest: str, gguf: Path, out: Path) -> bool:
+    """Copy the tokenizer of a converted model whose GGUF holds the same one (a draft of the target's
+    family: half a minute of building it from the GGUF's 151,936 tokens saved), with this file's
+    own chat template; False where none is cached."""
+    for folder in sorted(models_root().iterdir()):
+        if read_marker(folder).get("tokenizer_digest") != digest:
+            continue
+        if not all((folder / f).is_file() for f in _TOKENIZER_FILES):
+            continue
+        for f in _TOKENIZER_FILES:
+            shutil.copyfile(folder / f, out / f)
+        template = GGUFIndex(gguf).metadata.get("tokenizer.chat_template")
+        if isinstance(template, str):
+            (out / "chat_template.jinja").write_text(template)
+        return True
+    return False
+
+
+def _write_config_and_tokenizer(gguf: Path, out: Path, name: str, sha: str, digest: str, tokenizer, model,
+                                started: float) -> None:
+    """A converted folder's config, generation config, tokenizer (None: copied there already) and
+    marker; without a ``model`` (no weights converted), the config is read from the GGUF's metadata."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = model.config if model is not None else AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    cfg = config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["dtype"] = "float32"
     cfg["name_or_path"] = name
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    model.generation_config.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    (out / MARKER).write_text(json.dumps({"source": gguf.name, "sha256": sha, "name": name,
+    generation = model.generation_config if model is not None else GenerationConfig.from_model_config(config)
+    generation.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    (out / MARKER).write_text(json.dumps({"source": gguf.name, "sha256": sha, "name": name, "tokenizer_digest": digest,
                                           "converted_in_s": round(time.perf_counter() - started, 1)}))
-    for kind in sorted(kinds):
-        record_weights(out, kind)
 
 
 def _install(new: Path, target: Path, aside: Path, sha: str) -> None:
@@ -355,6 +405,20 @@ def prepare_draft_gguf(source: Path, folder: Path, progress: Progress = log_prog
         if failed:
             raise ModelError(f"llama.cpp could not quantize {source.name} (code {failed}); is the disk full?")
     return dest
+
+
+def store_kquant_blocks(tensors: dict, path: Path, progress: Progress) -> None:
+    """Keep a k-quant draft's fitted blocks in the cache, so that the next load only reads them; a
+    failure (a full disk) leaves nothing half-written and only costs the fitting again."""
+    from specplay.core.models.kquant import save_blocks
+
+    progress(f"Storing the k-quant draft blocks of {path.name} (once)", None)
+    try:
+        save_blocks(tensors, path / KQUANT_DRAFT_WEIGHTS)
+        record_weights(path, "kquant-draft")
+    except OSError as exc:
+        log.warning("%s: cannot store the k-quant draft blocks (%s); they are fitted again at the next load",
+                    path.name, exc)
 
 
 def store_int4_layers(model, source: CachedWeightsReader, path: Path, progress: Progress) -> None:
