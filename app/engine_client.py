@@ -47,6 +47,8 @@ class EngineClient(QObject):
         super().__init__(parent)
         self.job = 0
         self._pending: asyncio.Future | None = None
+        # While a loaded target's draft still loads beside the runs: resolved with its ModelsLoaded.
+        self.draft_loaded: asyncio.Future | None = None
         self.thread = QThread(self)
         self.thread.setObjectName("engine")
         self.worker = EngineWorker()
@@ -55,7 +57,8 @@ class EngineClient(QObject):
         self.sig_generate.connect(self.worker.generate)
         self.sig_generate_remote.connect(self.worker.generate_remote)
         self.sig_audit.connect(self.worker.audit)
-        self.worker.sig_models_loaded.connect(self._resolve)
+        self.worker.sig_models_loaded.connect(self._on_models_loaded)
+        self.worker.sig_draft_loaded.connect(self._on_draft_loaded)
         self.worker.sig_run_finished.connect(self._resolve)
         self.worker.sig_audit_finished.connect(self._resolve)
         self.worker.sig_failed.connect(self._on_failed)
@@ -94,14 +97,20 @@ class EngineClient(QObject):
         """Stop the current job (and any queued before it) within one step."""
         self.worker.cancel(self.job)
 
+    def cancel_draft(self) -> None:
+        """Stop the draft that loads beside the runs (``draft_loaded`` then says it was cancelled)."""
+        self.worker.cancel_draft()
+
     def shutdown(self, wait_ms: int = 30_000) -> bool:
         """Cancel everything, fail the awaited request, and stop the thread; True once it has ended, False
         while a step that cannot be interrupted still runs after ``wait_ms`` (``thread.finished`` follows)."""
         self.worker.cancel(self.job)
         self.worker.cancel()
-        fut, self._pending = self._pending, None
-        if fut is not None and not fut.done():
-            fut.set_exception(EngineFailed("the window was closed"))
+        self.worker.cancel_draft()
+        for fut in (self._pending, self.draft_loaded):
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineFailed("the window was closed"))
+        self._pending = self.draft_loaded = None
         self.thread.quit()
         if self.thread.wait(wait_ms):
             return True
@@ -112,6 +121,16 @@ class EngineClient(QObject):
         fut = asyncio.get_event_loop().create_future()
         self._pending = fut
         return fut
+
+    def _on_models_loaded(self, loaded: ModelsLoaded) -> None:
+        if loaded.draft_pending:  # before the load's future resolves: its awaiter awaits this next
+            self.draft_loaded = asyncio.get_event_loop().create_future()
+        self._resolve(loaded)
+
+    def _on_draft_loaded(self, loaded: ModelsLoaded) -> None:
+        fut, self.draft_loaded = self.draft_loaded, None
+        if fut is not None and not fut.done():
+            fut.set_result(loaded)
 
     def _resolve(self, value) -> None:
         fut, self._pending = self._pending, None

@@ -227,10 +227,12 @@ class ModelsPanel(QWidget):
         """Show a :class:`specplay.app.worker.ModelsLoaded`."""
         self.progress.setRange(0, 1000)
         self.progress.setValue(1000)
-        self.stage.setText("Ready.")
+        self.stage.setText("The target is ready; the draft is loading…" if loaded.draft_pending else "Ready.")
         self.target_info.setText(f"<b>Target</b> {loaded.target.model_id}<br>{model_summary(loaded.target)}")
         if loaded.draft is not None:
             self.draft_info.setText(f"<b>Draft</b> {loaded.draft.model_id}<br>{model_summary(loaded.draft)}")
+        elif loaded.draft_pending:
+            self.draft_info.setText("<b>Draft</b> loading… (methods without a draft can run meanwhile)")
         else:
             self.draft_info.setText("<b>Draft</b> none (methods that need one are unavailable)")
         notes = [f"<span style='color:#555'>{n}</span>" for m in (loaded.target, loaded.draft) if m is not None
@@ -417,6 +419,7 @@ class MethodsPanel(QWidget):
         layout.addLayout(head)
         layout.addWidget(scroll, 1)
         self.draft_available = False
+        self.draft_loading = False
         self._on_changed()
 
     def method(self) -> str:
@@ -456,11 +459,15 @@ class MethodsPanel(QWidget):
         raises ConfigError with a message for the user."""
         request = prompt.run_request(method, self.config_for(method), warmup_tokens)
         if METHODS[method].needs_draft and not self.draft_available:
+            if self.draft_loading:
+                raise ConfigError(f"{method_title(method)} needs the draft model, which is still loading: "
+                                  "autoregressive and the methods without a draft can run meanwhile.")
             raise ConfigError(f"{method_title(method)} needs a draft model: choose one in Models and load it.")
         return request
 
-    def set_draft_available(self, available: bool) -> None:
-        self.draft_available = available
+    def set_draft_available(self, available: bool, loading: bool = False) -> None:
+        """Whether drafting methods can run; ``loading``: not yet, the draft is on its way."""
+        self.draft_available, self.draft_loading = available, loading
         self._on_changed()
 
     def _on_changed(self) -> None:
@@ -472,8 +479,9 @@ class MethodsPanel(QWidget):
         self.summary.setText(spec.summary)
         badges = []
         if spec.needs_draft:
-            colour = "#555555" if self.draft_available else "#b00020"
-            text = "needs a draft model" + ("" if self.draft_available else " — load one in Models")
+            colour = "#555555" if self.draft_available else "#9a5b00" if self.draft_loading else "#b00020"
+            text = "needs a draft model" + ("" if self.draft_available else " — it is loading" if self.draft_loading
+                                            else " — load one in Models")
             badges.append(f"<span style='color:{colour}'>● {text}</span>")
         if self.forms[name].has_lossy_options:
             badges.append("<span style='color:#D55E00'>has LOSSY options</span>")

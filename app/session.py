@@ -41,7 +41,8 @@ class RunSession(QObject):
     """Loads models and runs methods, comparisons and audits, one at a time.
 
     Signals (all in the GUI thread):
-        sig_busy_changed(str): what runs now, "load", "run", "compare" or "audit"; "" when nothing does.
+        sig_busy_changed(str): what runs now, "load", "run", "compare" or "audit"; "" when nothing does
+            (also emitted when ``draft_loading`` changes).
         sig_status(str): a line for the status bar.
         sig_error(str): a message the user must see (what a run made is kept and saved all the same).
         sig_progress(str, float): a loading, calibration or audit stage and its fraction (-1: unknown).
@@ -88,6 +89,7 @@ class RunSession(QObject):
         self.history = history if history is not None else History()
         self.models: ModelsLoaded | None = None
         self.activity = ""  # see sig_busy_changed
+        self.draft_loading = False  # the target is loaded and its draft loads beside the runs
         self._stop_requested = False
         self._token_texts: dict[int, str] = {}
         # Step events are handed on once per frame, not as each arrives: with one token a step,
@@ -127,8 +129,12 @@ class RunSession(QObject):
         self.sig_busy_changed.emit(what)
 
     def stop(self) -> None:
-        """Stop whatever runs within one step; a comparison starts nothing after it."""
+        """Stop whatever runs within one step; a comparison starts nothing after it. With nothing
+        running, a draft loading beside the runs is stopped (the target stays)."""
         if not self.busy:
+            if self.draft_loading:
+                self.engine.cancel_draft()
+                self.sig_status.emit("Stopping the draft's load…")
             return
         self._stop_requested = True
         self.engine.cancel()
@@ -145,7 +151,10 @@ class RunSession(QObject):
 
     # ------------------------------------------------------------------------ models
     async def load(self, request: LoadRequest) -> ModelsLoaded | None:
-        """Load the requested models in place of the current ones; None if that failed (said in ``sig_error``)."""
+        """Load the requested models in place of the current ones; None if that failed (said in ``sig_error``).
+
+        The session is busy until the target is ready; the draft then loads beside the runs that
+        need none (``draft_loading``), and this returns once it is there too (or said why not)."""
         if self.busy:
             return None
         with self._doing("load"):
@@ -159,11 +168,30 @@ class RunSession(QObject):
                 self.sig_load_failed.emit(str(exc))
                 self.sig_error.emit(f"Loading failed: {exc}")
                 return None
-            self.models = loaded
-            self._token_texts.clear()
-            self.sig_models_changed.emit(loaded)
-            self.sig_status.emit("Models ready." + (f" Draft: {loaded.draft_error}" if loaded.draft_error else ""))
+            self._take(loaded)
+        if loaded.draft_pending:
+            self.draft_loading = True
+            self.sig_busy_changed.emit(self.activity)
+            self.sig_status.emit(f"{request.target} is ready: methods without a draft run now; "
+                                 f"loading the draft {request.draft}…")
+            try:
+                with_draft = await self.engine.draft_loaded
+            except EngineFailed:
+                return None
+            finally:
+                self.draft_loading = False
+                self.sig_busy_changed.emit(self.activity)
+            if self.models is not loaded:  # another load replaced these meanwhile
+                return None
+            loaded = with_draft
+            self._take(loaded)
+        self.sig_status.emit("Models ready." + (f" Draft: {loaded.draft_error}" if loaded.draft_error else ""))
         return loaded
+
+    def _take(self, loaded: ModelsLoaded) -> None:
+        self.models = loaded
+        self._token_texts.clear()
+        self.sig_models_changed.emit(loaded)
 
     def token_text(self, token_id: int) -> str:
         """Text of a token id for the internals views (cached; decoding is cheap and thread-safe)."""

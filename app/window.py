@@ -318,18 +318,21 @@ class MainWindow(QMainWindow):
         ready = not what and self.session.models is not None
         for control in (self.run_action, self.compare_action, self.compare.run_button, self.audit_view.run_button):
             control.setEnabled(ready)
-        self.stop_action.setEnabled(bool(what))
-        self.models_panel.set_loading(what == "load")
+        drafting = self.session.draft_loading  # the target runs; its draft loads beside it
+        self.stop_action.setEnabled(bool(what) or drafting)
+        self.models_panel.set_loading(what == "load" or drafting)
 
     def _on_progress(self, stage: str, fraction: float) -> None:
-        if self.session.activity == "load":  # the models panel's bar is for loading; others use the status bar
+        if self.session.activity == "load" or self.session.draft_loading:  # the models panel's bar is for loading
             self.models_panel.set_progress(stage, fraction)
         elif self.session.activity == "audit":
             self.audit_view.set_progress(stage, fraction)
-        self.set_status(stage + ("" if fraction < 0 else f" {fraction:.0%}"))
+        if self.session.activity:  # a draft loading beside the runs keeps to its panel: the status line is theirs
+            self.set_status(stage + ("" if fraction < 0 else f" {fraction:.0%}"))
 
     def _on_models_changed(self, loaded: ModelsLoaded | None) -> None:
-        self.methods_panel.set_draft_available(loaded is not None and loaded.draft is not None)
+        self.methods_panel.set_draft_available(loaded is not None and loaded.draft is not None,
+                                               loading=loaded is not None and loaded.draft_pending)
         if loaded is None:  # loading starts
             return
         self.why.set_curve(loaded.cost_curve)

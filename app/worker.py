@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import traceback
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ class ModelsLoaded:
     draft_error: str | None = None
     job: int = 0
     cost_curve: object | None = None  # the target's CostCurve when already measured (a model kept loaded)
+    draft_pending: bool = False  # the target is ready and the draft still loads (``sig_draft_loaded`` follows)
 
     def __iter__(self):  # (target, draft) unpacking, as the first window used
         return iter((self.target, self.draft))
@@ -98,7 +100,9 @@ class EngineWorker(QObject):
 
     Signals:
         sig_progress(str, float): a loading or conversion stage and its fraction (-1: unknown).
-        sig_models_loaded(object): a :class:`ModelsLoaded`.
+        sig_models_loaded(object): a :class:`ModelsLoaded`: as soon as the target is ready; with a draft
+            asked for, it still loads then (``draft_pending``), beside the runs that need none.
+        sig_draft_loaded(object): the :class:`ModelsLoaded` with that draft (or why there is none).
         sig_step(object): a ``StepEvent`` of the current run.
         sig_run_finished(object): a :class:`RunDone` for a ``RunResult`` or ``RemoteRun`` (finished or cancelled).
         sig_failed(str): a message for the user (the job ended without a result).
@@ -108,6 +112,7 @@ class EngineWorker(QObject):
 
     sig_progress = Signal(str, float)
     sig_models_loaded = Signal(object)
+    sig_draft_loaded = Signal(object)
     sig_step = Signal(object)
     sig_run_finished = Signal(object)
     sig_failed = Signal(str)
@@ -124,6 +129,8 @@ class EngineWorker(QObject):
         # (method, its config) -> the built method, kept while the models stay: building Medusa or
         # EAGLE reads and prepares its heads, seconds a run would otherwise pay again.
         self._methods: dict[tuple, object] = {}
+        self._draft_thread: threading.Thread | None = None
+        self._draft_cancel = False
 
     # -- called from the GUI thread ------------------------------------------------------------
 
@@ -133,6 +140,17 @@ class EngineWorker(QObject):
             self._cancel_all = True
         else:
             self._cancelled_upto = max(self._cancelled_upto, job)
+
+    def cancel_draft(self) -> None:
+        """Thread-safe: stop the draft that loads beside the runs (it reports why it is not there)."""
+        self._draft_cancel = True
+
+    def wait_for_draft(self) -> None:
+        """Stop the draft loading beside the runs, and wait until it has (a new load, the window closing)."""
+        thread = self._draft_thread
+        if thread is not None:
+            self._draft_cancel = True
+            thread.join()
 
     # -- in the worker thread ------------------------------------------------------------------
 
@@ -149,15 +167,22 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def load(self, request: LoadRequest) -> None:
-        from specplay.core.models import check_draft_compatible, load_model
+        from specplay.core.models import load_model
 
+        self.wait_for_draft()
         should_cancel = self._stopper(request.job)
+        self._draft_cancel = False
         try:
             def progress(stage, fraction):
                 # Every slow step of a load reports here (GGUF assembly per chunk, quantization, probes,
                 # timing), some with no cancel callback of their own: a Stop ends them here.
                 if should_cancel():
                     raise Cancelled("loading cancelled")
+                self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
+
+            def draft_progress(stage, fraction):
+                if self._draft_cancel:
+                    raise Cancelled("loading the draft cancelled")
                 self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
 
             keys = {"target": ("target", request.target, request.device, request.dtype, "auto"),
@@ -175,32 +200,58 @@ class EngineWorker(QObject):
                 key = keys[role]
                 if key not in self._cache:
                     self._cache[key] = load_model(key[1], request.device, request.dtype, backend=key[4], role=role,
-                                                  progress=progress, should_cancel=should_cancel)
+                                                  progress=progress if role == "target" else draft_progress,
+                                                  should_cancel=should_cancel if role == "target"
+                                                  else lambda: self._draft_cancel)
                 return self._cache[key]
 
             target = get("target")
             self.target = target
-            draft, warnings, draft_error = None, [], None
-            if request.draft:
-                try:
-                    draft = get("draft")
-                    warnings = check_draft_compatible(target, draft)
-                except TokenizerMismatchError as exc:
-                    draft, draft_error = None, str(exc)
-                    self._cache.pop(keys["draft"], None)
-                except SpecPlayError as exc:  # the target is fine; report the draft's problem (or its cancel)
-                    draft, draft_error = None, str(exc)
-                except Exception as exc:  # a damaged file, a bug: the target stays loaded all the same
-                    log.error("the draft %s did not load\n%s", request.draft, traceback.format_exc())
-                    draft, draft_error = None, f"the draft {request.draft} could not be loaded: {exc!r}"
-                    self._cache.pop(keys["draft"], None)
-            self.draft = draft
             from specplay.core import costmodel
 
             curve = costmodel.cost_curve(target.model) if costmodel.is_measured(target.model) else None
-            self.sig_models_loaded.emit(ModelsLoaded(target, draft, warnings, draft_error, request.job, curve))
+            if not request.draft:
+                self.sig_models_loaded.emit(ModelsLoaded(target, None, [], None, request.job, curve))
+                return
+            if keys["draft"] in self._cache:  # kept loaded: nothing to wait for
+                self.sig_models_loaded.emit(self._take_draft(request, get, keys["draft"], target, curve))
+                return
+            # The target is usable now: runs that need no draft go ahead while the draft loads beside them.
+            self.sig_models_loaded.emit(ModelsLoaded(target, None, [], None, request.job, curve, draft_pending=True))
+            self._draft_thread = threading.Thread(target=self._load_draft,
+                                                  args=(request, get, keys["draft"], target, curve),
+                                                  name="specplay-draft", daemon=True)
+            self._draft_thread.start()
         except Exception as exc:  # the worker must survive any failure
             self._fail(exc)
+
+    def _load_draft(self, request: LoadRequest, get, key: tuple, target, curve) -> None:
+        """In the draft's own thread: load it, then report it (or why it is not there)."""
+        try:
+            loaded = self._take_draft(request, get, key, target, curve)
+        finally:
+            self._draft_thread = None
+        self.sig_draft_loaded.emit(loaded)
+
+    def _take_draft(self, request: LoadRequest, get, key: tuple, target, curve) -> ModelsLoaded:
+        """The draft ``get`` loads, with the target: kept as this worker's draft, or why there is none."""
+        from specplay.core.models import check_draft_compatible
+
+        draft, warnings, draft_error = None, [], None
+        try:
+            draft = get("draft")
+            warnings = check_draft_compatible(target, draft)
+        except TokenizerMismatchError as exc:
+            draft, draft_error = None, str(exc)
+            self._cache.pop(key, None)
+        except SpecPlayError as exc:  # the target is fine; report the draft's problem (or its cancel)
+            draft, draft_error = None, str(exc)
+        except Exception as exc:  # a damaged file, a bug: the target stays loaded all the same
+            log.error("the draft %s did not load\n%s", request.draft, traceback.format_exc())
+            draft, draft_error = None, f"the draft {request.draft} could not be loaded: {exc!r}"
+            self._cache.pop(key, None)
+        self.draft = draft
+        return ModelsLoaded(target, draft, warnings, draft_error, request.job, curve)
 
     def _draft_of(self, method: str):
         """The draft model a record of ``method`` names: the loaded one if the method drafts with it."""

@@ -214,6 +214,46 @@ def test_cancel_reaches_a_first_draft_loads_slow_steps(qtbot, aloop, model_dirs,
     w.close()
 
 
+def test_autoregressive_runs_while_the_draft_still_loads_and_drafting_methods_wait_for_it(qtbot, aloop, model_dirs,
+                                                                                        monkeypatch):
+    """A first launch makes the draft after the target (its blocks fitted, half a minute): the
+    target's methods run at once, the drafting ones say what they wait for, then run too."""
+    import threading
+
+    import specplay.core.models as models
+
+    real = models.load_model
+    release = threading.Event()
+
+    def draft_when_released(progress):
+        while not release.wait(0.02):
+            progress("Fitting the draft's matrices into k-quant blocks (once)", None)
+        return real(str(model_dirs["same"]), "cpu", "float32", role="draft", progress=progress)
+
+    draft_loader(monkeypatch, draft_when_released)
+    w = make_window(qtbot)
+    w.prompt_panel.editor.setPlainText("ab cd ab cd ab")
+    w.prompt_panel.chat_template.setChecked(False)
+    w.prompt_panel.max_new_tokens.setValue(8)
+    task = asyncio.ensure_future(w.load_models(str(model_dirs["target"]), "some-draft", "cpu", "float32"))
+    qtbot.waitUntil(lambda: w.session.draft_loading, timeout=TIMEOUT)
+    assert w.run_action.isEnabled() and "loading" in w.models_panel.draft_info.text()
+    assert w.models_panel.cancel_button.isEnabled()  # Cancel reaches the draft's load
+    w.methods_panel.set_method("autoregressive")
+    result = run(qtbot, w.run_single())
+    assert result is not None and len(result.token_ids) == 8 and not task.done()
+    w.methods_panel.set_method("speculative")
+    assert "it is loading" in w.methods_panel.badges.text()
+    assert run(qtbot, w.run_single()) is None and "still loading" in w.status.text()
+    release.set()
+    qtbot.waitUntil(task.done, timeout=TIMEOUT)
+    loaded = task.result()
+    assert loaded.draft is not None and not w.session.draft_loading and w.methods_panel.draft_available
+    drafted = run(qtbot, w.run_single())
+    assert drafted.method == "speculative" and drafted.token_ids[:8] == result.token_ids
+    w.close()
+
+
 def test_closing_the_window_during_a_load_ends_the_engine_thread_soon(qtbot, aloop, model_dirs, monkeypatch):
     import time
 
