@@ -254,7 +254,11 @@ def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly
     model = tiny_hf_model(seed=3, dtype=torch.float32, vocab=64, hidden=32, inter=64)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(model, path)
-    draft = loader.load_model(str(path), dtype="int8", role="draft", backend="native")
+    seen = []
+    draft = loader.load_model(str(path), dtype="int8", role="draft", backend="native",
+                              progress=lambda stage, fraction: seen.append((stage, fraction)))
+    fitting = [f for s, f in seen if s.startswith("Fitting")]
+    assert fitting[0] == 0.0 and fitting[-1] == 1.0 and fitting == sorted(fitting)  # a real fraction
     assert draft.model.storage == "kquant-draft" and draft.model.info.dtype == "kquant"
     assert check_weights(draft.path, "kquant-draft") == "ok"
     # The cache's folder holds the config, the tokenizer and the fitted blocks: nothing converted.

@@ -431,6 +431,20 @@ class GGUFDraftReader(GGUFBlocksReader):
 _SHAPE = ":kquant"  # a matrix's [type, rows, cols, width] beside its blocks, in a file of blocks
 
 
+class CountedReads:
+    """Hands on what a reader gives (``get``), reporting the share of its file's tensors read so far."""
+
+    def __init__(self, reader, report):
+        self.reader, self.report, self._read = reader, report, 0
+
+    def get(self, hf_name: str):
+        value = self.reader.get(hf_name)
+        if value is not None:
+            self._read += 1
+            self.report(min(self._read / max(1, len(self.reader.tensors)), 1.0))
+        return value
+
+
 class KeptBlocks:
     """Hands on what a reader gives (``get``), keeping each tensor, so that a draft fitted once
     can be written (:func:`save_blocks`) and read back (:class:`BlocksFileReader`) next time."""

@@ -24,7 +24,7 @@ from specplay.core.models.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT
 from specplay.core.models.catalog import CATALOG
 from specplay.core.models.linear import has_bf16_units, int8_supported
 from specplay.core.models.prepare import float_weights_dir, resolve, store_int4_layers, store_kquant_blocks
-from specplay.core.progress import Progress, ShouldCancel, log_progress, never
+from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,8 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
         raise ModelError(f"{model_id}: gguf storage runs on the native decoder only ({reason})")
     if use_native:
         try:
-            reader = gguf_reader or _weights_reader(model_id, path, storage, progress)
+            reader = (kquant.CountedReads(gguf_reader, counting_down(progress, f"Repacking {model_id}'s blocks"))
+                      if gguf_reader is not None else _weights_reader(model_id, path, storage, progress))
         except FileNotFoundError:
             if backend == "native":
                 raise ModelError(f"{model_id}: the native path needs .safetensors weights") from None
@@ -444,8 +445,9 @@ def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress)
             return kquant.BlocksFileReader(path / KQUANT_DRAFT_WEIGHTS)
         if status != "missing":
             log.warning("%s: the cached k-quant draft blocks are %s; fitting them again", path.name, status)
-        progress(f"Fitting {model_id}'s matrices into k-quant blocks (once)", None)
-        return kquant.KeptBlocks(kquant.GGUFDraftReader(source_gguf(model_id, progress)))
+        fitting = counting_down(progress, f"Fitting {model_id}'s matrices into k-quant blocks (once)")
+        fitting(0.0)
+        return kquant.KeptBlocks(kquant.CountedReads(kquant.GGUFDraftReader(source_gguf(model_id, progress)), fitting))
     if storage == "float" or not (path / INT8_WEIGHTS).is_file():
         return _SafetensorsReader(path)
     if storage == "int4-draft":

@@ -50,7 +50,7 @@ from specplay.core.models.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS,
 from specplay.core.models.catalog import CATALOG, CatalogEntry, get_entry
 from specplay.core.models.gguf_index import GGUFIndex
 from specplay.core.paths import cache_dir
-from specplay.core.progress import Progress, ShouldCancel, log_progress, never
+from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 
 log = logging.getLogger(__name__)
 
@@ -471,6 +471,7 @@ def _copy_hashing(sources: Iterable[Path], dest: Path | None, total: int, progre
     """Stream ``sources`` (concatenated) into ``dest`` (or nowhere) and return their sha256."""
     digest = hashlib.sha256()
     done = 0
+    report = counting_down(progress, stage)
     out = open(dest, "wb") if dest else None
     try:
         for src in sources:
@@ -482,7 +483,10 @@ def _copy_hashing(sources: Iterable[Path], dest: Path | None, total: int, progre
                     if out:
                         out.write(chunk)
                     done += len(chunk)
-                    progress(stage, min(done / total, 1.0) if total else None)
+                    if total:
+                        report(min(done / total, 1.0))
+                    else:
+                        progress(stage, None)
     finally:
         if out:
             out.close()
