@@ -173,17 +173,20 @@ class EngineWorker(QObject):
         should_cancel = self._stopper(request.job)
         self._draft_cancel = False
         try:
-            def progress(stage, fraction):
+            def reporting(cancelled, message: str):
                 # Every slow step of a load reports here (GGUF assembly per chunk, quantization, probes,
                 # timing), some with no cancel callback of their own: a Stop ends them here.
-                if should_cancel():
-                    raise Cancelled("loading cancelled")
-                self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
+                def progress(stage, fraction):
+                    if cancelled():
+                        raise Cancelled(message)
+                    self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
+                return progress
 
-            def draft_progress(stage, fraction):
-                if self._draft_cancel:
-                    raise Cancelled("loading the draft cancelled")
-                self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
+            def draft_cancelled() -> bool:
+                return self._draft_cancel
+
+            callbacks = {"target": (reporting(should_cancel, "loading cancelled"), should_cancel),
+                         "draft": (reporting(draft_cancelled, "loading the draft cancelled"), draft_cancelled)}
 
             keys = {"target": ("target", request.target, request.device, request.dtype, "auto"),
                     "draft": ("draft", request.draft, request.device, request.dtype, request.draft_backend)}
@@ -199,10 +202,9 @@ class EngineWorker(QObject):
             def get(role: str):
                 key = keys[role]
                 if key not in self._cache:
+                    progress, cancelled = callbacks[role]
                     self._cache[key] = load_model(key[1], request.device, request.dtype, backend=key[4], role=role,
-                                                  progress=progress if role == "target" else draft_progress,
-                                                  should_cancel=should_cancel if role == "target"
-                                                  else lambda: self._draft_cancel)
+                                                  progress=progress, should_cancel=cancelled)
                 return self._cache[key]
 
             target = get("target")

@@ -418,7 +418,8 @@ class GGUFDraftReader(GGUFBlocksReader):
 
     def get(self, hf_name: str):
         tensor = self.tensors.get(gguf_name(hf_name))
-        if tensor is None or len(tensor.shape) == 1 or (int(tensor.tensor_type) in TYPES and int(tensor.shape[0]) % QK == 0):
+        shipped = tensor is not None and int(tensor.tensor_type) in TYPES and int(tensor.shape[0]) % QK == 0
+        if tensor is None or len(tensor.shape) == 1 or shipped:
             return super().get(hf_name)
         fitted = KQuantWeight.fit_blocks(int(tensor.tensor_type), tensor.data, int(tensor.shape[0]))
         if fitted is not None:

@@ -21,9 +21,9 @@ from specplay.core.models import kquant
 from specplay.core.models.base import CausalLM
 from specplay.core.models.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, CachedWeightsReader,
                                         check_weights)
-from specplay.core.models.catalog import CATALOG
 from specplay.core.models.linear import has_bf16_units, int8_supported
-from specplay.core.models.prepare import float_weights_dir, resolve, store_int4_layers, store_kquant_blocks
+from specplay.core.models.prepare import (float_weights_dir, has_gguf_source, resolve, store_int4_layers,
+                                          store_kquant_blocks)
 from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def draft_storage(model_id: str) -> str:
     exactness needs that): on the k-quant kernel where it builds here and the model has a GGUF
     source (its Q4_K/Q6_K blocks kept, its other matrices fitted into Q4_K: about 4.6 bits a
     weight), else int4 where the CPU has bfloat16 units, else int8."""
-    if _has_gguf_source(model_id) and kquant.unavailable() is None:
+    if has_gguf_source(model_id) and kquant.unavailable() is None:
         return "kquant-draft"
     return "int4-draft" if has_bf16_units() else "int8-draft"
 
@@ -187,7 +187,7 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     notes: list[str] = []
     gguf_reader = None
     auto_gguf = (dtype == "auto" and torch.device(dev).type == "cpu" and role == "target"
-                 and backend in ("auto", "native") and _has_gguf_source(model_id))
+                 and backend in ("auto", "native") and has_gguf_source(model_id))
     if storage == "gguf" or auto_gguf:
         gguf_reader, why = _exact_gguf_reader(model_id, progress)
         if gguf_reader is not None:
@@ -262,10 +262,6 @@ def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str
     return "float"
 
 
-def _has_gguf_source(model_id: str) -> bool:
-    return model_id in CATALOG or model_id.lower().endswith(".gguf")
-
-
 def _exact_gguf_reader(model_id: str, progress):
     """(the reader, None) of the GGUF file whose own blocks a target runs on, once the exact k-quant
     kernel is built here, reads every matrix of the file and was proved exact on its real layers;
@@ -273,7 +269,7 @@ def _exact_gguf_reader(model_id: str, progress):
     from specplay.core.models.engines import measured
     from specplay.core.models.prepare import source_gguf
 
-    if not _has_gguf_source(model_id):
+    if not has_gguf_source(model_id):
         return None, "it runs a GGUF file's own blocks; name a catalog id or a .gguf file"
     source = source_gguf(model_id, progress)
     if not source.is_file():
@@ -428,7 +424,7 @@ def _llamacpp_draft_unavailable(model_id: str, dev, storage: str) -> str | None:
 
     if torch.device(dev).type != "cpu" or storage == "float":
         return "it runs quantized drafts on the CPU only"
-    if not _has_gguf_source(model_id):
+    if not has_gguf_source(model_id):
         return "it needs a GGUF source (a catalog id or a .gguf file)"
     return available()
 
@@ -447,7 +443,8 @@ def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress)
             log.warning("%s: the cached k-quant draft blocks are %s; fitting them again", path.name, status)
         fitting = counting_down(progress, f"Fitting {model_id}'s matrices into k-quant blocks (once)")
         fitting(0.0)
-        return kquant.KeptBlocks(kquant.CountedReads(kquant.GGUFDraftReader(source_gguf(model_id, progress)), fitting))
+        reader = kquant.GGUFDraftReader(source_gguf(model_id, progress))
+        return kquant.KeptBlocks(kquant.CountedReads(reader, fitting))
     if storage == "float" or not (path / INT8_WEIGHTS).is_file():
         return _SafetensorsReader(path)
     if storage == "int4-draft":

@@ -44,8 +44,8 @@ import torch
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled, ModelError
 from specplay.core.models.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS,
-                                        MARKER, OLD_DRAFT_GGUFS, WEIGHT_KINDS, CachedWeightsReader, add_int8_weights, check_weights,
-                                        folder_size, read_marker, record_weights, weights_name, write_int4_weights,
+                                        MARKER, OLD_DRAFT_GGUFS, WEIGHT_KINDS, CachedWeightsReader, add_int8_weights,
+                                        check_weights, folder_size, read_marker, record_weights, weights_name, write_int4_weights,
                                         write_int8_weights, write_marker)
 from specplay.core.models.catalog import CATALOG, CatalogEntry, get_entry
 from specplay.core.models.gguf_index import GGUFIndex
@@ -114,7 +114,7 @@ def float_weights_dir(model_id: str, path: Path, progress: Progress = log_progre
     float32 weights written on demand (the fallback backend, the benchmark's ``transformers``
     peers, training data). A folder the user named is returned as it is.
     """
-    if (path / FLOAT_WEIGHTS).is_file() or not (model_id in CATALOG or model_id.lower().endswith(".gguf")):
+    if (path / FLOAT_WEIGHTS).is_file() or not has_gguf_source(model_id):
         return path
     return resolve(model_id, progress, should_cancel, weights="float32")
 
@@ -245,8 +245,9 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
 
     started = time.perf_counter()
     out.mkdir(parents=True)
-    digest = GGUFIndex(gguf).tokenizer_digest
-    if not kinds and _copy_tokenizer(digest, gguf, out):
+    index = GGUFIndex(gguf)
+    digest = index.tokenizer_digest
+    if not kinds and _copy_tokenizer(index, out):
         _write_config_and_tokenizer(gguf, out, name, sha, digest, None, None, started)
         return
     progress(f"Reading the tokenizer of {name}", None)
@@ -279,18 +280,18 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def _copy_tokenizer(digest: str, gguf: Path, out: Path) -> bool:
+def _copy_tokenizer(index: GGUFIndex, out: Path) -> bool:
     """Copy the tokenizer of a converted model whose GGUF holds the same one (a draft of the target's
     family: half a minute of building it from the GGUF's 151,936 tokens saved), with this file's
     own chat template; False where none is cached."""
     for folder in sorted(models_root().iterdir()):
-        if read_marker(folder).get("tokenizer_digest") != digest:
+        if read_marker(folder).get("tokenizer_digest") != index.tokenizer_digest:
             continue
         if not all((folder / f).is_file() for f in _TOKENIZER_FILES):
             continue
         for f in _TOKENIZER_FILES:
             shutil.copyfile(folder / f, out / f)
-        template = GGUFIndex(gguf).metadata.get("tokenizer.chat_template")
+        template = index.metadata.get("tokenizer.chat_template")
         if isinstance(template, str):
             (out / "chat_template.jinja").write_text(template)
         return True
@@ -453,13 +454,16 @@ def catalog_gguf(entry: CatalogEntry, progress: Progress = log_progress, should_
     return dest
 
 
+def has_gguf_source(model_id: str) -> bool:
+    """Whether ``model_id`` names a GGUF file: a catalog id or a ``.gguf`` path."""
+    return model_id in CATALOG or model_id.lower().endswith(".gguf")
+
+
 def source_gguf(model_id: str, progress: Progress = log_progress) -> Path | None:
     """The GGUF file a model id names: a catalog model's assembled file, a ``.gguf`` path, or None."""
     if model_id in CATALOG:
         return catalog_gguf(get_entry(model_id), progress)
-    if model_id.lower().endswith(".gguf"):
-        return Path(model_id).expanduser()
-    return None
+    return Path(model_id).expanduser() if has_gguf_source(model_id) else None
 
 
 def sha256_file(path: Path, progress: Progress = log_progress, should_cancel: ShouldCancel = never) -> str:
