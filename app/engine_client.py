@@ -128,7 +128,8 @@ class EngineClient(QObject):
         self._resolve(loaded)
 
     def _on_draft_loaded(self, loaded: ModelsLoaded) -> None:
-        fut, self.draft_loaded = self.draft_loaded, None
+        # Kept, not cleared: a draft that fails at once can arrive before the load's awaiter awaits it.
+        fut = self.draft_loaded
         if fut is not None and not fut.done():
             fut.set_result(loaded)
 
