@@ -283,6 +283,33 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from specplay.core.methods import get_spec
+    from specplay.core.runlog import dumps
+    from specplay.core.text import encode_prompt
+    from specplay.core.tune import format_tune, tune
+
+    method_config = config_for(args.method, args)
+    gen_config = _generation_config(args)
+    if not gen_config.sampling.greedy:
+        raise SpecPlayError("tune predicts greedy runs: leave --temperature at 0")
+    prompt = _prompt_text(args)
+    if not prompt.strip():
+        raise SpecPlayError("the prompt is empty")
+    target, draft = _load_models(args, get_spec(args.method).needs_draft)
+    ids = encode_prompt(target.tokenizer, prompt, chat_template=not args.no_chat_template)
+    stages = _Progress()
+    result = tune(target, draft, args.method, method_config, ids, gen_config, prompt=prompt,
+                  warmup_tokens=args.warmup_tokens, on_stage=lambda text, fraction: stages(text, None))
+    if args.json:
+        print(dumps(result.to_dict()))
+    else:
+        print(format_tune(result))
+    if args.log:
+        _write_log(args.log, [result.to_dict(with_records=True)])
+    return 0
+
+
 def _compare_remote(args) -> int:
     from specplay.core.remote import Endpoint, compare_endpoints, format_remote_table
     from specplay.core.runlog import RunRecord, dumps
@@ -590,6 +617,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     add_method_options(p)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("tune", help="predict the fastest setting of a method's draft size for a prompt on this "
+                                    "machine from one run, then run it to check")
+    p.add_argument("--method", required=True, choices=["speculative", "prompt_lookup", "eagle"])
+    p.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS,
+                   help="untimed warm-up generation before each timed run (0 = none)")
+    _add_generation_args(p)
+    _add_model_args(p)
+    add_method_options(p)
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("bench", help="benchmark methods and transformers peers on a prompt set (Spec-Bench style)")
     p.add_argument("--prompts", default="code", help=f"a Spec-Bench question file, or a built-in set: {', '.join(BUILTIN_SETS)}")

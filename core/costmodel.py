@@ -49,8 +49,9 @@ class CostCurve:
 _CURVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3) -> list[float]:
-    """Seconds of a forward pass of each block size after ``context`` cached tokens: the fastest of ``repeats``.
+def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3, median: bool = False) -> list[float]:
+    """Seconds of a forward pass of each block size after ``context`` cached tokens: the fastest of ``repeats``
+    (the median with ``median``: what a run of many such passes meets on a shared machine).
 
     The sizes take turns (``repeats`` rounds of all of them) and each keeps its fastest pass:
     on a shared machine noise only ever adds time, and a slow spell then touches every size
@@ -62,15 +63,15 @@ def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3
     g = torch.Generator().manual_seed(0)
     model.reset()
     model.forward_chain(torch.randint(0, vocab, (context,), generator=g))
-    fastest = [float("inf")] * len(sizes)
+    times: list[list[float]] = [[] for _ in sizes]
     for _ in range(repeats):
         for i, n in enumerate(sizes):
             block = torch.randint(0, vocab, (n,), generator=g)
             start = time.perf_counter()
             model.forward(block)  # left pending: the next pass overwrites it
-            fastest[i] = min(fastest[i], time.perf_counter() - start)
+            times[i].append(time.perf_counter() - start)
     model.reset()
-    return fastest
+    return [sorted(t)[len(t) // 2] if median else min(t) for t in times]
 
 
 def measure(model, sizes: Sequence[int] = SIZES, context: int = 64, repeats: int = 3) -> CostCurve:

@@ -1,0 +1,525 @@
+"""Tune: the fastest setting of a method's size knobs for one prompt on this machine, predicted, then proved.
+
+How much to draft (speculative decoding's γ, prompt lookup's length, EAGLE's tree) decides
+whether speculation pays, and the answer moves with the prompt and the machine. Running every
+setting would take minutes; at temperature 0 one run is enough to predict them all:
+
+1. ``autoregressive`` gives the greedy answer (every lossless method's output) and the cost
+   of a plain step; the method's run **as configured** gives its drafting cost and prefill.
+2. **Acceptance of every setting, replayed without the target.** Along the greedy answer the
+   target accepts a draft path exactly as far as its tokens are the answer's next tokens, so
+   acceptance follows from the drafter alone, fed the true prefix: one teacher-forced pass of
+   the draft model gives its greedy chain's run of matches from every position (every γ and
+   the adaptive schedule at once); EAGLE's dynamic tree is grown once per position at the
+   deepest setting from the target's own features (one teacher-forced pass of the target),
+   and every smaller depth and budget is a part of it; prompt lookup replays its own index.
+3. **The cost of each step from this machine's measurements**: drafting per token (or per
+   tree level) as the recorded run measured it, verification as one plain step times the
+   target's measured cost curve T(n)/T(1) (:mod:`specplay.core.costmodel`), bookkeeping per step
+   as recorded; a setting's tokens/s is the answer's length over the prefill plus its steps.
+4. **Proof**: the predicted best runs; both runs are reported measured beside their
+   predictions and checked token for token against ``autoregressive``.
+
+The runs are timed with the stand-down gate off, so each measures its setting. What a
+prediction assumes is listed in :data:`ASSUMPTIONS` and in every result.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from specplay.core.compare import WARMUP_TOKENS, warm_up
+from specplay.core.costmodel import CostCurve, best_size, cost_curve, time_passes
+from specplay.core.engine import drain, generate
+from specplay.core.errors import ConfigError
+from specplay.core.methods import build_method, get_spec
+from specplay.core.methods.base import MethodConfig
+from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
+from specplay.core.runlog import RunRecord
+from specplay.core.sampling import align_vocab
+from specplay.core.types import GenerationConfig
+
+ASSUMPTIONS = (
+    "temperature 0: acceptance is replayed along autoregressive's answer, which every setting reproduces",
+    "a step costs its drafting (a draft token, tree level or lookup as timed here) plus the target's pass over "
+    "the root and the draft's nodes (timed here at this prompt's context, the answer half written, median of "
+    "five; interpolated between the sizes timed) plus autoregressive's bookkeeping per step",
+    "the prefill is autoregressive's plus what the method adds (the draft model's own pass over the prompt)",
+    "the machine runs as fast during the proof as while it was timed: on a shared machine this is the weakest",
+    "the stand-down gate is off in the proof's runs, so each measures its own setting",
+)
+
+#: What a method's replay leaves out, where its configuration uses it.
+_METHOD_ASSUMPTIONS = {
+    "speculative": lambda c: ["a confidence threshold's early stops are not replayed: every draft runs to γ"]
+    if c.confidence else [],
+    "eagle": lambda c: ["auto size keeps the nodes that pay, as the method does, but grows every level "
+                        "(the method may stop a level that cannot pay; it rarely does)"] if c.auto_size else [],
+    "prompt_lookup": lambda c: [],
+}
+
+#: The knobs each method is tuned over (the first is the one the chart runs along).
+KNOBS = {
+    "speculative": ("gamma", "adaptive", "lookup_ngram"),
+    "prompt_lookup": ("num_tokens", "max_ngram", "adaptive"),
+    "eagle": ("total_tokens", "depth", "auto_size"),
+}
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What one step costs on this machine, in seconds: the model every prediction uses."""
+
+    verify: CostCurve  # seconds of the target's pass over n tokens at this prompt's context (not relative)
+    draft_unit: float  # drafting per unit: a drafted token (speculative), a step (prompt lookup), a tree level (EAGLE)
+    other: float  # bookkeeping per step (commit)
+    prefill: float
+
+    def step(self, nodes: int, draft_units: float) -> float:
+        return draft_units * self.draft_unit + self.verify(1 + nodes) + self.other
+
+    def to_dict(self) -> dict:
+        return {"verify_ms": {str(n): round(t * 1e3, 3) for n, t in zip(self.verify.sizes, self.verify.relative)},
+                "draft_unit_ms": round(self.draft_unit * 1e3, 3), "other_ms": round(self.other * 1e3, 3),
+                "prefill_s": round(self.prefill, 4)}
+
+
+@dataclass
+class Replay:
+    """A setting's steps along the answer: (tokens the step adds, nodes verified, draft units) each."""
+
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
+
+    def add(self, added: int, nodes: int, units: float) -> None:
+        self.steps.append((added, nodes, units))
+
+    @property
+    def tau(self) -> float:
+        return sum(s[0] for s in self.steps) / max(len(self.steps), 1)
+
+    def seconds(self, costs: StepCosts) -> float:
+        return costs.prefill + sum(costs.step(nodes, units) for _, nodes, units in self.steps)
+
+
+@dataclass
+class Setting:
+    params: dict
+    predicted_tokens_per_s: float
+    predicted_tau: float
+    predicted_steps: int
+
+    def to_dict(self) -> dict:
+        return {"params": self.params, "predicted_tokens_per_s": round(self.predicted_tokens_per_s, 3),
+                "predicted_tau": round(self.predicted_tau, 3), "predicted_steps": self.predicted_steps}
+
+
+@dataclass
+class Trial:
+    """A setting that was run: its prediction beside what it measured."""
+
+    params: dict
+    predicted_tokens_per_s: float
+    predicted_tau: float
+    measured_tokens_per_s: float
+    measured_tau: float
+    identical: bool
+    record: dict  # the run's record (core/runlog.py)
+
+    @property
+    def error(self) -> float:
+        """(predicted − measured) / measured."""
+        return (self.predicted_tokens_per_s - self.measured_tokens_per_s) / self.measured_tokens_per_s \
+            if self.measured_tokens_per_s else math.inf
+
+    def to_dict(self, with_record: bool = False) -> dict:
+        out = {"params": self.params, "predicted_tokens_per_s": round(self.predicted_tokens_per_s, 3),
+               "measured_tokens_per_s": round(self.measured_tokens_per_s, 3),
+               "prediction_error": round(self.error, 4), "predicted_tau": round(self.predicted_tau, 3),
+               "measured_tau": round(self.measured_tau, 3), "identical": self.identical}
+        if with_record:
+            out["record"] = self.record
+        return out
+
+
+@dataclass
+class TuneResult:
+    method: str
+    knobs: tuple[str, ...]
+    base_params: dict  # the method's configuration as given: every setting changes only the knobs
+    prompt: str | None
+    prompt_tokens: int
+    new_tokens: int
+    autoregressive: dict  # the baseline's record
+    default: Trial
+    best: Trial
+    settings: list[Setting]
+    costs: StepCosts
+    assumptions: tuple[str, ...] = ASSUMPTIONS
+    seconds: float = 0.0
+
+    @property
+    def baseline_tokens_per_s(self) -> float:
+        return self.autoregressive["tokens_per_s"]
+
+    def to_dict(self, with_records: bool = False) -> dict:
+        out = {"kind": "tune", "method": self.method, "knobs": list(self.knobs), "base_params": self.base_params,
+               "prompt": self.prompt, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+               "autoregressive_tokens_per_s": round(self.baseline_tokens_per_s, 3),
+               "default": self.default.to_dict(with_records), "best": self.best.to_dict(with_records),
+               "best_is_default": self.best.params == self.default.params,
+               "settings": [s.to_dict() for s in self.settings], "costs": self.costs.to_dict(),
+               "assumptions": list(self.assumptions), "seconds": round(self.seconds, 2)}
+        if with_records:
+            out["autoregressive"] = self.autoregressive
+        return out
+
+
+# ------------------------------------------------------------------------------ replays
+def _match_run(drafted: list[int], wanted: list[int]) -> int:
+    n = 0
+    while n < len(drafted) and n < len(wanted) and drafted[n] == wanted[n]:
+        n += 1
+    return n
+
+
+def _lookup_step(lookup: PromptLookup, tokens: list[int], answer: list[int], pos: int, budget: int):
+    """Prompt lookup's proposal at answer position ``pos`` and how much of it the target accepts
+    (its learnt lengths updated as the method's ``observe`` would); None where nothing matched."""
+    draft = lookup.propose(SimpleNamespace(tokens=tokens), budget)
+    if not len(draft):
+        return None
+    accepted = _match_run(draft.tokens, answer[pos:])
+    lookup.observe(None, SimpleNamespace(draft=draft, verdict=SimpleNamespace(accepted=list(range(accepted)))))
+    return len(draft), accepted
+
+
+def _new_lookup(config: PromptLookupConfig, target_lm, prompt_ids: list[int]) -> PromptLookup:
+    lookup = PromptLookup(config, target_lm)
+    lookup.start(SimpleNamespace(tokens=list(prompt_ids)))
+    return lookup
+
+
+def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int) -> list[int]:
+    """For every answer position j, how many of the answer's tokens from j on the draft model's greedy
+    chain matches, fed the true prefix: one teacher-forced pass of the draft (its window and
+    vocabulary as the method has them)."""
+    dm = method.draft_model
+    tokens = method._readable(list(prompt_ids) + list(answer))
+    window = method.config.draft_window
+    offset = max(0, len(prompt_ids) - 1 - window) if window else 0
+    rows = [len(prompt_ids) - 1 + j - offset for j in range(len(answer))]
+    dm.reset()
+    try:
+        if method.head is None:
+            logits = dm.forward_chain(tokens[offset:], logit_rows=rows, prefill=True).logits
+        else:
+            hidden = dm.forward_chain(tokens[offset:], hidden=True, logit_rows=[], prefill=True).hidden[rows]
+            logits = method.head(hidden.float())
+        guess = align_vocab(logits.float(), vocab).argmax(-1).tolist()
+    finally:
+        dm.reset()
+    hits = [g == t for g, t in zip(guess, answer)]
+    runs = [0] * (len(answer) + 1)
+    for j in range(len(answer) - 1, -1, -1):
+        runs[j] = runs[j + 1] + 1 if hits[j] else 0
+    return runs[:-1]
+
+
+def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int], gamma: int, adaptive: bool,
+                       max_gamma: int, lookup: PromptLookup | None) -> Replay:
+    """Speculative decoding's steps along the answer (units: drafted tokens)."""
+    out, pos, g, n = Replay(), 0, gamma, len(answer)
+    while pos < n:
+        budget = n - pos - 1
+        if lookup is not None and budget > 0:
+            copied = _lookup_step(lookup, list(prompt_ids) + answer[:pos], answer, pos, budget)
+            if copied is not None:
+                out.add(copied[1] + 1, copied[0], 0.0)
+                pos += copied[1] + 1
+                continue
+        k = min(g, budget)
+        accepted = min(runs[pos], k)
+        out.add(accepted + 1, k, float(k))
+        pos += accepted + 1
+        if adaptive and k:
+            g = min(g + 2, max_gamma) if accepted == k else max(g - 1, 1)
+    return out
+
+
+def replay_lookup(config: PromptLookupConfig, target_lm, prompt_ids: list[int], answer: list[int]) -> Replay:
+    """Prompt lookup's steps along the answer (units: steps, matched or not)."""
+    lookup, out, pos, n = _new_lookup(config, target_lm, prompt_ids), Replay(), 0, len(answer)
+    while pos < n:
+        budget = n - pos - 1
+        copied = _lookup_step(lookup, list(prompt_ids) + answer[:pos], answer, pos, budget) if budget > 0 else None
+        nodes, accepted = copied if copied is not None else (0, 0)
+        out.add(accepted + 1, nodes, 1.0)
+        pos += accepted + 1
+    return out
+
+
+@dataclass
+class _Tree:
+    """EAGLE's dynamic tree at one root, grown to the deepest setting: what any smaller one keeps."""
+
+    parents: list[int]
+    level: list[int]
+    score: list[float]
+    matched: list[bool]  # the node's path is the answer's next tokens
+
+
+@torch.inference_mode()
+def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], depth: int):
+    """EAGLE's tree at every answer position, grown (without sizing) to ``depth`` levels from the target's
+    features of one teacher-forced pass, with the method's own drafter and tree growth; and the seconds
+    a level took to grow."""
+    from specplay.core.methods.eagle import grow_tree
+
+    tokens = list(prompt_ids) + list(answer)
+    target_lm.reset()
+    try:
+        out = target_lm.forward_chain(tokens[:-1], hidden=True, layers=method.feature_layers, logit_rows=[],
+                                      prefill=True)
+        feats = method._features_of(out).float()
+    finally:
+        target_lm.reset()
+    d = method.drafter
+    d.crop(0)
+    pred = d.run(feats, tokens[1:], torch.arange(len(tokens) - 1))  # pred[i]: from the pair (f_i, x_{i+1})
+    trees: list[_Tree | None] = [None] * len(answer)
+    p = len(prompt_ids)
+    grown, levels = 0.0, 0
+    for pos in range(len(answer) - 1, -1, -1):  # latest root first: a tree is drafted past its root
+        root = p - 1 + pos
+        if root == 0:
+            continue
+        d.crop(root)
+        started = time.perf_counter()
+        draft = grow_tree(d, method._log_probs, method.vocab_ids, pred[root - 1], root, depth, 1 << 20,
+                          method.config.top_k)
+        grown += time.perf_counter() - started
+        levels += draft.shown["levels_grown"]
+        level, score, matched = [], [], []
+        wanted = tokens[root + 1:root + 1 + depth]
+        for i, (par, tok, q) in enumerate(zip(draft.parents, draft.tokens, draft.q_token)):
+            lv = 1 if par < 0 else level[par] + 1
+            level.append(lv)
+            score.append(math.log(max(q, 1e-300)) + (0.0 if par < 0 else score[par]))
+            matched.append(lv <= len(wanted) and tok == wanted[lv - 1] and (par < 0 or matched[par]))
+        trees[pos] = _Tree(draft.parents, level, score, matched)
+    d.crop(0)
+    return trees, grown / max(levels, 1)
+
+
+def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_k: int,
+                 curve: CostCurve | None) -> Replay:
+    """EAGLE's steps along the answer at one setting (units: tree levels, the step's catch-up run counted as one)."""
+    out, pos = Replay(), 0
+    while pos < n:
+        budget = n - pos - 1
+        tree = trees[pos]
+        if budget <= 0 or tree is None:
+            out.add(1, 0, 0.0)
+            pos += 1
+            continue
+        deep = min(depth, budget)
+        cap = min(total, budget * top_k)
+        ranked = sorted((i for i in range(len(tree.level)) if tree.level[i] <= deep),
+                        key=lambda i: (-tree.score[i], i))[:cap]
+        if curve is not None:
+            ranked = ranked[:max(1, best_size([math.exp(tree.score[i]) for i in ranked], curve))]
+        accepted = max((tree.level[i] for i in ranked if tree.matched[i]), default=0)
+        out.add(accepted + 1, len(ranked), float(deep + 1))
+        pos += accepted + 1
+    return out
+
+
+# ----------------------------------------------------------------------------- settings
+def _speculative_settings(base) -> list[dict]:
+    lookups = sorted({0, base.lookup_ngram or 3})
+    return [{"gamma": g, "adaptive": a, "lookup_ngram": n} for n in lookups for a in (False, True)
+            for g in range(1, 13)]
+
+
+def _lookup_settings(base) -> list[dict]:
+    return [{"num_tokens": k, "max_ngram": m, "adaptive": a} for a in (True, False) for m in range(1, 6)
+            for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)]
+
+
+def _eagle_settings(base) -> list[dict]:
+    return [{"total_tokens": t, "depth": d, "auto_size": a} for a in (True, False) for d in range(2, 9)
+            for t in (4, 8, 12, 16, 24, 32, 48, 64)]
+
+
+def _key(params: dict) -> tuple:
+    return tuple(sorted(params.items()))
+
+
+_SETTINGS = {"speculative": _speculative_settings, "prompt_lookup": _lookup_settings, "eagle": _eagle_settings}
+
+
+def _default_params(method: str, base) -> dict:
+    return {k: getattr(base, k) for k in KNOBS[method]}
+
+
+def _config_with(method: str, base, params: dict):
+    if method == "prompt_lookup":
+        params = {**params, "min_ngram": min(base.min_ngram, params["max_ngram"])}
+    if method == "speculative" and params.get("adaptive"):
+        params = {**params, "max_gamma": max(base.max_gamma, params["gamma"]), "cost_sized": False}
+    if method == "eagle":
+        params = {**params, "tree": "dynamic"}
+    return replace(base, **params)
+
+
+#: The least predicted gain over the default for which a setting is proposed: about what the predictions
+#: miss by on a shared two-core machine (docs/benchmarks.md), so a proposed change is a real one.
+MARGIN = 0.05
+
+#: Block sizes the target's pass is timed at, per method (the largest any of its settings verifies).
+_SIZES = {"speculative": (1, 2, 3, 4, 6, 8, 13), "prompt_lookup": (1, 2, 3, 4, 6, 8, 12, 17),
+          "eagle": (1, 2, 3, 4, 6, 8, 12, 16, 24, 33, 49, 65)}
+EAGLE_DEPTH = 8  # the deepest tree the settings grow
+
+
+class _Predictor:
+    """Every setting's replay for one method, one prompt and answer, and what its drafting costs here."""
+
+    def __init__(self, method_name: str, method, target, draft, base, prompt_ids: list[int], answer: list[int]):
+        self.name, self.base, self.target = method_name, base, target
+        self.prompt_ids, self.answer = prompt_ids, answer
+        self.curve = cost_curve(target.model)  # what auto-sizing settings size by, as the methods do
+        context = len(prompt_ids) + len(answer) // 2
+        self.extra_prefill = 0.0
+        if method_name == "speculative":
+            self.runs = draft_matches(method, prompt_ids, answer, target.model.info.vocab_size)
+            self.unit = time_passes(draft.model, (1,), context, repeats=5, median=True)[0]
+            started = time.perf_counter()
+            method.start(SimpleNamespace(tokens=list(prompt_ids)))  # the draft's own prefill, as a run does it
+            self.extra_prefill = time.perf_counter() - started
+            draft.model.reset()
+        elif method_name == "eagle":
+            self.trees, self.unit = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH)
+        else:
+            started = time.perf_counter()
+            rep = replay_lookup(base, target.model, prompt_ids, answer)
+            self.unit = (time.perf_counter() - started) / max(len(rep.steps), 1)
+        sizes = _SIZES[method_name]
+        self.verify = CostCurve(sizes, tuple(time_passes(target.model, sizes, context, repeats=5, median=True)))
+
+    def replay(self, params: dict) -> Replay:
+        c = _config_with(self.name, self.base, params)
+        if self.name == "speculative":
+            lookup = None
+            if c.lookup_ngram:
+                n = c.lookup_ngram
+                lookup = _new_lookup(PromptLookupConfig(min_ngram=n, max_ngram=max(n, 3)), self.target.model,
+                                     self.prompt_ids)
+            return replay_speculative(self.runs, self.answer, self.prompt_ids, c.gamma, c.adaptive, c.max_gamma,
+                                      lookup)
+        if self.name == "prompt_lookup":
+            return replay_lookup(c, self.target.model, self.prompt_ids, self.answer)
+        return replay_eagle(self.trees, len(self.answer), c.depth, c.total_tokens, c.top_k,
+                            self.curve if c.auto_size else None)
+
+
+def _run(target, draft, name: str, config: MethodConfig | None, ids: list[int], gen: GenerationConfig,
+         prompt, warmup_tokens: int, should_stop):
+    method = build_method(name, config, target, draft)
+    warm_up(target, method, ids, gen.sampling, warmup_tokens, should_stop)
+    result = drain(generate(target.model, target.tokenizer, method, ids, gen, should_stop))
+    if result.error:
+        raise ConfigError(f"{name}: {result.error}")
+    return method, result, RunRecord.of_run(result, target=target, draft=draft, prompt=prompt)
+
+
+class Cancelled(Exception):
+    """The tune was stopped before its proof."""
+
+
+def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list[int], config: GenerationConfig,
+         *, prompt: str | None = None, warmup_tokens: int = WARMUP_TOKENS,
+         should_stop: Callable[[], bool] | None = None,
+         on_stage: Callable[[str, float], None] | None = None) -> TuneResult:
+    """Predict every setting of ``method``'s knobs from one run, then run the predicted best (see the module doc)."""
+    if method not in KNOBS:
+        raise ConfigError(f"tune predicts {', '.join(KNOBS)}; {method} is not predicted yet "
+                          "(lookahead's drafts depend on the target's own outputs over its window)")
+    if not config.sampling.greedy:
+        raise ConfigError("tune predicts greedy runs (temperature 0); set the temperature to 0")
+    spec = get_spec(method)
+    if spec.needs_draft and draft is None:
+        raise ConfigError(f"method '{method}' needs a draft model")
+    base = base if base is not None else spec.config_class()
+    should_stop = should_stop or (lambda: False)
+    stage = on_stage or (lambda text, fraction: None)
+    started = time.perf_counter()
+    gen = replace(config, stand_down=False)
+
+    def run(name, cfg, what, fraction):
+        stage(what, fraction)
+        out = _run(target, draft, name, cfg, prompt_ids, gen, prompt, warmup_tokens, should_stop)
+        if out[1].cancelled:
+            raise Cancelled()
+        return out
+
+    _, ar, ar_record = run("autoregressive", None, "Running autoregressive (the greedy answer)", 0.0)
+    answer = ar.token_ids
+    stage("Timing this machine and replaying every setting along the answer", 0.3)
+    predictor = _Predictor(method, build_method(method, base, target, draft), target, draft, base, prompt_ids, answer)
+    costs = StepCosts(verify=predictor.verify, draft_unit=predictor.unit,
+                      other=ar.metrics.other_s / max(ar.metrics.steps, 1),
+                      prefill=ar.metrics.prefill_time + predictor.extra_prefill)
+    default_params = _default_params(method, base)
+    table = {_key(p): p for p in [default_params] + _SETTINGS[method](base)}
+    settings = []
+    for params in table.values():
+        rep = predictor.replay(params)
+        settings.append(Setting(params, len(answer) / rep.seconds(costs), rep.tau, len(rep.steps)))
+    predicted_default = next(s for s in settings if s.params == default_params)
+    pick = max(settings, key=lambda s: s.predicted_tokens_per_s)
+    if pick.predicted_tokens_per_s < predicted_default.predicted_tokens_per_s * (1 + MARGIN):
+        pick = predicted_default  # a gain smaller than the predictions' error is not worth a change
+
+    def trial(setting: Setting, res, rec: RunRecord) -> Trial:
+        return Trial(setting.params, setting.predicted_tokens_per_s, setting.predicted_tau, res.metrics.tokens_per_s,
+                     res.metrics.mean_accepted, res.token_ids == answer, rec.to_dict())
+
+    _, result, record = run(method, base, f"Running {method} as configured (the default)", 0.5)
+    default = trial(predicted_default, result, record)
+    if pick.params == default_params:
+        best = default
+    else:
+        _, best_result, best_record = run(method, _config_with(method, base, pick.params),
+                                          "Running the predicted best", 0.75)
+        best = trial(pick, best_result, best_record)
+    stage("Tuned", 1.0)
+    return TuneResult(method=method, knobs=KNOBS[method], base_params=asdict(base), prompt=prompt,
+                      prompt_tokens=len(prompt_ids), new_tokens=len(answer), autoregressive=ar_record.to_dict(),
+                      default=default, best=best, settings=settings, costs=costs,
+                      assumptions=ASSUMPTIONS + tuple(_METHOD_ASSUMPTIONS[method](base)),
+                      seconds=time.perf_counter() - started)
+
+
+def format_tune(result: TuneResult) -> str:
+    """The tune as text: the two runs, predicted beside measured, and the best few settings."""
+    base = result.baseline_tokens_per_s
+    fmt = lambda p: ", ".join(f"{k}={v}" for k, v in p.items())  # noqa: E731
+    lines = [f"{result.method} on {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
+             f"autoregressive {base:.2f} tok/s", "",
+             f"{'':8} {'setting':44} {'predicted':>10} {'measured':>9} {'error':>7} {'τ pred':>7} {'τ meas':>7}  same"]
+    for label, t in (("default", result.default), ("best", result.best)):
+        lines.append(f"{label:8} {fmt(t.params):44} {t.predicted_tokens_per_s:10.2f} {t.measured_tokens_per_s:9.2f} "
+                     f"{t.error:+7.1%} {t.predicted_tau:7.2f} {t.measured_tau:7.2f}  {'✓' if t.identical else '✗'}")
+    lines += ["", f"best predicted settings of {len(result.settings)} (tok/s, × autoregressive):"]
+    for s in sorted(result.settings, key=lambda s: -s.predicted_tokens_per_s)[:5]:
+        lines.append(f"  {fmt(s.params):44} {s.predicted_tokens_per_s:7.2f}  {s.predicted_tokens_per_s / base:5.2f}×"
+                     f"  τ {s.predicted_tau:.2f}")
+    lines += ["", "assumes: " + "; ".join(result.assumptions)]
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Tune: every setting's replayed steps are the steps a real run takes, and the command proves its pick."""
+
+import json
+
+import pytest
+import torch
+
+from specplay.core.cli import main
+from specplay.core import tune as tuning
+from specplay.core.costmodel import CostCurve
+from specplay.core.engine import drain, generate
+from specplay.core.methods import build_method
+from specplay.core.methods.eagle import EagleConfig
+from specplay.core.methods.prompt_lookup import PromptLookupConfig
+from specplay.core.methods.speculative import SpeculativeConfig
+from specplay.core.types import GenerationConfig
+from test_eagle import make_head_file
+from tiny import loaded, native_from_hf, perturbed_copy, save_tiny_model, tiny_hf_model
+
+PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7, 9, 10, 4, 5]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def pair():
+    hf = tiny_hf_model(seed=0, dtype=torch.float64)
+    target = loaded(native_from_hf(hf))
+    draft = loaded(native_from_hf(perturbed_copy(hf, scale=0.02)), model_id="draft")
+    return target, draft
+
+
+def _run(target, draft, name, config):
+    gen = GenerationConfig(max_new_tokens=N, stop_at_eos=False, stand_down=False)
+    method = build_method(name, config, target, draft)
+    return drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
+
+
+def _answer(target):
+    return _run(target, None, "autoregressive", None).token_ids
+
+
+@pytest.mark.parametrize("gamma,adaptive,lookup", [(1, False, 0), (3, False, 0), (7, False, 0), (2, True, 0),
+                                                   (4, False, 3), (3, True, 2)])
+def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, lookup):
+    target, draft = pair
+    answer = _answer(target)
+    config = SpeculativeConfig(gamma=gamma, adaptive=adaptive, max_gamma=16, lookup_ngram=lookup)
+    run = _run(target, draft, "speculative", config)
+    method = build_method("speculative", config, target, draft)
+    runs = tuning.draft_matches(method, PROMPT, answer, target.model.info.vocab_size)
+    look = None
+    if lookup:
+        look = tuning._new_lookup(PromptLookupConfig(min_ngram=lookup, max_ngram=max(lookup, 3)), target.model,
+                                  PROMPT)
+    replay = tuning.replay_speculative(runs, answer, PROMPT, gamma, adaptive, 16, look)
+    assert run.token_ids == answer
+    assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
+    assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
+    assert any(a > 1 for a in run.metrics.accept_lengths)  # the draft is good enough to be accepted
+
+
+@pytest.mark.parametrize("adaptive,num_tokens,max_ngram", [(True, 10, 3), (False, 4, 2), (False, 10, 1)])
+def test_prompt_lookup_replay_takes_the_steps_a_run_takes(pair, adaptive, num_tokens, max_ngram):
+    target, _ = pair
+    answer = _answer(target)
+    config = PromptLookupConfig(adaptive=adaptive, num_tokens=num_tokens, max_ngram=max_ngram)
+    run = _run(target, None, "prompt_lookup", config)
+    replay = tuning.replay_lookup(config, target.model, PROMPT, answer)
+    assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
+    assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
+
+
+@pytest.mark.parametrize("depth,total", [(2, 4), (3, 64), (5, 16), (8, 64)])
+def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, tmp_path, depth, total):
+    """The deepest tree, grown once per position, holds every smaller setting's tree: the replay of
+    each equals a real run with that setting, step for step."""
+    target, _ = pair
+    head = make_head_file(tmp_path / "eagle.safetensors", target.model, scale=0.05)
+    answer = _answer(target)
+    config = EagleConfig(head=str(head), depth=depth, total_tokens=total, auto_size=False)
+    run = _run(target, None, "eagle", config)
+    method = build_method("eagle", EagleConfig(head=str(head), auto_size=False), target)
+    trees, per_level = tuning.eagle_trees(method, target.model, PROMPT, answer, 8)
+    replay = tuning.replay_eagle(trees, len(answer), depth, total, method.config.top_k, None)
+    assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
+    assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
+    assert per_level > 0
+
+
+def test_a_step_costs_its_drafting_verification_and_bookkeeping():
+    costs = tuning.StepCosts(verify=CostCurve((1, 3), (0.010, 0.014)), draft_unit=0.002, other=0.001, prefill=0.5)
+    assert costs.step(2, 2.0) == pytest.approx(0.004 + 0.014 + 0.001)
+    replay = tuning.Replay()
+    for added, nodes, units in ((3, 2, 2.0), (1, 0, 0.0)):
+        replay.add(added, nodes, units)
+    assert replay.tau == 2.0
+    assert replay.seconds(costs) == pytest.approx(0.5 + 0.019 + 0.011)
+
+
+def test_tune_predicts_every_setting_and_proves_the_default_and_the_best(pair):
+    target, draft = pair
+    stages = []
+    result = tuning.tune(target, draft, "speculative", None, PROMPT,
+                         GenerationConfig(max_new_tokens=N, stop_at_eos=False), warmup_tokens=2,
+                         on_stage=lambda text, fraction: stages.append(fraction))
+    doc = result.to_dict()
+    for key in ("default", "best"):
+        for field in ("params", "predicted_tokens_per_s", "measured_tokens_per_s", "identical"):
+            assert field in doc[key]
+        assert doc[key]["identical"] is True
+    assert doc["default"]["params"] == {"gamma": 5, "adaptive": False, "lookup_ngram": 0}
+    assert len(doc["settings"]) == 48 and all(s["predicted_tokens_per_s"] > 0 for s in doc["settings"])
+    best = max(s["predicted_tokens_per_s"] for s in doc["settings"])
+    assert doc["best"]["predicted_tokens_per_s"] >= best / (1 + tuning.MARGIN)
+    assert stages[0] == 0.0 and stages[-1] == 1.0
+    json.dumps(result.to_dict(with_records=True))  # a record a file can keep
+    assert "speculative" in tuning.format_tune(result)
+
+
+def test_tune_refuses_sampling_and_methods_it_cannot_replay(pair):
+    target, draft = pair
+    with pytest.raises(tuning.ConfigError, match="temperature 0"):
+        tuning.tune(target, draft, "speculative", None, PROMPT,
+                    GenerationConfig(sampling=tuning.replace(GenerationConfig().sampling, temperature=0.7)))
+    with pytest.raises(tuning.ConfigError, match="lookahead"):
+        tuning.tune(target, draft, "lookahead", None, PROMPT, GenerationConfig())
+
+
+def test_the_command_prints_the_documented_json(tmp_path, capsys):
+    target = save_tiny_model(tmp_path / "target", seed=0, layers=2)
+    code = main(["tune", "--method", "prompt_lookup", "--target", str(target), "--prompt", "ab cd ab cd ab cd",
+                 "--no-chat-template", "--max-new-tokens", "24", "--warmup-tokens", "0", "--json",
+                 "--log", str(tmp_path / "tune.jsonl")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["kind"] == "tune" and doc["method"] == "prompt_lookup"
+    assert doc["best"]["identical"] and doc["default"]["identical"]
+    logged = json.loads((tmp_path / "tune.jsonl").read_text())
+    assert logged["default"]["record"]["method"] == "prompt_lookup"
+    assert main(["tune", "--method", "prompt_lookup", "--target", str(target), "--prompt", "ab",
+                 "--temperature", "0.5"]) != 0
+    assert "temperature" in capsys.readouterr().err
