@@ -15,7 +15,7 @@ import logging
 from PySide6.QtCore import QObject, QThread, Signal
 
 from specplay.app.worker import (AuditRequest, EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunDone,
-                                 RunRequest)
+                                 RunRequest, TuneRequest)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class EngineClient(QObject):
     sig_generate = Signal(object)
     sig_generate_remote = Signal(object)
     sig_audit = Signal(object)
+    sig_tune = Signal(object)
     sig_error = Signal(str)
     sig_step = Signal(object)
     sig_progress = Signal(str, float)
@@ -57,10 +58,12 @@ class EngineClient(QObject):
         self.sig_generate.connect(self.worker.generate)
         self.sig_generate_remote.connect(self.worker.generate_remote)
         self.sig_audit.connect(self.worker.audit)
+        self.sig_tune.connect(self.worker.tune)
         self.worker.sig_models_loaded.connect(self._on_models_loaded)
         self.worker.sig_draft_loaded.connect(self._on_draft_loaded)
         self.worker.sig_run_finished.connect(self._resolve)
         self.worker.sig_audit_finished.connect(self._resolve)
+        self.worker.sig_tune_finished.connect(self._resolve)
         self.worker.sig_failed.connect(self._on_failed)
         self.worker.sig_step.connect(self.sig_step)
         self.worker.sig_progress.connect(self.sig_progress)
@@ -83,6 +86,10 @@ class EngineClient(QObject):
     async def audit(self, request: AuditRequest, stop_first: bool = False) -> RunDone:
         """Run one losslessness audit (stopped, it tests the samples drawn so far)."""
         return await self._submit(self.sig_audit, request, stop_first)
+
+    async def tune(self, request: TuneRequest, stop_first: bool = False) -> RunDone:
+        """Tune one method's draft size on one prompt (a Stop before its proof fails it with that reason)."""
+        return await self._submit(self.sig_tune, request, stop_first)
 
     async def _submit(self, signal, request, stop_first: bool = False):
         self.job += 1

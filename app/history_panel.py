@@ -107,6 +107,9 @@ class HistoryPanel(QWidget):
             p_value = r.extra.get("p_value")
             title = f"Audit: {title}"
             stop = str(r.extra.get("verdict", "")) + ("" if p_value is None else f" (p = {p_value:.2g})")
+        elif r.extra.get("kind") == "tune":  # a tune (core/tune.py): its verdict stands for a stop reason
+            title = f"Tune: {title}"
+            stop = str(r.extra.get("verdict", ""))
         values = (_when(r.tstamp), title, str(r.model_id or ""), "" if r.new_tokens is None else str(r.new_tokens),
                   _num(r.tokens_per_s), _num(r.mean_accepted), _num(r.temperature), stop, prompt[:80])
         for col, v in enumerate(values):

@@ -12,6 +12,7 @@ from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QLabel, QMessageBox, QTabWidget, QWidget
 
 from specplay.app.audit_view import AuditView
+from specplay.app.tune_view import TuneView
 from specplay.app.charts import ChartsPanel
 from specplay.app.compare_view import CompareView
 from specplay.app.internals import InternalsPanel
@@ -37,10 +38,11 @@ class RunViews(QObject):
     sig_error = Signal(str)
 
     def __init__(self, session: RunSession, tabs: QTabWidget, live: LiveView, compare: CompareView,
-                 audit_view: AuditView, charts: ChartsPanel, internals: InternalsPanel, xray: XRayPanel, parent=None):
+                 audit_view: AuditView, tune_view: TuneView, charts: ChartsPanel, internals: InternalsPanel,
+                 xray: XRayPanel, parent=None):
         super().__init__(parent)
         self.session = session
-        self.tabs, self.live, self.compare, self.audit_view = tabs, live, compare, audit_view
+        self.tabs, self.live, self.compare, self.audit_view, self.tune_view = tabs, live, compare, audit_view, tune_view
         self.charts, self.internals, self.xray = charts, internals, xray
         self._internals_view: TokenView | None = None  # the token view whose run the internals panel shows
         self._stream_to: tuple[TokenView, QLabel] | None = None  # the streaming run's token view and stats line
@@ -51,6 +53,7 @@ class RunViews(QObject):
         session.sig_run_failed.connect(self._on_run_failed)
         session.sig_compare_updated.connect(compare.set_records)
         session.sig_audit_finished.connect(lambda rec: audit_view.show_record(rec, method_title(rec["method"])))
+        session.sig_tune_finished.connect(lambda rec: tune_view.show_record(rec, method_title(rec["method"])))
 
     def _connect_token_view(self, view: TokenView) -> None:
         """A hovered token of ``view`` shows in the X-ray; a clicked one also selects its step in the internals."""
@@ -135,6 +138,11 @@ class RunViews(QObject):
             self.tabs.setCurrentWidget(self.audit_view)
             self.audit_view.show_record(record, title)
             self.sig_status.emit(f"Showing a saved audit: {method}, {record.get('samples')} samples.")
+            return
+        if record.get("kind") == "tune":
+            self.tabs.setCurrentWidget(self.tune_view)
+            self.tune_view.show_record(record, title)
+            self.sig_status.emit(f"Showing a saved tune: {method}, {record.get('verdict')}.")
             return
         try:
             events = saved_events(record)

@@ -24,7 +24,7 @@ from PySide6.QtCore import QObject, QTimer, Signal
 
 from specplay.app.engine_client import EngineClient, EngineFailed
 from specplay.app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
-from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunDone, RunRequest
+from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunDone, RunRequest, TuneRequest
 from specplay.core.compare import BASELINE, annotate
 from specplay.core.history import Entry, History, summary_of
 from specplay.core.methods import method_title
@@ -41,7 +41,7 @@ class RunSession(QObject):
     """Loads models and runs methods, comparisons and audits, one at a time.
 
     Signals (all in the GUI thread):
-        sig_busy_changed(str): what runs now, "load", "run", "compare" or "audit"; "" when nothing does
+        sig_busy_changed(str): what runs now, "load", "run", "compare", "audit" or "tune"; "" when nothing does
             (also emitted when ``draft_loading`` changes).
         sig_status(str): a line for the status bar.
         sig_error(str): a message the user must see (what a run made is kept and saved all the same).
@@ -57,6 +57,7 @@ class RunSession(QObject):
         sig_run_failed(str): the named run ended without a result (the message went to ``sig_error``).
         sig_compare_updated(object): the comparison's annotated records so far (a list).
         sig_audit_finished(object): an audit's saved record (a dict).
+        sig_tune_finished(object): a tune's saved record (a dict, :func:`specplay.core.tune.tune_record`).
         sig_record_saved(object): a run's :class:`~specplay.core.history.Entry` went into the history (one that
             could not be saved holds its record).
         sig_history_loaded(object): the history's entries (a list), oldest first; a run's whole record is read
@@ -80,6 +81,7 @@ class RunSession(QObject):
     sig_run_failed = Signal(str)
     sig_compare_updated = Signal(object)
     sig_audit_finished = Signal(object)
+    sig_tune_finished = Signal(object)
     sig_record_saved = Signal(object)
     sig_history_loaded = Signal(object)
     sig_export_failed = Signal(str)
@@ -300,6 +302,24 @@ class RunSession(QObject):
         self.sig_status.emit(("Audit stopped: " if done.result.cancelled else "Audit: ") + done.record["text"])
         if done.result.error:
             self.sig_error.emit(f"The audit of {title} stopped early: {done.result.error}")
+        return done.record
+
+    async def tune(self, request: TuneRequest) -> dict | None:
+        """Tune the request's method on its prompt (:mod:`specplay.core.tune`); its record, saved like a run's, or
+        None if the tune failed or was stopped (said in ``sig_error``)."""
+        if self.busy or self.models is None:
+            return None
+        title = method_title(request.run.method)
+        with self._doing("tune"):
+            self.sig_status.emit(f"Tuning {title}: predicting every setting, then running the best…")
+            try:
+                done = await self.engine.tune(request, stop_first=self._stop_requested)
+            except EngineFailed as exc:
+                self.sig_error.emit(f"Tune of {title}: {exc}")
+                return None
+        await self._save(done.record)
+        self.sig_tune_finished.emit(done.record)
+        self.sig_status.emit(done.record["text"])
         return done.record
 
     async def _generate(self, request: RunRequest, waiting: str) -> RunDone | None:

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QM
                                QTabWidget, QWidget)
 
 from specplay.app.audit_view import AuditView
+from specplay.app.tune_view import TuneView
 from specplay.app.charts import ChartsPanel, configure_pyqtgraph
 from specplay.app.compare_view import CompareView
 from specplay.app.history_panel import HistoryPanel
@@ -31,7 +32,8 @@ from specplay.app.session import RunSession
 from specplay.app.settings import AppSettings, open_settings
 from specplay.app.whyspeed_view import WhySpeedView
 from specplay.app.window_settings import apply_to_window, collect_from_window
-from specplay.app.worker import AuditRequest, ModelsLoaded, RemoteRequest, RunRequest
+from specplay.app.worker import AuditRequest, ModelsLoaded, RemoteRequest, RunRequest, TuneRequest
+from specplay.core.tune import KNOBS as TUNED
 from specplay.app.xray import XRayPanel
 from specplay.core.compare import WARMUP_TOKENS
 from specplay.core.errors import ConfigError
@@ -80,8 +82,8 @@ class MainWindow(QMainWindow):
         self._build_docks()
         self._build_actions()
         self._build_status_bar()
-        self.run_views = RunViews(self.session, self.tabs, self.live, self.compare, self.audit_view, self.charts,
-                                  self.internals, self.xray, self)
+        self.run_views = RunViews(self.session, self.tabs, self.live, self.compare, self.audit_view, self.tune_view,
+                                  self.charts, self.internals, self.xray, self)
         self._connect_views()
         self._connect_session()
         self._memory_timer = QTimer(self)
@@ -94,14 +96,15 @@ class MainWindow(QMainWindow):
 
     # ------------------------------------------------------------------------ construction
     def _build_views(self) -> None:
-        """The central tabs: live, compare, why this speed, audit."""
+        """The central tabs: live, compare, why this speed, tune, audit."""
         self.live = LiveView()
         self.compare = CompareView()
         self.why = WhySpeedView()
+        self.tune_view = TuneView()
         self.audit_view = AuditView()
         self.tabs = QTabWidget()
         for view, title in ((self.live, "Live"), (self.compare, "Compare"), (self.why, "Why this speed"),
-                            (self.audit_view, "Audit")):
+                            (self.tune_view, "Tune"), (self.audit_view, "Audit")):
             self.tabs.addTab(view, title)
         self.setCentralWidget(self.tabs)
         # one "rejected drafts inline" setting for every token view
@@ -208,6 +211,8 @@ class MainWindow(QMainWindow):
         self.models_panel.sig_cancel_requested.connect(self.session.stop)
         self.compare.sig_run_requested.connect(lambda names: self.spawn(self.run_compare(names)))
         self.audit_view.sig_run_requested.connect(lambda n, k: self.spawn(self.run_audit(n, k)))
+        self.tune_view.sig_run_requested.connect(lambda: self.spawn(self.run_tune()))
+        self.tune_view.sig_apply_requested.connect(self.apply_tuned)
         self.history_panel.sig_open_requested.connect(lambda entry: self.spawn(self.open_saved(entry)))
         self.history_panel.sig_export_requested.connect(self._export_dialog)
         self.history_panel.sig_reload_requested.connect(lambda: self.spawn(self.session.reload_history()))
@@ -316,7 +321,8 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------------ what the session reports
     def _on_busy_changed(self, what: str) -> None:
         ready = not what and self.session.models is not None
-        for control in (self.run_action, self.compare_action, self.compare.run_button, self.audit_view.run_button):
+        for control in (self.run_action, self.compare_action, self.compare.run_button, self.audit_view.run_button,
+                        self.tune_view.run_button):
             control.setEnabled(ready)
         drafting = self.session.draft_loading  # the target runs; its draft loads beside it
         self.stop_action.setEnabled(bool(what) or drafting)
@@ -327,6 +333,8 @@ class MainWindow(QMainWindow):
             self.models_panel.set_progress(stage, fraction)
         elif self.session.activity == "audit":
             self.audit_view.set_progress(stage, fraction)
+        elif self.session.activity == "tune":
+            self.tune_view.set_progress(stage, fraction)
         if self.session.activity:  # a draft loading beside the runs keeps to its panel: the status line is theirs
             self.set_status(stage + ("" if fraction < 0 else f" {fraction:.0%}"))
 
@@ -425,6 +433,29 @@ class MainWindow(QMainWindow):
         self.run_views.show_tab(self.audit_view)
         self.audit_view.begin(method_title(method))
         return await self.session.audit(AuditRequest(run=request, samples=samples, depth=depth))
+
+    async def run_tune(self) -> dict | None:
+        """Tune the Method panel's method on the Prompt panel's prompt (:mod:`specplay.core.tune`); the record goes
+        into the history like a run's."""
+        method = self.methods_panel.method()
+        if method not in TUNED:
+            self.show_error(f"Tune predicts {', '.join(method_title(m) for m in TUNED)}: choose one under Method.")
+            return None
+        request = self._ready_request(method)
+        if request is None:
+            return None
+        if not request.config.sampling.greedy:
+            self.show_error("Tune predicts greedy runs: set the temperature to 0 under Prompt.")
+            return None
+        self.run_views.show_tab(self.tune_view)
+        self.tune_view.begin(method_title(method))
+        return await self.session.tune(TuneRequest(run=request))
+
+    def apply_tuned(self, method: str, config: dict) -> None:
+        """The Tune view's "Use these settings": the method and its tuned configuration into the Method panel."""
+        self.methods_panel.set_method(method)
+        self.methods_panel.current_form().set_values(config)
+        self.set_status(f"{method_title(method)} set to the tuned settings.")
 
     # ------------------------------------------------------------------------ export
     def _ask_path(self, title: str, name: str, filters: str) -> str | None:

@@ -95,6 +95,14 @@ class AuditRequest:
     job: int = 0
 
 
+@dataclass
+class TuneRequest:
+    """A tune (:mod:`specplay.core.tune`) of ``run``'s method on its prompt: its knobs predicted, then proved."""
+
+    run: RunRequest
+    job: int = 0
+
+
 class EngineWorker(QObject):
     """Loads models and runs generations; lives in its own ``QThread``.
 
@@ -108,6 +116,7 @@ class EngineWorker(QObject):
         sig_failed(str): a message for the user (the job ended without a result).
         sig_cost_curve(object): the target's verification ``CostCurve``, measured before its first run.
         sig_audit_finished(object): a :class:`RunDone` for the ``AuditResult`` of an audit (finished or stopped).
+        sig_tune_finished(object): a :class:`RunDone` for the ``TuneResult`` of a tune and its record.
     """
 
     sig_progress = Signal(str, float)
@@ -118,6 +127,7 @@ class EngineWorker(QObject):
     sig_failed = Signal(str)
     sig_cost_curve = Signal(object)
     sig_audit_finished = Signal(object)
+    sig_tune_finished = Signal(object)
 
     def __init__(self):
         super().__init__()
@@ -320,6 +330,25 @@ class EngineWorker(QObject):
             record = audit_record(result, target=self.target, draft=self._draft_of(run.method), prompt=run.prompt,
                                   extra={"chat_template": run.chat_template})
             self.sig_audit_finished.emit(RunDone(result, record))
+        except Exception as exc:
+            self._fail(exc)
+
+    @Slot(object)
+    def tune(self, request: TuneRequest) -> None:
+        from specplay.core.compare import WARMUP_TOKENS
+        from specplay.core.tune import Cancelled, tune, tune_record
+
+        should_stop = self._stopper(request.job)
+        try:
+            run = request.run
+            ids = self._prompt_ids(run)
+            result = tune(self.target, self.draft, run.method, run.method_config, ids, run.config, prompt=run.prompt,
+                          warmup_tokens=WARMUP_TOKENS, should_stop=should_stop,
+                          on_stage=lambda stage, fraction: self.sig_progress.emit(stage, fraction))
+            record = tune_record(result, target=self.target, extra={"chat_template": run.chat_template})
+            self.sig_tune_finished.emit(RunDone(result, record))
+        except Cancelled:
+            self.sig_failed.emit("stopped before the proof: nothing was tuned")
         except Exception as exc:
             self._fail(exc)
 

@@ -160,6 +160,7 @@ class TuneResult:
     best: Trial
     settings: list[Setting]
     costs: StepCosts
+    best_config: dict = field(default_factory=dict)  # the method's whole configuration the best ran with
     assumptions: tuple[str, ...] = ASSUMPTIONS
     seconds: float = 0.0
 
@@ -172,7 +173,7 @@ class TuneResult:
                "prompt": self.prompt, "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
                "autoregressive_tokens_per_s": round(self.baseline_tokens_per_s, 3),
                "default": self.default.to_dict(with_records), "best": self.best.to_dict(with_records),
-               "best_is_default": self.best.params == self.default.params,
+               "best_is_default": self.best.params == self.default.params, "best_config": self.best_config,
                "settings": [s.to_dict() for s in self.settings], "costs": self.costs.to_dict(),
                "assumptions": list(self.assumptions), "seconds": round(self.seconds, 2)}
         if with_records:
@@ -493,24 +494,44 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
 
     _, result, record = run(method, base, f"Running {method} as configured (the default)", 0.5)
     default = trial(predicted_default, result, record)
+    best_config = base if pick.params == default_params else _config_with(method, base, pick.params)
     if pick.params == default_params:
         best = default
     else:
-        _, best_result, best_record = run(method, _config_with(method, base, pick.params),
-                                          "Running the predicted best", 0.75)
+        _, best_result, best_record = run(method, best_config, "Running the predicted best", 0.75)
         best = trial(pick, best_result, best_record)
     stage("Tuned", 1.0)
     return TuneResult(method=method, knobs=KNOBS[method], base_params=asdict(base), prompt=prompt,
                       prompt_tokens=len(prompt_ids), new_tokens=len(answer), autoregressive=ar_record.to_dict(),
-                      default=default, best=best, settings=settings, costs=costs,
+                      default=default, best=best, settings=settings, costs=costs, best_config=asdict(best_config),
                       assumptions=ASSUMPTIONS + tuple(_METHOD_ASSUMPTIONS[method](base)),
                       seconds=time.perf_counter() - started)
+
+
+def _params_text(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
+
+
+def tune_record(result: TuneResult, *, target, extra: dict | None = None) -> dict:
+    """The tune as the history and the exports keep it: the result with its three runs' records, and the
+    keys a run's summary line shows (the best run's measured speed and τ, the verdict)."""
+    best, default = result.best, result.default
+    if best.params == default.params:
+        verdict = "the default is best"
+    else:
+        verdict = f"{_params_text(best.params)}: {best.measured_tokens_per_s / default.measured_tokens_per_s:.2f}× the default"
+    doc = result.to_dict(with_records=True)
+    doc.update({"tstamp": time.time(), "model_id": target.model_id, "temperature": 0.0,
+                "tokens_per_s": best.measured_tokens_per_s, "mean_accepted": best.measured_tau,
+                "speedup": best.measured_tokens_per_s / result.baseline_tokens_per_s, "verdict": verdict,
+                "text": f"Tune of {result.method}: {verdict}", **(extra or {})})
+    return doc
 
 
 def format_tune(result: TuneResult) -> str:
     """The tune as text: the two runs, predicted beside measured, and the best few settings."""
     base = result.baseline_tokens_per_s
-    fmt = lambda p: ", ".join(f"{k}={v}" for k, v in p.items())  # noqa: E731
+    fmt = _params_text
     lines = [f"{result.method} on {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
              f"autoregressive {base:.2f} tok/s", "",
              f"{'':8} {'setting':44} {'predicted':>10} {'measured':>9} {'error':>7} {'τ pred':>7} {'τ meas':>7}  same"]

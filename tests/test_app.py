@@ -1157,3 +1157,48 @@ def test_stop_ends_an_audit_and_the_samples_drawn_are_tested(window, qtbot):
     assert "stopped early" in window.audit_view.title.text() and window.session.history.load()[-1]["cancelled"]
     assert window.audit_view.progress.text() == f"Stopped: {record['samples']} samples tested"
     assert window.run_action.isEnabled() and not window.stop_action.isEnabled()
+
+
+# ------------------------------------------------------------------------------------ tune
+def test_a_tune_shows_predictions_beside_measurements_and_its_settings_can_be_applied(window, qtbot):
+    window.methods_panel.set_method("speculative")
+    window.methods_panel.current_form().set_values({"gamma": 5})
+    record = run(qtbot, window.run_tune(), timeout=120_000)
+    view = window.tune_view
+    assert window.tabs.currentWidget() is view and not window.session.busy and view.run_button.isEnabled()
+    assert record["kind"] == "tune" and record["method"] == "speculative"
+    assert record["default"]["identical"] and record["best"]["identical"]
+    rows = 1 if record["best_is_default"] else 2
+    assert view.table.rowCount() == rows
+    assert view.table.item(0, 2).text() == f"{record['default']['predicted_tokens_per_s']:.2f}"
+    assert view.table.item(0, 3).text() == f"{record['default']['measured_tokens_per_s']:.2f}"
+    assert view.table.item(0, 4).text() == f"{record['default']['prediction_error']:+.1%}"
+    # the chart: predicted speedup along γ for the default's other knobs, the two measured runs on it
+    xs, ys = view.default_line.getData()
+    assert list(xs) == list(range(1, 13)) and all(y > 0 for y in ys)
+    measured = view.measured.getData()
+    assert measured[0][0] == 5 and measured[1][1] == pytest.approx(
+        record["best"]["measured_tokens_per_s"] / record["autoregressive_tokens_per_s"])
+    assert "Assumes:" in view.assumptions.text() and view.apply_button.isEnabled()
+
+    saved = window.session.history.load()[-1]
+    assert saved["kind"] == "tune" and saved["settings"] == record["settings"]
+    assert window.history_panel.table.item(0, 1).text() == "Tune: Speculative (draft model)"
+    window.tabs.setCurrentWidget(window.live)
+    view.begin("something else")
+    window.run_views.show_saved(saved)
+    assert window.tabs.currentWidget() is view and view.record == saved and view.series("default")
+
+    window.methods_panel.set_method("autoregressive")
+    view.apply_button.click()
+    assert window.methods_panel.method() == "speculative"
+    values = window.methods_panel.current_form().values()
+    assert {k: values[k] for k in record["knobs"]} == record["best"]["params"]
+
+
+def test_tune_refuses_what_it_cannot_predict_with_the_reason(window, qtbot):
+    window.methods_panel.set_method("lookahead")
+    assert run(qtbot, window.run_tune()) is None and "Tune predicts" in window.last_error
+    window.methods_panel.set_method("prompt_lookup")
+    window.prompt_panel.temperature.setValue(0.8)
+    assert run(qtbot, window.run_tune()) is None and "temperature to 0" in window.last_error
