@@ -47,7 +47,8 @@ from specplay.core.types import GenerationConfig
 
 ASSUMPTIONS = (
     "temperature 0: acceptance is replayed along autoregressive's answer, which every setting reproduces",
-    "a step costs its drafting (a draft token, tree level or lookup as timed here) plus the target's pass over "
+    "a step costs its drafting (a draft token, tree level or lookup as timed here; a draft model's first pass "
+    "of a step over what its cache lacks, as timed) plus the target's pass over "
     "the root and the draft's nodes (timed here at this prompt's context, the answer half written, median of "
     "five; interpolated between the sizes timed) plus autoregressive's bookkeeping per step",
     "the prefill is autoregressive's plus what the method adds (the draft model's own pass over the prompt)",
@@ -233,9 +234,13 @@ def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int) 
 
 
 def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int], gamma: int, adaptive: bool,
-                       max_gamma: int, lookup: PromptLookup | None) -> Replay:
-    """Speculative decoding's steps along the answer (units: drafted tokens)."""
+                       max_gamma: int, lookup: PromptLookup | None,
+                       catch_up: Callable[[int], float] = lambda n: 1.0) -> Replay:
+    """Speculative decoding's steps along the answer. Units: one-token draft passes; a step's first
+    pass feeds what the draft's cache lacks (the last step's bonus token, or everything copies
+    added), which costs ``catch_up(tokens)`` of them."""
     out, pos, g, n = Replay(), 0, gamma, len(answer)
+    lacks = 1  # tokens the draft's cache lacks: the root at first
     while pos < n:
         budget = n - pos - 1
         if lookup is not None and budget > 0:
@@ -243,11 +248,16 @@ def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int]
             if copied is not None:
                 out.add(copied[1] + 1, copied[0], 0.0)
                 pos += copied[1] + 1
+                lacks += copied[1] + 1
                 continue
         k = min(g, budget)
         accepted = min(runs[pos], k)
-        out.add(accepted + 1, k, float(k))
+        out.add(accepted + 1, k, catch_up(lacks) + k - 1 if k else 0.0)
         pos += accepted + 1
+        if k:  # the cache keeps the accepted drafts but the last drafted, then lacks the step's own token
+            lacks = 2 if accepted == k else 1
+        else:
+            lacks += 1
         if adaptive and k:
             g = min(g + 2, max_gamma) if accepted == k else max(g - 1, 1)
     return out
@@ -400,7 +410,10 @@ class _Predictor:
         self.extra_prefill = 0.0
         if method_name == "speculative":
             self.runs = draft_matches(method, prompt_ids, answer, target.model.info.vocab_size)
-            self.unit = time_passes(draft.model, (1,), context, repeats=5, median=True)[0]
+            sizes = (1, 2, 4, 8, 16)
+            passes = time_passes(draft.model, sizes, context, repeats=5, median=True)
+            self.unit = passes[0]
+            self.catch_up = CostCurve(sizes, tuple(t / passes[0] for t in passes))
             started = time.perf_counter()
             method.start(SimpleNamespace(tokens=list(prompt_ids)))  # the draft's own prefill, as a run does it
             self.extra_prefill = time.perf_counter() - started
@@ -423,7 +436,7 @@ class _Predictor:
                 lookup = _new_lookup(PromptLookupConfig(min_ngram=n, max_ngram=max(n, 3)), self.target.model,
                                      self.prompt_ids)
             return replay_speculative(self.runs, self.answer, self.prompt_ids, c.gamma, c.adaptive, c.max_gamma,
-                                      lookup)
+                                      lookup, self.catch_up)
         if self.name == "prompt_lookup":
             return replay_lookup(c, self.target.model, self.prompt_ids, self.answer)
         return replay_eagle(self.trees, len(self.answer), c.depth, c.total_tokens, c.top_k,

@@ -41,18 +41,30 @@ def _answer(target):
 
 @pytest.mark.parametrize("gamma,adaptive,lookup", [(1, False, 0), (3, False, 0), (7, False, 0), (2, True, 0),
                                                    (4, False, 3), (3, True, 2)])
-def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, lookup):
+def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, lookup, monkeypatch):
     target, draft = pair
     answer = _answer(target)
     config = SpeculativeConfig(gamma=gamma, adaptive=adaptive, max_gamma=16, lookup_ngram=lookup)
+    fed, forward = [], draft.model.forward_chain
+    monkeypatch.setattr(draft.model, "forward_chain", lambda tokens, **kw: fed.append(len(tokens)) or forward(tokens, **kw))
     run = _run(target, draft, "speculative", config)
+    monkeypatch.undo()
+    del fed[0]  # the prompt
+    first_passes = []  # each drafting step's first pass: what the draft's cache lacked
+    for event in run.events:
+        if event.num_drafted and event.internals.get("source") == "draft":
+            first_passes.append(fed.pop(0))
+            del fed[:event.num_drafted - 1]
     method = build_method("speculative", config, target, draft)
     runs = tuning.draft_matches(method, PROMPT, answer, target.model.info.vocab_size)
     look = None
     if lookup:
         look = tuning._new_lookup(PromptLookupConfig(min_ngram=lookup, max_ngram=max(lookup, 3)), target.model,
                                   PROMPT)
-    replay = tuning.replay_speculative(runs, answer, PROMPT, gamma, adaptive, 16, look)
+    lacked = []
+    replay = tuning.replay_speculative(runs, answer, PROMPT, gamma, adaptive, 16, look,
+                                       lambda n: lacked.append(n) or 1.0)
+    assert lacked == first_passes
     assert run.token_ids == answer
     assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
     assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
