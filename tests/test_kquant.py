@@ -340,3 +340,31 @@ def test_a_drafts_32_value_blocks_are_fitted_straight_from_the_file_as_from_thei
     fitted = KQuantWeight.fit_blocks(int(kind), raw, values.shape[1])
     want = KQuantWeight.quantize(torch.from_numpy(dequantize(raw, kind).copy()))
     assert (fitted.rows, fitted.width, fitted.cols) == (24, 96, 256) and torch.equal(fitted.data, want.data)
+
+
+def test_an_embedding_beside_a_head_of_its_own_is_read_row_by_row_from_the_files_mapping(tmp_path):
+    """The target's embedding is never repacked whole (131 MB of the 1.5B's blocks): its rows come
+    from the file's mapping, with the values the repacked matrix has; a tied embedding (the head
+    too) and a draft's stay in memory."""
+    import gguf
+
+    from specplay.core.models.kquant import GGUFBlocksReader, GGUFDraftReader, MappedRows
+
+    embedding, head = random_blocks(Q4_K, 64, 256, 1), random_blocks(Q6_K, 64, 256, 2)
+    read = {}
+    for with_head in (True, False):
+        path = tmp_path / f"head-{with_head}.gguf"
+        w = gguf.GGUFWriter(str(path), arch="qwen2")
+        w.add_tensor("token_embd.weight", embedding, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        if with_head:
+            w.add_tensor("output.weight", head, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        read[with_head] = GGUFBlocksReader(path).get("model.embed_tokens.weight")
+        assert isinstance(GGUFDraftReader(path).get("model.embed_tokens.weight"), KQuantWeight)
+    assert isinstance(read[True], MappedRows) and isinstance(read[False], KQuantWeight)
+    assert read[True].shape == read[False].shape == (64, 256) and read[True].numel() == 64 * 256
+    ids = torch.tensor([5, 0, 63, 5, 17])
+    assert torch.equal(read[True].rows_float(ids), read[False].rows_float(ids))

@@ -111,8 +111,22 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+class _Matrix:
+    """What a matrix of ``rows`` x ``width`` values says of its size."""
+
+    rows: int
+    width: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.rows, self.width))
+
+    def numel(self) -> int:
+        return self.rows * self.width
+
+
 @dataclass
-class KQuantWeight:
+class KQuantWeight(_Matrix):
     """A matrix of ``rows`` x ``cols`` in one k-quant type, repacked for the kernel (values kept exactly)."""
 
     type: int
@@ -170,13 +184,6 @@ class KQuantWeight:
             return None
         return KQuantWeight(Q4_K, data, rows, cols, width)
 
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.rows, self.width))
-
-    def numel(self) -> int:
-        return self.rows * self.width
-
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows ``ids`` (an embedding lookup), by GGUF's own dequantization."""
         ids = ids.reshape(-1).to(torch.int64).contiguous()
@@ -187,6 +194,23 @@ class KQuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         return self.rows_float(torch.arange(self.rows))
+
+
+class MappedRows(_Matrix):
+    """A GGUF matrix read a few rows at a time from the file's mapping: an embedding, of which a step
+    needs only its tokens' rows. Only the rows used come into memory (as the file's reclaimable
+    pages) instead of the whole matrix repacked: 131 MB of the 1.5B target's 1.16 GB. The rows are
+    repacked and dequantized as :class:`KQuantWeight` does, so their values are the same."""
+
+    def __init__(self, type_: int, raw: np.ndarray, cols: int):
+        if type_ not in TYPES:
+            raise ValueError(f"the exact kernel reads Q4_K and Q6_K blocks, not GGML type {type_}")
+        self.type, self.raw, self.rows, self.cols, self.width = type_, raw, int(raw.shape[0]), cols, cols
+
+    def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.reshape(-1).to(torch.int64).cpu()
+        picked = KQuantWeight.from_raw(self.type, np.asarray(self.raw[ids.numpy()]), self.cols)
+        return picked.rows_float(torch.arange(ids.numel()))
 
 
 class KQuantLinear:
@@ -388,12 +412,18 @@ class GGUFBlocksReader:
                         if len(t.shape) == 2 and int(t.tensor_type) not in TYPES})
         return f"its matrices include {', '.join(other)} blocks (the kernel reads Q4_K and Q6_K)" if other else None
 
+    #: Whether an embedding beside a head of its own is read from the mapping (:class:`MappedRows`).
+    map_embedding = True
+
     def get(self, hf_name: str):
         tensor = self.tensors.get(gguf_name(hf_name))
         if tensor is None:
             return None
         if len(tensor.shape) == 1:
             return torch.from_numpy(np.array(tensor.data, dtype=np.float32))
+        if (self.map_embedding and hf_name == "model.embed_tokens.weight"
+                and gguf_name("lm_head.weight") in self.tensors):  # not tied: it is never a head
+            return MappedRows(int(tensor.tensor_type), tensor.data, int(tensor.shape[0]))
         return KQuantWeight.from_raw(int(tensor.tensor_type), tensor.data, int(tensor.shape[0]))
 
     def matrices(self, count: int) -> list[KQuantWeight]:
@@ -409,7 +439,10 @@ class GGUFBlocksReader:
 class GGUFDraftReader(GGUFBlocksReader):
     """A draft model's GGUF for the kernel: matrices in Q4_K or Q6_K blocks kept as shipped, the
     others (Q5_0, Q8_0, float, rows of 896) dequantized and fitted into Q4_K blocks here. A draft's
-    numerics never decide a token, so no proof is needed; only its speed and its guesses change."""
+    numerics never decide a token, so no proof is needed; only its speed and its guesses change.
+    Its matrices are all kept (in the cache too: :class:`KeptBlocks`), the embedding included."""
+
+    map_embedding = False
 
     def unreadable(self) -> str | None:
         if self.architecture != "qwen2":

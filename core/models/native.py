@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
 from specplay.core.models.layers import FUSED, DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
-from specplay.core.models.kquant import FusedLayers, KQuantLinear, KQuantWeight
+from specplay.core.models.kquant import FusedLayers, KQuantLinear, KQuantWeight, MappedRows
 from specplay.core.models.linear import EXACT_QUANTIZED, Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class _WeightBuilder:
             if required:
                 raise KeyError(f"weight '{key}' missing from the checkpoint")
             return None
-        if isinstance(t, (QuantizedWeight, Int4Packed, KQuantWeight)):
+        if isinstance(t, (QuantizedWeight, Int4Packed, KQuantWeight, MappedRows)):
             return t
         # In int8, a kept float tensor (norms, biases) must not pin a memory-mapped file.
         return t.to(device=self.device, dtype=self.dtype, copy=self.quantized)
@@ -254,7 +254,7 @@ class NativeDecoder(CausalLM):
     def _embed_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         if isinstance(self._embedding, QuantizedWeight):
             return self._embedding.rows(tokens)
-        if isinstance(self._embedding, KQuantWeight):
+        if isinstance(self._embedding, (KQuantWeight, MappedRows)):
             return self._embedding.rows_float(tokens)
         return F.embedding(tokens, self._embedding).to(self.compute_dtype)
 
