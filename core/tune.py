@@ -60,8 +60,7 @@ ASSUMPTIONS = (
 _METHOD_ASSUMPTIONS = {
     "speculative": lambda c: ["a confidence threshold's early stops are not replayed: every draft runs to γ"]
     if c.confidence else [],
-    "eagle": lambda c: ["auto size keeps the nodes that pay, as the method does, but grows every level "
-                        "(the method may stop a level that cannot pay; it rarely does)"] if c.auto_size else [],
+    "eagle": lambda c: [] if c.tree == "dynamic" else ["the settings are of the dynamic tree (EAGLE-2)"],
     "prompt_lookup": lambda c: [],
 }
 
@@ -283,13 +282,20 @@ class _Tree:
     level: list[int]
     score: list[float]
     matched: list[bool]  # the node's path is the answer's next tokens
+    levels: int  # levels grown
+
+
+#: EAGLE's tree budgets tuned over; auto size grows a tree for each (it stops levels by the budget's nodes).
+EAGLE_TOTALS = (4, 8, 16, 32, 64)
 
 
 @torch.inference_mode()
-def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], depth: int):
-    """EAGLE's tree at every answer position, grown (without sizing) to ``depth`` levels from the target's
-    features of one teacher-forced pass, with the method's own drafter and tree growth; and the seconds
-    a level took to grow."""
+def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], depth: int,
+                totals: tuple[int, ...] = ()) -> tuple[dict, float]:
+    """EAGLE's trees at every answer position, grown to ``depth`` levels from the target's features of
+    one teacher-forced pass with the method's own drafter and growth: ``trees[None]`` unsized, and
+    ``trees[t]`` for each of ``totals`` as auto size grows them for a budget of t nodes (levels no node
+    of which can pay are not grown); and the seconds a level took."""
     from specplay.core.methods.eagle import grow_tree
 
     tokens = list(prompt_ids) + list(answer)
@@ -303,34 +309,42 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
     d = method.drafter
     d.crop(0)
     pred = d.run(feats, tokens[1:], torch.arange(len(tokens) - 1))  # pred[i]: from the pair (f_i, x_{i+1})
-    trees: list[_Tree | None] = [None] * len(answer)
+    trees: dict = {key: [None] * len(answer) for key in (None, *totals)}
     p = len(prompt_ids)
     grown, levels = 0.0, 0
     for pos in range(len(answer) - 1, -1, -1):  # latest root first: a tree is drafted past its root
         root = p - 1 + pos
         if root == 0:
             continue
-        d.crop(root)
-        started = time.perf_counter()
-        draft = grow_tree(d, method._log_probs, method.vocab_ids, pred[root - 1], root, depth, 1 << 20,
-                          method.config.top_k)
-        grown += time.perf_counter() - started
-        levels += draft.shown["levels_grown"]
-        level, score, matched = [], [], []
         wanted = tokens[root + 1:root + 1 + depth]
-        for i, (par, tok, q) in enumerate(zip(draft.parents, draft.tokens, draft.q_token)):
-            lv = 1 if par < 0 else level[par] + 1
-            level.append(lv)
-            score.append(math.log(max(q, 1e-300)) + (0.0 if par < 0 else score[par]))
-            matched.append(lv <= len(wanted) and tok == wanted[lv - 1] and (par < 0 or matched[par]))
-        trees[pos] = _Tree(draft.parents, level, score, matched)
+        for key in trees:
+            d.crop(root)
+            sized = dict(total=key, cost=method.cost, worth_adding=method._worth_adding) if key else \
+                dict(total=1 << 20)
+            started = time.perf_counter()
+            draft = grow_tree(d, method._log_probs, method.vocab_ids, pred[root - 1], root, depth,
+                              top_k=method.config.top_k, grown_only=True, **sized)
+            grown += time.perf_counter() - started
+            levels += draft.shown["levels_grown"]
+            trees[key][pos] = _tree(draft, wanted)
     d.crop(0)
     return trees, grown / max(levels, 1)
 
 
+def _tree(draft, wanted: list[int]) -> _Tree:
+    level, score, matched = [], [], []
+    for par, tok, q in zip(draft.parents, draft.tokens, draft.q_token):
+        lv = 1 if par < 0 else level[par] + 1
+        level.append(lv)
+        score.append(math.log(max(q, 1e-300)) + (0.0 if par < 0 else score[par]))
+        matched.append(lv <= len(wanted) and tok == wanted[lv - 1] and (par < 0 or matched[par]))
+    return _Tree(draft.parents, level, score, matched, draft.shown["levels_grown"])
+
+
 def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_k: int,
                  curve: CostCurve | None) -> Replay:
-    """EAGLE's steps along the answer at one setting (units: tree levels, the step's catch-up run counted as one)."""
+    """EAGLE's steps along the answer at one setting, from trees grown for it (``curve``: auto size's).
+    Units: tree levels grown, the step's first run over the accepted features counted as one."""
     out, pos = Replay(), 0
     while pos < n:
         budget = n - pos - 1
@@ -346,7 +360,7 @@ def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_
         if curve is not None:
             ranked = ranked[:max(1, best_size([math.exp(tree.score[i]) for i in ranked], curve))]
         accepted = max((tree.level[i] for i in ranked if tree.matched[i]), default=0)
-        out.add(accepted + 1, len(ranked), float(deep + 1))
+        out.add(accepted + 1, len(ranked), float(min(deep, tree.levels) + 1))
         pos += accepted + 1
     return out
 
@@ -365,7 +379,7 @@ def _lookup_settings(base) -> list[dict]:
 
 def _eagle_settings(base) -> list[dict]:
     return [{"total_tokens": t, "depth": d, "auto_size": a} for a in (True, False) for d in range(2, 9)
-            for t in (4, 8, 12, 16, 24, 32, 48, 64)]
+            for t in EAGLE_TOTALS]
 
 
 def _key(params: dict) -> tuple:
@@ -419,7 +433,8 @@ class _Predictor:
             self.extra_prefill = time.perf_counter() - started
             draft.model.reset()
         elif method_name == "eagle":
-            self.trees, self.unit = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH)
+            totals = tuple(sorted({*EAGLE_TOTALS, base.total_tokens}))
+            self.trees, self.unit = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH, totals)
         else:
             started = time.perf_counter()
             rep = replay_lookup(base, target.model, prompt_ids, answer)
@@ -439,7 +454,8 @@ class _Predictor:
                                       lookup, self.catch_up)
         if self.name == "prompt_lookup":
             return replay_lookup(c, self.target.model, self.prompt_ids, self.answer)
-        return replay_eagle(self.trees, len(self.answer), c.depth, c.total_tokens, c.top_k,
+        trees = self.trees[c.total_tokens if c.auto_size else None]
+        return replay_eagle(trees, len(self.answer), c.depth, c.total_tokens, c.top_k,
                             self.curve if c.auto_size else None)
 
 
@@ -486,7 +502,9 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
     _, ar, ar_record = run("autoregressive", None, "Running autoregressive (the greedy answer)", 0.0)
     answer = ar.token_ids
     stage("Timing this machine and replaying every setting along the answer", 0.3)
-    predictor = _Predictor(method, build_method(method, base, target, draft), target, draft, base, prompt_ids, answer)
+    replayed = replace(base, auto_size=True, tree="dynamic") if method == "eagle" else base
+    predictor = _Predictor(method, build_method(method, replayed, target, draft), target, draft, base, prompt_ids,
+                           answer)
     costs = StepCosts(verify=predictor.verify, draft_unit=predictor.unit,
                       other=ar.metrics.other_s / max(ar.metrics.steps, 1),
                       prefill=ar.metrics.prefill_time + predictor.extra_prefill)

@@ -82,20 +82,24 @@ def test_prompt_lookup_replay_takes_the_steps_a_run_takes(pair, adaptive, num_to
     assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
 
 
-@pytest.mark.parametrize("depth,total", [(2, 4), (3, 64), (5, 16), (8, 64)])
-def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, tmp_path, depth, total):
-    """The deepest tree, grown once per position, holds every smaller setting's tree: the replay of
-    each equals a real run with that setting, step for step."""
+@pytest.mark.parametrize("depth,total,auto", [(2, 4, False), (3, 64, False), (5, 16, False), (8, 64, False),
+                                              (3, 8, True), (5, 32, True)])
+def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, tmp_path, depth, total, auto):
+    """The deepest tree, grown once per position (once per budget for auto size), holds every smaller
+    setting's tree: the replay of each equals a real run with that setting, step for step."""
     target, _ = pair
     head = make_head_file(tmp_path / "eagle.safetensors", target.model, scale=0.05)
     answer = _answer(target)
-    config = EagleConfig(head=str(head), depth=depth, total_tokens=total, auto_size=False)
+    config = EagleConfig(head=str(head), depth=depth, total_tokens=total, auto_size=auto)
     run = _run(target, None, "eagle", config)
-    method = build_method("eagle", EagleConfig(head=str(head), auto_size=False), target)
-    trees, per_level = tuning.eagle_trees(method, target.model, PROMPT, answer, 8)
-    replay = tuning.replay_eagle(trees, len(answer), depth, total, method.config.top_k, None)
+    method = build_method("eagle", EagleConfig(head=str(head)), target)
+    trees, per_level = tuning.eagle_trees(method, target.model, PROMPT, answer, 8, (total,))
+    replay = tuning.replay_eagle(trees[total if auto else None], len(answer), depth, total, method.config.top_k,
+                                 method.cost if auto else None)
     assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
     assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
+    levels = [min(e.internals["levels_grown"], depth) for e in run.events if e.num_drafted]
+    assert [s[2] - 1 for s in replay.steps if s[1]] == levels  # the levels a step grows, its first run aside
     assert per_level > 0
 
 

@@ -42,11 +42,12 @@ from specplay.core.types import Draft
 
 def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.Tensor], vocab_ids: torch.Tensor,
               feat: torch.Tensor, root: int, depth: int, total: int, top_k: int, cost: CostCurve | None = None,
-              worth_adding: Callable[[list[float]], float] | None = None) -> Draft:
+              worth_adding: Callable[[list[float]], float] | None = None, grown_only: bool = False) -> Draft:
     """EAGLE-2's dynamic tree from the head's prediction ``feat`` at ``root`` (the drafter's cache
     holds the true pairs before it): drafting uses it, and so does training's simulated τ
     (:mod:`specplay.core.training.tau`). ``cost`` sizes the kept draft and, with ``worth_adding`` (the
-    least chance one more node must have to pay), stops growing levels that cannot pay."""
+    least chance one more node must have to pay), stops growing levels that cannot pay.
+    ``grown_only``: every node grown, none cut (the tune replays each smaller tree from one growth)."""
     k = top_k
     d = drafter
     # Nodes: token, parent node (-1 root), cumulative log-prob, draft probability.
@@ -102,8 +103,8 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
             frontier += kids
     # Keep the best nodes overall; a child never outscores its parent, and ties go to the
     # earlier (parent) node, so any top-ranked prefix is closed under parents.
-    ranked = sorted(range(len(tok)), key=lambda n: (-score[n], n))[:total]
-    if cost is not None:
+    ranked = sorted(range(len(tok)), key=lambda n: (-score[n], n))[:len(tok) if grown_only else total]
+    if cost is not None and not grown_only:
         # The draft's cumulative probability estimates each node's chance of acceptance.
         size = best_size([math.exp(score[n]) for n in ranked], cost)
         ranked = ranked[:max(1, size)]
