@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QProgressBar, QPushButton, QSpinBox, QSplitter,
+from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QProgressBar, QPushButton, QSpinBox,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
-from specplay.app.compare_view import results_table
+from specplay.app.compare_view import page_layout, results_table, split_of
 from specplay.core.audit import DEFAULT_DEPTH, DEFAULT_SAMPLES, largest_bins, verified_text
 
 TEST_COLUMNS = ("Test", "p-value", "χ²", "df", "Bins", "Outside support")
@@ -56,19 +56,8 @@ class AuditView(QWidget):
         self.power.setWordWrap(True)
         self.power.setStyleSheet("QLabel { color: #555555; }")
         self.table = results_table(TEST_COLUMNS, TEST_TIPS)
-        split = QSplitter(Qt.Orientation.Vertical)
-        split.addWidget(self._build_chart())
-        split.addWidget(self.table)
-        split.setStretchFactor(0, 3)
-        split.setStretchFactor(1, 1)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(6, 6, 6, 6)
-        layout.addWidget(intro)
-        layout.addLayout(controls)
-        layout.addWidget(self.title)
-        layout.addWidget(self.verdict)
-        layout.addWidget(self.power)
-        layout.addWidget(split, 1)
+        split = split_of(Qt.Orientation.Vertical, [(self._build_chart(), 3), (self.table, 1)])
+        page_layout(self, [intro, controls, self.title, self.verdict, self.power, (split, 1)])
 
     def _build_controls(self) -> QHBoxLayout:
         """N and K, the Audit button and the progress bar."""

@@ -39,6 +39,28 @@ def results_table(columns: tuple[str, ...], tips: tuple[str, ...]) -> QTableWidg
     return table
 
 
+def split_of(orientation: Qt.Orientation, parts: list[tuple[QWidget, int]]) -> QSplitter:
+    """A splitter of ``parts``, each (widget, stretch factor): a chart over its table, say."""
+    split = QSplitter(orientation)
+    for i, (widget, stretch) in enumerate(parts):
+        split.addWidget(widget)
+        split.setStretchFactor(i, stretch)
+    return split
+
+
+def page_layout(view: QWidget, rows: list, margin: int = 6) -> QVBoxLayout:
+    """A view's rows top to bottom: widgets and layouts, a (widget, 1) row taking the height left."""
+    layout = QVBoxLayout(view)
+    layout.setContentsMargins(margin, margin, margin, margin)
+    for row in rows:
+        widget, stretch = row if isinstance(row, tuple) else (row, 0)
+        if isinstance(widget, QWidget):
+            layout.addWidget(widget, stretch)
+        else:
+            layout.addLayout(widget)
+    return layout
+
+
 def place_labels(plot: pg.PlotWidget, pool: list, labels: list[tuple[str, float, float]],
                  anchor: tuple[float, float]) -> None:
     """Show ``(text, x, y)`` labels on ``plot`` from a pool of text items that only grows."""

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QHBoxLayout, QLabel, QProgressBar, QPushButton, QSplitter, QTableWidgetItem,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QTableWidgetItem, QWidget
 
-from specplay.app.compare_view import results_table
+from specplay.app.compare_view import page_layout, results_table, split_of
 from specplay.core.tune import KNOBS
 
 TUNE_COLUMNS = ("Run", "Setting", "Predicted tok/s", "Measured tok/s", "Error", "τ predicted", "τ measured",
@@ -73,18 +72,8 @@ class TuneView(QWidget):
         self.assumptions = QLabel("")
         self.assumptions.setWordWrap(True)
         self.assumptions.setStyleSheet("QLabel { color: #555555; }")
-        split = QSplitter(Qt.Orientation.Vertical)
-        split.addWidget(self._build_chart())
-        split.addWidget(self.table)
-        split.setStretchFactor(0, 3)
-        split.setStretchFactor(1, 1)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(6, 6, 6, 6)
-        layout.addWidget(intro)
-        layout.addLayout(controls)
-        layout.addWidget(self.title)
-        layout.addWidget(split, 1)
-        layout.addWidget(self.assumptions)
+        split = split_of(Qt.Orientation.Vertical, [(self._build_chart(), 3), (self.table, 1)])
+        page_layout(self, [intro, controls, self.title, (split, 1), self.assumptions])
 
     def _build_chart(self) -> pg.PlotWidget:
         self.plot = pg.PlotWidget()

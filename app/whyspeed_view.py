@@ -14,9 +14,9 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QLabel, QSplitter, QTableWidgetItem, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QTableWidgetItem, QWidget
 
-from specplay.app.compare_view import place_labels, results_table
+from specplay.app.compare_view import page_layout, place_labels, results_table, split_of
 from specplay.app.palette import method_colour
 from specplay.core.costmodel import SIZES, CostCurve
 from specplay.core.methods import METHODS, method_title
@@ -76,18 +76,9 @@ class WhySpeedView(QWidget):
 
         self.table = results_table(WHY_COLUMNS, WHY_TIPS)
 
-        plots = QSplitter(Qt.Orientation.Horizontal)
-        plots.addWidget(self.cost_plot)
-        plots.addWidget(self.even_plot)
-        split = QSplitter(Qt.Orientation.Vertical)
-        split.addWidget(plots)
-        split.addWidget(self.table)
-        split.setStretchFactor(0, 3)
-        split.setStretchFactor(1, 2)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(6, 6, 6, 6)
-        layout.addWidget(self.summary)
-        layout.addWidget(split, 1)
+        plots = split_of(Qt.Orientation.Horizontal, [(self.cost_plot, 0), (self.even_plot, 0)])
+        split = split_of(Qt.Orientation.Vertical, [(plots, 3), (self.table, 2)])
+        page_layout(self, [self.summary, (split, 1)])
         self._refresh()
 
     def set_curve(self, curve: CostCurve | None) -> None:
