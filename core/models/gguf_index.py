@@ -28,6 +28,7 @@ class GGUFTensor:
     shape: tuple[int, ...]  # GGUF's order: the row length first
     tensor_type: "object"  # gguf.GGMLQuantizationType
     data: np.ndarray  # quantized: [rows, bytes a row] of uint8; float: the values, rows first
+    offset: int = 0  # where its bytes start in the file
 
 
 class _Cursor:
@@ -142,7 +143,7 @@ class GGUFIndex:
                 data = raw.view(np.float16).reshape(tuple(reversed(dims)))
             else:
                 data = raw.reshape(rows, row_bytes)
-            self.tensors[name] = GGUFTensor(name, dims, kind, data)
+            self.tensors[name] = GGUFTensor(name, dims, kind, data, at)
         self.tokenizer_digest = digest.hexdigest()
 
     @property

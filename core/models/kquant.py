@@ -423,7 +423,9 @@ class GGUFBlocksReader:
             return torch.from_numpy(np.array(tensor.data, dtype=np.float32))
         if (self.map_embedding and hf_name == "model.embed_tokens.weight"
                 and gguf_name("lm_head.weight") in self.tensors):  # not tied: it is never a head
-            return MappedRows(int(tensor.tensor_type), tensor.data, int(tensor.shape[0]))
+            # A mapping of its own bytes: the file's whole mapping (every page repacking read) can then go.
+            rows = np.memmap(self.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=tensor.data.shape)
+            return MappedRows(int(tensor.tensor_type), rows, int(tensor.shape[0]))
         return KQuantWeight.from_raw(int(tensor.tensor_type), tensor.data, int(tensor.shape[0]))
 
     def matrices(self, count: int) -> list[KQuantWeight]:
