@@ -291,11 +291,12 @@ EAGLE_TOTALS = (4, 8, 16, 32, 64)
 
 @torch.inference_mode()
 def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], depth: int,
-                totals: tuple[int, ...] = ()) -> tuple[dict, float]:
+                totals: tuple[int, ...] = ()) -> tuple[dict, float, float]:
     """EAGLE's trees at every answer position, grown to ``depth`` levels from the target's features of
     one teacher-forced pass with the method's own drafter and growth: ``trees[None]`` unsized, and
     ``trees[t]`` for each of ``totals`` as auto size grows them for a budget of t nodes (levels no node
-    of which can pay are not grown); and the seconds a level took."""
+    of which can pay are not grown); the seconds a level took; and what a step's work before its
+    tree (its accepted features, the drafter's run over them) costs, in levels."""
     from specplay.core.methods.eagle import grow_tree
 
     tokens = list(prompt_ids) + list(answer)
@@ -311,12 +312,20 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
     pred = d.run(feats, tokens[1:], torch.arange(len(tokens) - 1))  # pred[i]: from the pair (f_i, x_{i+1})
     trees: dict = {key: [None] * len(answer) for key in (None, *totals)}
     p = len(prompt_ids)
-    grown, levels = 0.0, 0
+    grown, levels, first = 0.0, 0, 0.0
     for pos in range(len(answer) - 1, -1, -1):  # latest root first: a tree is drafted past its root
         root = p - 1 + pos
         if root == 0:
             continue
         wanted = tokens[root + 1:root + 1 + depth]
+        # What a step does before its tree: the accepted rows' features, then the drafter's run over
+        # them (two pairs: about what a step accepts), as the method's observe and propose do.
+        started = time.perf_counter()
+        since = max(root - 2, 0)
+        method._features_of(out, list(range(since, root)))
+        d.crop(since)
+        d.run(feats[since:root], tokens[since + 1:root + 1], torch.arange(since, root))
+        first += time.perf_counter() - started
         for key in trees:
             d.crop(root)
             sized = dict(total=key, cost=method.cost, worth_adding=method._worth_adding) if key else \
@@ -328,7 +337,8 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
             levels += draft.shown["levels_grown"]
             trees[key][pos] = _tree(draft, wanted)
     d.crop(0)
-    return trees, grown / max(levels, 1)
+    per_level = grown / max(levels, 1)
+    return trees, per_level, first / max(len(answer), 1) / per_level if per_level else 1.0
 
 
 def _tree(draft, wanted: list[int]) -> _Tree:
@@ -342,9 +352,9 @@ def _tree(draft, wanted: list[int]) -> _Tree:
 
 
 def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_k: int,
-                 curve: CostCurve | None) -> Replay:
+                 curve: CostCurve | None, first: float = 1.0) -> Replay:
     """EAGLE's steps along the answer at one setting, from trees grown for it (``curve``: auto size's).
-    Units: tree levels grown, the step's first run over the accepted features counted as one."""
+    Units: tree levels grown, plus ``first`` for the step's work before its tree."""
     out, pos = Replay(), 0
     while pos < n:
         budget = n - pos - 1
@@ -360,7 +370,7 @@ def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_
         if curve is not None:
             ranked = ranked[:max(1, best_size([math.exp(tree.score[i]) for i in ranked], curve))]
         accepted = max((tree.level[i] for i in ranked if tree.matched[i]), default=0)
-        out.add(accepted + 1, len(ranked), float(min(deep, tree.levels) + 1))
+        out.add(accepted + 1, len(ranked), min(deep, tree.levels) + first)
         pos += accepted + 1
     return out
 
@@ -434,7 +444,8 @@ class _Predictor:
             draft.model.reset()
         elif method_name == "eagle":
             totals = tuple(sorted({*EAGLE_TOTALS, base.total_tokens}))
-            self.trees, self.unit = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH, totals)
+            self.trees, self.unit, self.first = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH,
+                                                            totals)
         else:
             started = time.perf_counter()
             rep = replay_lookup(base, target.model, prompt_ids, answer)
@@ -456,7 +467,7 @@ class _Predictor:
             return replay_lookup(c, self.target.model, self.prompt_ids, self.answer)
         trees = self.trees[c.total_tokens if c.auto_size else None]
         return replay_eagle(trees, len(self.answer), c.depth, c.total_tokens, c.top_k,
-                            self.curve if c.auto_size else None)
+                            self.curve if c.auto_size else None, self.first)
 
 
 def _run(target, draft, name: str, config: MethodConfig | None, ids: list[int], gen: GenerationConfig,

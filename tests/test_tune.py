@@ -93,14 +93,14 @@ def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, 
     config = EagleConfig(head=str(head), depth=depth, total_tokens=total, auto_size=auto)
     run = _run(target, None, "eagle", config)
     method = build_method("eagle", EagleConfig(head=str(head)), target)
-    trees, per_level = tuning.eagle_trees(method, target.model, PROMPT, answer, 8, (total,))
+    trees, per_level, first = tuning.eagle_trees(method, target.model, PROMPT, answer, 8, (total,))
     replay = tuning.replay_eagle(trees[total if auto else None], len(answer), depth, total, method.config.top_k,
                                  method.cost if auto else None)
     assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
     assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
     levels = [min(e.internals["levels_grown"], depth) for e in run.events if e.num_drafted]
     assert [s[2] - 1 for s in replay.steps if s[1]] == levels  # the levels a step grows, its first run aside
-    assert per_level > 0
+    assert per_level > 0 and first > 0
 
 
 def test_a_step_costs_its_drafting_verification_and_bookkeeping():
