@@ -125,6 +125,8 @@ def test_tune_predicts_every_setting_and_proves_the_default_and_the_best(pair):
             assert field in doc[key]
         assert doc[key]["identical"] is True
     assert doc["default"]["params"] == {"gamma": 5, "adaptive": False, "lookup_ngram": 0}
+    runs = result.default.measured_runs
+    assert len(runs) == tuning.PROOF_ROUNDS and result.default.measured_tokens_per_s == pytest.approx(sum(runs) / len(runs))
     assert len(doc["settings"]) == 48 and all(s["predicted_tokens_per_s"] > 0 for s in doc["settings"])
     best = max(s["predicted_tokens_per_s"] for s in doc["settings"])
     assert doc["best"]["predicted_tokens_per_s"] >= best / (1 + tuning.MARGIN)
