@@ -290,14 +290,11 @@ class RunSession(QObject):
         if self.busy or self.models is None:
             return None
         title = method_title(request.run.method)
-        with self._doing("audit"):
-            self.sig_status.emit(f"Auditing {title}: {request.samples} samples of {request.depth} tokens…")
-            try:
-                done = await self.engine.audit(request, stop_first=self._stop_requested)
-            except EngineFailed as exc:
-                self.sig_error.emit(f"Audit of {title}: {exc}")
-                return None
-        await self._save(done.record)
+        status = f"Auditing {title}: {request.samples} samples of {request.depth} tokens…"
+        done = await self._saved_job("audit", status, f"Audit of {title}",
+                                     lambda stop: self.engine.audit(request, stop_first=stop))
+        if done is None:
+            return None
         self.sig_audit_finished.emit(done.record)
         self.sig_status.emit(("Audit stopped: " if done.result.cancelled else "Audit: ") + done.record["text"])
         if done.result.error:
@@ -310,17 +307,26 @@ class RunSession(QObject):
         if self.busy or self.models is None:
             return None
         title = method_title(request.run.method)
-        with self._doing("tune"):
-            self.sig_status.emit(f"Tuning {title}: predicting every setting, then running the best…")
-            try:
-                done = await self.engine.tune(request, stop_first=self._stop_requested)
-            except EngineFailed as exc:
-                self.sig_error.emit(f"Tune of {title}: {exc}")
-                return None
-        await self._save(done.record)
+        done = await self._saved_job("tune", f"Tuning {title}: predicting every setting, then running the best…",
+                                     f"Tune of {title}", lambda stop: self.engine.tune(request, stop_first=stop))
+        if done is None:
+            return None
         self.sig_tune_finished.emit(done.record)
         self.sig_status.emit(done.record["text"])
         return done.record
+
+    async def _saved_job(self, activity: str, status: str, failure: str, submit) -> RunDone | None:
+        """One engine job (``submit(stop_first)``) whose record goes into the history like a run's; None if it
+        failed (said in ``sig_error`` after ``failure``)."""
+        with self._doing(activity):
+            self.sig_status.emit(status)
+            try:
+                done = await submit(self._stop_requested)
+            except EngineFailed as exc:
+                self.sig_error.emit(f"{failure}: {exc}")
+                return None
+        await self._save(done.record)
+        return done
 
     async def _generate(self, request: RunRequest, waiting: str) -> RunDone | None:
         """One local run streamed as ``request.method`` (its caller saves it); None if the engine failed."""

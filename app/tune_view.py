@@ -82,9 +82,10 @@ class TuneView(QWidget):
         self.plot.setMenuEnabled(False)
         self.plot.addLegend(offset=(-8, 8))
         self.plot.addItem(pg.InfiniteLine(pos=1.0, angle=0, pen=pg.mkPen("#BBBBBB", style=Qt.PenStyle.DashLine)))
-        self.default_line = self.plot.plot([], [], pen=pg.mkPen(DEFAULT_COLOUR, width=2), name="predicted, default's "
-                                                                                               "other knobs")
-        self.best_line = self.plot.plot([], [], pen=pg.mkPen(BEST_COLOUR, width=2), name="predicted, best's other knobs")
+        self.default_line = self.plot.plot([], [], pen=pg.mkPen(DEFAULT_COLOUR, width=2),
+                                           name="predicted, default's other knobs")
+        self.best_line = self.plot.plot([], [], pen=pg.mkPen(BEST_COLOUR, width=2),
+                                        name="predicted, best's other knobs")
         self.measured = pg.ScatterPlotItem(size=12, pen=pg.mkPen("#000000"), name="measured (default, best)")
         self.plot.addItem(self.measured)
         return self.plot

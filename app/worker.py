@@ -336,7 +336,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def tune(self, request: TuneRequest) -> None:
         from specplay.core.compare import WARMUP_TOKENS
-        from specplay.core.tune import Cancelled, tune, tune_record
+        from specplay.core.tune import tune, tune_record
 
         should_stop = self._stopper(request.job)
         try:
@@ -347,9 +347,7 @@ class EngineWorker(QObject):
                           on_stage=lambda stage, fraction: self.sig_progress.emit(stage, fraction))
             record = tune_record(result, target=self.target, extra={"chat_template": run.chat_template})
             self.sig_tune_finished.emit(RunDone(result, record))
-        except Cancelled:
-            self.sig_failed.emit("stopped before the proof: nothing was tuned")
-        except Exception as exc:
+        except Exception as exc:  # a Stop before the proof included (core.errors.Cancelled says so)
             self._fail(exc)
 
     @Slot(object)

@@ -38,12 +38,11 @@ import torch
 from specplay.core.compare import WARMUP_TOKENS, warm_up
 from specplay.core.costmodel import CostCurve, best_size, cost_curve, time_passes
 from specplay.core.engine import drain, generate
-from specplay.core.errors import ConfigError
+from specplay.core.errors import Cancelled, ConfigError
 from specplay.core.methods import build_method, get_spec
 from specplay.core.methods.base import MethodConfig
 from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 from specplay.core.runlog import RunRecord
-from specplay.core.sampling import align_vocab
 from specplay.core.types import GenerationConfig
 
 ASSUMPTIONS = (
@@ -210,30 +209,43 @@ def _new_lookup(config: PromptLookupConfig, target_lm, prompt_ids: list[int]) ->
     return lookup
 
 
-def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int) -> list[int]:
+def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int) -> tuple[list[int], float]:
     """For every answer position j, how many of the answer's tokens from j on the draft model's greedy
-    chain matches, fed the true prefix: one teacher-forced pass of the draft (its window and
-    vocabulary as the method has them)."""
-    dm = method.draft_model
-    tokens = method._readable(list(prompt_ids) + list(answer))
-    window = method.config.draft_window
-    offset = max(0, len(prompt_ids) - 1 - window) if window else 0
-    rows = [len(prompt_ids) - 1 + j - offset for j in range(len(answer))]
-    dm.reset()
+    chain matches, fed the true prefix token by token as the method feeds it (its window, vocabulary
+    and engine, llama.cpp's included, which gives the last token's logits only); and the seconds
+    the method's start (the draft's pass over the prompt) took."""
+    started = time.perf_counter()
+    method.start(SimpleNamespace(tokens=list(prompt_ids)))
+    prefill = time.perf_counter() - started
     try:
-        if method.head is None:
-            logits = dm.forward_chain(tokens[offset:], logit_rows=rows, prefill=True).logits
-        else:
-            hidden = dm.forward_chain(tokens[offset:], hidden=True, logit_rows=[], prefill=True).hidden[rows]
-            logits = method.head(hidden.float())
-        guess = align_vocab(logits.float(), vocab).argmax(-1).tolist()
+        guess = [int(method._next_logits(method._readable([t]), vocab).argmax())
+                 for t in [prompt_ids[-1]] + list(answer[:-1])]
     finally:
-        dm.reset()
-    hits = [g == t for g, t in zip(guess, answer)]
+        method.draft_model.reset()
     runs = [0] * (len(answer) + 1)
     for j in range(len(answer) - 1, -1, -1):
-        runs[j] = runs[j + 1] + 1 if hits[j] else 0
-    return runs[:-1]
+        runs[j] = runs[j + 1] + 1 if guess[j] == answer[j] else 0
+    return runs[:-1], prefill
+
+
+def draft_passes(method, context_ids: list[int], sizes: tuple[int, ...], vocab: int, repeats: int = 5) -> list[float]:
+    """Median seconds of the draft's pass over n new tokens after ``context_ids``, run as the method runs
+    it (its engine and head), the sizes taking turns as in :func:`specplay.core.costmodel.time_passes`."""
+    method.start(SimpleNamespace(tokens=list(context_ids)))
+    dm = method.draft_model
+    kept = dm.cache_len
+    times: list[list[float]] = [[] for _ in sizes]
+    try:
+        for _ in range(repeats):
+            for i, n in enumerate(sizes):
+                block = method._readable(list(context_ids[-n:]))
+                started = time.perf_counter()
+                method._next_logits(block, vocab)
+                times[i].append(time.perf_counter() - started)
+                dm.crop(kept)
+    finally:
+        dm.reset()
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int], gamma: int, adaptive: bool,
@@ -433,22 +445,19 @@ EAGLE_DEPTH = 8  # the deepest tree the settings grow
 class _Predictor:
     """Every setting's replay for one method, one prompt and answer, and what its drafting costs here."""
 
-    def __init__(self, method_name: str, method, target, draft, base, prompt_ids: list[int], answer: list[int]):
+    def __init__(self, method_name: str, method, target, base, prompt_ids: list[int], answer: list[int]):
         self.name, self.base, self.target = method_name, base, target
         self.prompt_ids, self.answer = prompt_ids, answer
         self.curve = cost_curve(target.model)  # what auto-sizing settings size by, as the methods do
         context = len(prompt_ids) + len(answer) // 2
         self.extra_prefill = 0.0
         if method_name == "speculative":
-            self.runs = draft_matches(method, prompt_ids, answer, target.model.info.vocab_size)
+            self.runs, self.extra_prefill = draft_matches(method, prompt_ids, answer, target.model.info.vocab_size)
             sizes = (1, 2, 4, 8, 16)
-            passes = time_passes(draft.model, sizes, context, repeats=5, median=True)
+            passes = draft_passes(method, (list(prompt_ids) + list(answer))[:context], sizes,
+                                  target.model.info.vocab_size)
             self.unit = passes[0]
             self.catch_up = CostCurve(sizes, tuple(t / passes[0] for t in passes))
-            started = time.perf_counter()
-            method.start(SimpleNamespace(tokens=list(prompt_ids)))  # the draft's own prefill, as a run does it
-            self.extra_prefill = time.perf_counter() - started
-            draft.model.reset()
         elif method_name == "eagle":
             totals = tuple(sorted({*EAGLE_TOTALS, base.total_tokens}))
             self.trees, self.unit, self.first = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH,
@@ -484,11 +493,7 @@ def _run(target, draft, name: str, config: MethodConfig | None, ids: list[int], 
     result = drain(generate(target.model, target.tokenizer, method, ids, gen, should_stop))
     if result.error:
         raise ConfigError(f"{name}: {result.error}")
-    return method, result, RunRecord.of_run(result, target=target, draft=draft, prompt=prompt)
-
-
-class Cancelled(Exception):
-    """The tune was stopped before its proof."""
+    return result, RunRecord.of_run(result, target=target, draft=draft, prompt=prompt)
 
 
 def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list[int], config: GenerationConfig,
@@ -501,10 +506,10 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
                           "(lookahead's drafts depend on the target's own outputs over its window)")
     if not config.sampling.greedy:
         raise ConfigError("tune predicts greedy runs (temperature 0); set the temperature to 0")
-    spec = get_spec(method)
-    if spec.needs_draft and draft is None:
-        raise ConfigError(f"method '{method}' needs a draft model")
-    base = base if base is not None else spec.config_class()
+    base = base if base is not None else get_spec(method).config_class()
+    # The method whose parts the replay uses, built first: a missing draft or head is said before any run.
+    replayed = build_method(method, replace(base, auto_size=True, tree="dynamic") if method == "eagle" else base,
+                            target, draft)
     should_stop = should_stop or (lambda: False)
     stage = on_stage or (lambda text, fraction: None)
     started = time.perf_counter()
@@ -513,16 +518,14 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
     def run(name, cfg, what, fraction):
         stage(what, fraction)
         out = _run(target, draft, name, cfg, prompt_ids, gen, prompt, warmup_tokens, should_stop)
-        if out[1].cancelled:
-            raise Cancelled()
+        if out[0].cancelled:
+            raise Cancelled("stopped before the proof: nothing was tuned")
         return out
 
-    _, ar, ar_record = run("autoregressive", None, "Running autoregressive (the greedy answer)", 0.0)
+    ar, ar_record = run("autoregressive", None, "Running autoregressive (the greedy answer)", 0.0)
     answer = ar.token_ids
     stage("Timing this machine and replaying every setting along the answer", 0.3)
-    replayed = replace(base, auto_size=True, tree="dynamic") if method == "eagle" else base
-    predictor = _Predictor(method, build_method(method, replayed, target, draft), target, draft, base, prompt_ids,
-                           answer)
+    predictor = _Predictor(method, replayed, target, base, prompt_ids, answer)
     costs = StepCosts(verify=predictor.verify, draft_unit=predictor.unit,
                       other=ar.metrics.other_s / max(ar.metrics.steps, 1),
                       prefill=ar.metrics.prefill_time + predictor.extra_prefill)
@@ -548,11 +551,11 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
     best_config = base if pick.params == default_params else _config_with(method, base, pick.params)
     proofs: dict[str, list] = {"default": [], "best": []}
     for i in range(PROOF_ROUNDS):  # taking turns: a slow spell of a shared machine touches both
-        _, result, record = run(method, base, f"Running {method} as configured (the default), {i + 1} of "
+        result, record = run(method, base, f"Running {method} as configured (the default), {i + 1} of "
                                               f"{PROOF_ROUNDS}", 0.5 + 0.25 * i / PROOF_ROUNDS)
         proofs["default"].append((result, record))
         if pick.params != default_params:
-            _, result, record = run(method, best_config, f"Running the predicted best, {i + 1} of {PROOF_ROUNDS}",
+            result, record = run(method, best_config, f"Running the predicted best, {i + 1} of {PROOF_ROUNDS}",
                                     0.5 + 0.25 * (2 * i + 1) / (2 * PROOF_ROUNDS))
             proofs["best"].append((result, record))
     default = trial(predicted_default, proofs["default"])
@@ -576,7 +579,8 @@ def tune_record(result: TuneResult, *, target, extra: dict | None = None) -> dic
     if best.params == default.params:
         verdict = "the default is best"
     else:
-        verdict = f"{_params_text(best.params)}: {best.measured_tokens_per_s / default.measured_tokens_per_s:.2f}× the default"
+        ratio = best.measured_tokens_per_s / default.measured_tokens_per_s
+        verdict = f"{_params_text(best.params)}: {ratio:.2f}× the default"
     doc = result.to_dict(with_records=True)
     doc.update({"tstamp": time.time(), "model_id": target.model_id, "temperature": 0.0,
                 "tokens_per_s": best.measured_tokens_per_s, "mean_accepted": best.measured_tau,
@@ -591,7 +595,8 @@ def format_tune(result: TuneResult) -> str:
     fmt = _params_text
     lines = [f"{result.method} on {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
              f"autoregressive {base:.2f} tok/s", "",
-             f"{'':8} {'setting':44} {'predicted':>10} {'measured':>9} {'error':>7} {'τ pred':>7} {'τ meas':>7}  same"]
+             f"{'':8} {'setting':44} {'predicted':>10} {'measured':>9} {'error':>7} {'τ pred':>7} "
+             f"{'τ meas':>7}  same"]
     for label, t in (("default", result.default), ("best", result.best)):
         lines.append(f"{label:8} {fmt(t.params):44} {t.predicted_tokens_per_s:10.2f} {t.measured_tokens_per_s:9.2f} "
                      f"{t.error:+7.1%} {t.predicted_tau:7.2f} {t.measured_tau:7.2f}  {'✓' if t.identical else '✗'}")

@@ -56,7 +56,8 @@ def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, l
             first_passes.append(fed.pop(0))
             del fed[:event.num_drafted - 1]
     method = build_method("speculative", config, target, draft)
-    runs = tuning.draft_matches(method, PROMPT, answer, target.model.info.vocab_size)
+    runs, prefill = tuning.draft_matches(method, PROMPT, answer, target.model.info.vocab_size)
+    assert prefill > 0
     look = None
     if lookup:
         look = tuning._new_lookup(PromptLookupConfig(min_ngram=lookup, max_ngram=max(lookup, 3)), target.model,
@@ -159,3 +160,26 @@ def test_the_command_prints_the_documented_json(tmp_path, capsys):
     assert main(["tune", "--method", "prompt_lookup", "--target", str(target), "--prompt", "ab",
                  "--temperature", "0.5"]) != 0
     assert "temperature" in capsys.readouterr().err
+
+
+def test_the_draft_is_replayed_and_timed_through_an_engine_that_gives_the_last_tokens_logits_only(pair, monkeypatch):
+    """A llama.cpp draft computes the last new token's logits only: the replay feeds it token by token
+    and times it as the method runs it, with the same matches as a draft that gives every row."""
+    target, draft = pair
+    answer = _answer(target)
+    method = build_method("speculative", SpeculativeConfig(), target, draft)
+    vocab = target.model.info.vocab_size
+    free, _ = tuning.draft_matches(method, PROMPT, answer, vocab)
+    forward = draft.model.forward
+
+    def last_row_only(tokens, *args, logit_rows=None, **kw):
+        n = torch.as_tensor(tokens).numel()
+        rows = list(range(n)) if logit_rows is None else list(logit_rows)
+        if rows not in ([], [n - 1]):
+            raise NotImplementedError("the last new token's logits only")
+        return forward(tokens, *args, logit_rows=logit_rows, **kw)
+
+    monkeypatch.setattr(draft.model, "forward", last_row_only)
+    assert tuning.draft_matches(method, PROMPT, answer, vocab)[0] == free
+    times = tuning.draft_passes(method, PROMPT + answer[:10], (1, 2, 4), vocab, repeats=2)
+    assert len(times) == 3 and all(t > 0 for t in times)
