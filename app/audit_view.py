@@ -1,4 +1,4 @@
-"""Audit: does the selected method sample the target's exact distribution? (:mod:`specplay.core.audit`)
+"""Audit: does the selected method sample the target's exact distribution? (:mod:`specplay.core.measure.audit`)
 
 The method and its settings come from the Method panel, the prompt, temperature, top-p and
 seed from the Prompt panel; here only the number of samples N and of tokens K are chosen. The
@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QProgressBar, QPu
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from specplay.app.compare_view import page_layout, results_table, split_of
-from specplay.core.audit import DEFAULT_DEPTH, DEFAULT_SAMPLES, largest_bins, verified_text
+from specplay.core.measure.audit import DEFAULT_DEPTH, DEFAULT_SAMPLES, largest_bins, verified_text
 
 TEST_COLUMNS = ("Test", "p-value", "χ²", "df", "Bins", "Outside support")
 TEST_TIPS = ("The joint distribution of the K tokens, or one position given the sample's own earlier tokens",
@@ -137,7 +137,7 @@ class AuditView(QWidget):
         self.progress.setFormat(stage if fraction < 0 else f"{stage} %p%")
 
     def show_record(self, record: dict, title: str) -> None:
-        """Show an audit record (:func:`specplay.core.audit.audit_record`)."""
+        """Show an audit record (:func:`specplay.core.measure.audit.audit_record`)."""
         self.record = record
         self.progress.setRange(0, 1000)
         asked = record.get("samples_requested") or record["samples"]

@@ -24,8 +24,8 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QGridLayout, QLabel, QWidget
 
 from specplay.app.palette import method_colour
-from specplay.core.tree import depths
-from specplay.core.types import StepEvent
+from specplay.core.decoding.tree import depths
+from specplay.core.decoding.types import StepEvent
 
 REDRAW_MS = 1000
 SPLIT_COLOURS = {"draft": "#E69F00", "verify": "#56B4E9", "other": "#BBBBBB", "stood down": "#F0E442"}

@@ -17,7 +17,7 @@ from pathlib import Path
 from PySide6.QtCore import QBuffer, QByteArray, QIODevice, QSaveFile
 from PySide6.QtGui import QImage
 
-from specplay.core.runlog import RunRecord, write_jsonl_atomic
+from specplay.core.records.runlog import RunRecord, write_jsonl_atomic
 
 CSV_COLUMNS = ("method", "lossy", "tokens_per_s", "speedup", "mean_accepted", "acceptance_rate", "new_tokens",
                "steps", "wall_time", "prefill_time", "identical_to_baseline", "stop_reason", "temperature", "top_p",

@@ -1,6 +1,6 @@
 """Forms built from a method's typed configuration dataclass, so new methods need no GUI code.
 
-Each field's metadata (see :func:`specplay.core.methods.base.param`) gives its label, help, range,
+Each field's metadata (see :func:`specplay.core.decoding.method.param`) gives its label, help, range,
 choices, whether it is lossy and whether it names a file; the field's type (int, float,
 bool, str, possibly Optional) picks the editor. The dataclass validates itself on
 construction; its :class:`~specplay.core.errors.ConfigError` message is shown under the form.
@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QLineEdit, QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from specplay.core.errors import ConfigError
-from specplay.core.methods.base import field_type
+from specplay.core.decoding.method import field_type
 
 _INT_LIMIT = 2**31 - 1
 LOSSY_CSS = "QLabel { color: white; background: #D55E00; border-radius: 3px; padding: 0 4px; font-weight: bold; }"

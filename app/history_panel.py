@@ -1,6 +1,6 @@
 """The run history: every finished or cancelled run, newest first; reopen or export a selection, keep the newest.
 
-The panel lists the history's entries (:class:`specplay.core.history.Entry`: what the index keeps of
+The panel lists the history's entries (:class:`specplay.core.records.history.Entry`: what the index keeps of
 each run); the window reads a run's whole record only to reopen or export it."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QPushButton, QSpinBox,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from specplay.core.history import Entry
+from specplay.core.records.history import Entry
 from specplay.core.methods import method_title
-from specplay.core.runlog import RunRecord
+from specplay.core.records.runlog import RunRecord
 
 COLUMNS = ("When", "Method", "Target", "Tokens", "tok/s", "τ", "Temp.", "Stop", "Prompt")
 
@@ -103,11 +103,11 @@ class HistoryPanel(QWidget):
             title += " (LOSSY)"
         prompt = (r.prompt or "").replace("\n", " ")
         stop = str(r.stop_reason or "")
-        if r.extra.get("kind") == "audit":  # a losslessness audit (core/audit.py): its verdict stands for a stop reason
+        if r.extra.get("kind") == "audit":  # a losslessness audit (core/measure/audit.py): its verdict stands for a stop reason
             p_value = r.extra.get("p_value")
             title = f"Audit: {title}"
             stop = str(r.extra.get("verdict", "")) + ("" if p_value is None else f" (p = {p_value:.2g})")
-        elif r.extra.get("kind") == "tune":  # a tune (core/tune.py): its verdict stands for a stop reason
+        elif r.extra.get("kind") == "tune":  # a tune (core/measure/tune.py): its verdict stands for a stop reason
             title = f"Tune: {title}"
             stop = str(r.extra.get("verdict", ""))
         values = (_when(r.tstamp), title, str(r.model_id or ""), "" if r.new_tokens is None else str(r.new_tokens),

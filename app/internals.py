@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (QCheckBox, QFrame, QHBoxLayout, QLabel, QScrollAr
 
 from specplay.app.palette import FATE_STYLES, tint
 from specplay.app.xray import visible
-from specplay.core.types import Fate, StepEvent
+from specplay.core.decoding.types import Fate, StepEvent
 
 TokenText = Callable[[int], str]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from PySide6.QtGui import QColor
 
-from specplay.core.types import Fate
+from specplay.core.decoding.types import Fate
 
 
 @dataclass(frozen=True)

@@ -342,7 +342,7 @@ class PromptPanel(QWidget):
         return self.editor.toPlainText()
 
     def generation_config(self):
-        from specplay.core.types import GenerationConfig, SamplingConfig
+        from specplay.core.decoding.types import GenerationConfig, SamplingConfig
 
         return GenerationConfig(max_new_tokens=self.max_new_tokens.value(), stand_down=self.stand_down.isChecked(),
                                 sampling=SamplingConfig(temperature=self.temperature.value(), top_p=self.top_p.value(),

@@ -22,8 +22,8 @@ from specplay.app.session import RunSession
 from specplay.app.tokenview import TokenView
 from specplay.app.xray import XRayPanel
 from specplay.core.methods import METHODS, method_title
-from specplay.core.runlog import event_from_dict, stats_line
-from specplay.core.types import StepEvent
+from specplay.core.records.runlog import event_from_dict, stats_line
+from specplay.core.decoding.types import StepEvent
 
 
 class RunViews(QObject):

@@ -25,12 +25,12 @@ from PySide6.QtCore import QObject, QTimer, Signal
 from specplay.app.engine_client import EngineClient, EngineFailed
 from specplay.app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
 from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunDone, RunRequest, TuneRequest
-from specplay.core.compare import BASELINE, annotate
-from specplay.core.history import Entry, History, summary_of
+from specplay.core.measure.compare import BASELINE, annotate
+from specplay.core.records.history import Entry, History, summary_of
 from specplay.core.methods import method_title
 from specplay.core.remote import annotate_remote
-from specplay.core.runlog import stats_line
-from specplay.core.types import RunResult, StepEvent, StopReason
+from specplay.core.records.runlog import stats_line
+from specplay.core.decoding.types import RunResult, StepEvent, StopReason
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ class RunSession(QObject):
         sig_run_failed(str): the named run ended without a result (the message went to ``sig_error``).
         sig_compare_updated(object): the comparison's annotated records so far (a list).
         sig_audit_finished(object): an audit's saved record (a dict).
-        sig_tune_finished(object): a tune's saved record (a dict, :func:`specplay.core.tune.tune_record`).
-        sig_record_saved(object): a run's :class:`~specplay.core.history.Entry` went into the history (one that
+        sig_tune_finished(object): a tune's saved record (a dict, :func:`specplay.core.measure.tune.tune_record`).
+        sig_record_saved(object): a run's :class:`~specplay.core.records.history.Entry` went into the history (one that
             could not be saved holds its record).
         sig_history_loaded(object): the history's entries (a list), oldest first; a run's whole record is read
             only when it is reopened or exported (:meth:`~RunSession.history_records`).
@@ -285,7 +285,7 @@ class RunSession(QObject):
         return not run.cancelled
 
     async def audit(self, request: AuditRequest) -> dict | None:
-        """Audit the request's method (:mod:`specplay.core.audit`); its record, saved like a run's, or None
+        """Audit the request's method (:mod:`specplay.core.measure.audit`); its record, saved like a run's, or None
         if the audit failed (said in ``sig_error``)."""
         if self.busy or self.models is None:
             return None
@@ -302,7 +302,7 @@ class RunSession(QObject):
         return done.record
 
     async def tune(self, request: TuneRequest) -> dict | None:
-        """Tune the request's method on its prompt (:mod:`specplay.core.tune`); its record, saved like a run's, or
+        """Tune the request's method on its prompt (:mod:`specplay.core.measure.tune`); its record, saved like a run's, or
         None if the tune failed or was stopped (said in ``sig_error``)."""
         if self.busy or self.models is None:
             return None

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QTextEdit, QToolTip, QWidget
 
 from specplay.app.palette import FATE_STYLES
 from specplay.app.xray import tooltip_html
-from specplay.core.types import Fate, StepEvent, TokenEvent
+from specplay.core.decoding.types import Fate, StepEvent, TokenEvent
 
 
 def display_text(token: TokenEvent) -> str:
@@ -35,7 +35,7 @@ def marker_text(rejected: list[TokenEvent]) -> str:
 
 
 class TokenView(QTextEdit):
-    """Read-only text of a run, built step by step from :class:`~specplay.core.types.StepEvent` objects.
+    """Read-only text of a run, built step by step from :class:`~specplay.core.decoding.types.StepEvent` objects.
 
     The committed text reads as text, each token tinted by its fate. Draft tokens the verifier
     turned down leave a small raised mark (✕, with their count) where they were tried; hovering

@@ -1,4 +1,4 @@
-"""Tune: which draft size is fastest for this prompt on this machine (:mod:`specplay.core.tune`).
+"""Tune: which draft size is fastest for this prompt on this machine (:mod:`specplay.core.measure.tune`).
 
 The method and its settings come from the Method panel, the prompt from the Prompt panel. One
 click runs autoregressive, replays every setting of the method's size knobs along its answer,
@@ -17,7 +17,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QTableWidgetItem, QWidget
 
 from specplay.app.compare_view import page_layout, results_table, split_of
-from specplay.core.tune import KNOBS
+from specplay.core.measure.tune import KNOBS
 
 TUNE_COLUMNS = ("Run", "Setting", "Predicted tok/s", "Measured tok/s", "Error", "τ predicted", "τ measured",
                 "Same as autoregressive")
@@ -131,7 +131,7 @@ class TuneView(QWidget):
         return [(rec[w]["params"][main], rec[w]["measured_tokens_per_s"] / base) for w in ("default", "best")]
 
     def show_record(self, record: dict, title: str) -> None:
-        """Show a tune record (:func:`specplay.core.tune.tune_record`)."""
+        """Show a tune record (:func:`specplay.core.measure.tune.tune_record`)."""
         self.record = record
         self.progress.setRange(0, 1000)
         self.progress.setValue(1000)

@@ -1,9 +1,9 @@
 """Why this speed: this machine's verification cost curve, each method's step cost, and where
 speculation pays (the break-even draft cost against acceptance).
 
-Everything shown is measured here: the curve T(n)/T(1) by :mod:`specplay.core.costmodel` on the loaded
+Everything shown is measured here: the curve T(n)/T(1) by :mod:`specplay.core.decoding.costmodel` on the loaded
 target, the methods' step costs and acceptance from the last comparison's run records, read
-through :func:`specplay.core.whyspeed.explain` (the same numbers ``specplay compare --why`` prints).
+through :func:`specplay.core.measure.whyspeed.explain` (the same numbers ``specplay compare --why`` prints).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from PySide6.QtWidgets import QLabel, QTableWidgetItem, QWidget
 
 from specplay.app.compare_view import page_layout, place_labels, results_table, split_of
 from specplay.app.palette import method_colour
-from specplay.core.costmodel import SIZES, CostCurve
+from specplay.core.decoding.costmodel import SIZES, CostCurve
 from specplay.core.methods import METHODS, method_title
-from specplay.core.whyspeed import SpeedExplanation, break_even_cost, explain
+from specplay.core.measure.whyspeed import SpeedExplanation, break_even_cost, explain
 
 WHY_COLUMNS = ("Method", "τ", "Nodes/step", "Draft", "Verify", "Other", "Predicted", "Measured (steps)",
                "Draft/token")

@@ -33,15 +33,15 @@ from specplay.app.settings import AppSettings, open_settings
 from specplay.app.whyspeed_view import WhySpeedView
 from specplay.app.window_settings import apply_to_window, collect_from_window
 from specplay.app.worker import AuditRequest, ModelsLoaded, RemoteRequest, RunRequest, TuneRequest
-from specplay.core.tune import KNOBS as TUNED
+from specplay.core.measure.tune import KNOBS as TUNED
 from specplay.app.xray import XRayPanel
-from specplay.core.compare import WARMUP_TOKENS
+from specplay.core.measure.compare import WARMUP_TOKENS
 from specplay.core.errors import ConfigError
-from specplay.core.history import Entry, History
+from specplay.core.records.history import Entry, History
 from specplay.core.memory import memory_text
 from specplay.core.methods import METHODS, method_title
 from specplay.core.remote import Endpoint
-from specplay.core.types import RunResult
+from specplay.core.decoding.types import RunResult
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ class MainWindow(QMainWindow):
             return None
 
     async def run_audit(self, samples: int, depth: int) -> dict | None:
-        """Audit the Method panel's method on the Prompt panel's prompt and sampling (:mod:`specplay.core.audit`);
+        """Audit the Method panel's method on the Prompt panel's prompt and sampling (:mod:`specplay.core.measure.audit`);
         the record goes into the history like a run's."""
         method = self.methods_panel.method()
         request = self._ready_request(method)
@@ -435,7 +435,7 @@ class MainWindow(QMainWindow):
         return await self.session.audit(AuditRequest(run=request, samples=samples, depth=depth))
 
     async def run_tune(self) -> dict | None:
-        """Tune the Method panel's method on the Prompt panel's prompt (:mod:`specplay.core.tune`); the record goes
+        """Tune the Method panel's method on the Prompt panel's prompt (:mod:`specplay.core.measure.tune`); the record goes
         into the history like a run's."""
         method = self.methods_panel.method()
         if method not in TUNED:

@@ -87,7 +87,7 @@ class RunRequest:
 
 @dataclass
 class AuditRequest:
-    """A losslessness audit (:mod:`specplay.core.audit`) of ``run``'s method on its prompt and sampling settings."""
+    """A losslessness audit (:mod:`specplay.core.measure.audit`) of ``run``'s method on its prompt and sampling settings."""
 
     run: RunRequest
     samples: int
@@ -97,7 +97,7 @@ class AuditRequest:
 
 @dataclass
 class TuneRequest:
-    """A tune (:mod:`specplay.core.tune`) of ``run``'s method on its prompt: its knobs predicted, then proved."""
+    """A tune (:mod:`specplay.core.measure.tune`) of ``run``'s method on its prompt: its knobs predicted, then proved."""
 
     run: RunRequest
     job: int = 0
@@ -219,7 +219,7 @@ class EngineWorker(QObject):
 
             target = get("target")
             self.target = target
-            from specplay.core import costmodel
+            from specplay.core.decoding import costmodel
 
             curve = costmodel.cost_curve(target.model) if costmodel.is_measured(target.model) else None
             if not request.draft:
@@ -274,7 +274,7 @@ class EngineWorker(QObject):
 
     def _prompt_ids(self, request: RunRequest) -> list[int]:
         """The request's prompt as token ids, once the target's verification cost is known."""
-        from specplay.core import costmodel
+        from specplay.core.decoding import costmodel
         from specplay.core.text import encode_prompt
 
         if self.target is None:
@@ -288,10 +288,10 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def generate(self, request: RunRequest) -> None:
-        from specplay.core import compare
-        from specplay.core.engine import drain, generate
+        from specplay.core.measure import compare
+        from specplay.core.decoding.engine import drain, generate
         from specplay.core.methods import build_method
-        from specplay.core.runlog import run_record
+        from specplay.core.records.runlog import run_record
 
         should_stop = self._stopper(request.job)
         try:
@@ -313,7 +313,7 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def audit(self, request: AuditRequest) -> None:
-        from specplay.core.audit import AuditConfig, audit_record, run_audit
+        from specplay.core.measure.audit import AuditConfig, audit_record, run_audit
 
         should_stop = self._stopper(request.job)
         try:
@@ -335,8 +335,8 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def tune(self, request: TuneRequest) -> None:
-        from specplay.core.compare import WARMUP_TOKENS
-        from specplay.core.tune import tune, tune_record
+        from specplay.core.measure.compare import WARMUP_TOKENS
+        from specplay.core.measure.tune import tune, tune_record
 
         should_stop = self._stopper(request.job)
         try:

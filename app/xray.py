@@ -9,7 +9,7 @@ from PySide6.QtGui import QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import QFormLayout, QFrame, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from specplay.app.palette import FATE_STYLES, tint
-from specplay.core.types import Fate, Rule, StepEvent, TokenEvent
+from specplay.core.decoding.types import Fate, Rule, StepEvent, TokenEvent
 
 
 def fmt_prob(x: float | None) -> str:

@@ -46,7 +46,7 @@ class _Progress:
 def method_options() -> dict[str, dict]:
     """Every method option across methods: flag -> {dest, type, help, fields: [(method, field)]}."""
     from specplay.core.methods import METHODS
-    from specplay.core.methods.base import field_type
+    from specplay.core.decoding.method import field_type
 
     opts: dict[str, dict] = {}
     for method_spec in METHODS.values():
@@ -148,7 +148,7 @@ def _check_counts(args) -> None:
 
 
 def _generation_config(args):
-    from specplay.core.types import GenerationConfig, SamplingConfig
+    from specplay.core.decoding.types import GenerationConfig, SamplingConfig
 
     return GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop),
                             stand_down=not args.no_stand_down,
@@ -186,9 +186,9 @@ def _methods_from(text: str) -> list[str]:
 
 # --------------------------------------------------------------------------- commands
 def cmd_run(args) -> int:
-    from specplay.core.engine import drain, generate
+    from specplay.core.decoding.engine import drain, generate
     from specplay.core.methods import build_method, get_spec
-    from specplay.core.runlog import RunRecord, dumps, stats_line
+    from specplay.core.records.runlog import RunRecord, dumps, stats_line
     from specplay.core.text import encode_prompt
 
     if args.engine:
@@ -224,7 +224,7 @@ def cmd_run(args) -> int:
 
 
 def _write_log(path: Path, records: list[dict]) -> None:
-    from specplay.core.runlog import append_jsonl
+    from specplay.core.records.runlog import append_jsonl
 
     try:
         append_jsonl(path, records)
@@ -233,9 +233,9 @@ def _write_log(path: Path, records: list[dict]) -> None:
 
 
 def cmd_compare(args) -> int:
-    from specplay.core.compare import compare_methods, format_table
+    from specplay.core.measure.compare import compare_methods, format_table
     from specplay.core.methods import get_spec
-    from specplay.core.runlog import dumps
+    from specplay.core.records.runlog import dumps
     from specplay.core.text import encode_prompt
 
     if args.engine:
@@ -262,8 +262,8 @@ def cmd_compare(args) -> int:
     doc = {"runs": comparison.records, "baseline": "autoregressive"}
     why = None
     if args.why and not any(r.error or r.cancelled for r in comparison.results.values()):
-        from specplay.core.costmodel import cost_curve
-        from specplay.core.whyspeed import explain, format_explanation
+        from specplay.core.decoding.costmodel import cost_curve
+        from specplay.core.measure.whyspeed import explain, format_explanation
 
         curve = cost_curve(target.model)
         why = explain(comparison.records, curve)
@@ -285,9 +285,9 @@ def cmd_compare(args) -> int:
 
 def cmd_tune(args) -> int:
     from specplay.core.methods import get_spec
-    from specplay.core.runlog import dumps
+    from specplay.core.records.runlog import dumps
     from specplay.core.text import encode_prompt
-    from specplay.core.tune import format_tune, tune
+    from specplay.core.measure.tune import format_tune, tune
 
     method_config = config_for(args.method, args)
     gen_config = _generation_config(args)
@@ -312,7 +312,7 @@ def cmd_tune(args) -> int:
 
 def _compare_remote(args) -> int:
     from specplay.core.remote import Endpoint, compare_endpoints, format_remote_table
-    from specplay.core.runlog import RunRecord, dumps
+    from specplay.core.records.runlog import RunRecord, dumps
 
     if args.methods:
         raise SpecPlayError("compare either local methods (--methods) or endpoints (--engine), not both in one run")
@@ -341,7 +341,7 @@ def _compare_remote(args) -> int:
 
 def _run_remote(args) -> int:
     from specplay.core.remote import Endpoint, remote_record, stream_completion
-    from specplay.core.runlog import RunRecord, dumps, stats_line
+    from specplay.core.records.runlog import RunRecord, dumps, stats_line
 
     endpoint = Endpoint.parse(args.engine)
     prompt = _prompt_text(args)
@@ -439,7 +439,7 @@ def _print_engines() -> None:
 
 
 def cmd_bench(args) -> int:
-    from specplay.core.bench import PEERS, BenchSpec, check_methods, format_summary, format_sweep, load_questions, run_bench
+    from specplay.core.measure.bench import PEERS, BenchSpec, check_methods, format_summary, format_sweep, load_questions, run_bench
     from specplay.core.methods import get_spec
 
     from specplay.core.remote import Endpoint
@@ -459,7 +459,7 @@ def cmd_bench(args) -> int:
                            chat_template=not args.no_chat_template, temperatures=temperatures,
                            stand_down=not args.no_stand_down)
     result = run_bench(target, draft, questions, bench_spec, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
-    from specplay.core.environment import format_card
+    from specplay.core.records.environment import format_card
 
     print(format_card(result["environment"]))
     for temperature, summary in result["by_temperature"].items():
@@ -474,11 +474,11 @@ def cmd_bench(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from specplay.core.audit import DEFAULT_PROMPT, AuditConfig, audit_record, format_audit, run_audit
+    from specplay.core.measure.audit import DEFAULT_PROMPT, AuditConfig, audit_record, format_audit, run_audit
     from specplay.core.methods import get_spec
-    from specplay.core.runlog import dumps
+    from specplay.core.records.runlog import dumps
     from specplay.core.text import encode_prompt
-    from specplay.core.types import SamplingConfig
+    from specplay.core.decoding.types import SamplingConfig
 
     method_spec = get_spec(args.method)
     method_config = config_for(args.method, args)
@@ -500,7 +500,7 @@ def cmd_audit(args) -> int:
 
 
 def _temperatures(text: str) -> tuple[float, ...]:
-    from specplay.core.types import SamplingConfig
+    from specplay.core.decoding.types import SamplingConfig
 
     try:
         values = tuple(float(t) for t in text.split(",") if t.strip())
@@ -579,9 +579,9 @@ ENGINE_METAVAR = "URL[,model=M][,name=N][,key-env=VAR][,timeout=S][,deadline=S]"
 
 def build_parser() -> argparse.ArgumentParser:
     from specplay.core import __version__
-    from specplay.core.audit import DEFAULT_DEPTH as AUDIT_DEPTH, DEFAULT_SAMPLES as AUDIT_SAMPLES
-    from specplay.core.bench import BUILTIN_SETS
-    from specplay.core.compare import WARMUP_TOKENS
+    from specplay.core.measure.audit import DEFAULT_DEPTH as AUDIT_DEPTH, DEFAULT_SAMPLES as AUDIT_SAMPLES
+    from specplay.core.measure.bench import BUILTIN_SETS
+    from specplay.core.measure.compare import WARMUP_TOKENS
     from specplay.core.methods import METHODS
 
     parser = argparse.ArgumentParser(

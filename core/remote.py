@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from specplay.core.errors import ConfigError, SpecPlayError
-from specplay.core.runlog import COMPARISON_ONLY, LOCAL_ONLY, RunRecord
-from specplay.core.types import Fate, StepEvent, StepTiming, TokenEvent
+from specplay.core.records.runlog import COMPARISON_ONLY, LOCAL_ONLY, RunRecord
+from specplay.core.decoding.types import Fate, StepEvent, StepTiming, TokenEvent
 
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_DEADLINE_S = 3600.0  # an hour: a long answer from a slow CPU server, with room to spare
@@ -614,7 +614,7 @@ def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, tempe
 
 def remote_record(run: RemoteRun, *, max_new_tokens: int, temperature: float, top_p: float,
                   seed: int | None) -> dict:
-    """A run record in the same format as a local run's (:class:`specplay.core.runlog.RunRecord`)."""
+    """A run record in the same format as a local run's (:class:`specplay.core.records.runlog.RunRecord`)."""
     stats = run.speculation
     stop = ("cancelled" if run.cancelled else "error" if run.error else
             "eos" if run.finish_reason == "stop" else "max_tokens")

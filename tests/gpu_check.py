@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specplay.core.engine import drain, generate  # noqa: E402
+from specplay.core.decoding.engine import drain, generate  # noqa: E402
 from specplay.core.heads import save_heads  # noqa: E402
 from specplay.core.methods import build_method  # noqa: E402
-from specplay.core.runlog import tokens_by_source  # noqa: E402
+from specplay.core.records.runlog import tokens_by_source  # noqa: E402
 from specplay.core.heads import EagleHead, MedusaHeads, head_config  # noqa: E402
 from specplay.core.methods.eagle import EagleConfig  # noqa: E402
 from specplay.core.methods.lookahead import LookaheadConfig  # noqa: E402
@@ -45,7 +45,7 @@ from specplay.core.methods.medusa import MedusaConfig  # noqa: E402
 from specplay.core.methods.speculative import SpeculativeConfig  # noqa: E402
 from specplay.core.models.loader import LoadedModel  # noqa: E402
 from specplay.core.models.native import DecoderConfig, NativeDecoder  # noqa: E402
-from specplay.core.types import GenerationConfig  # noqa: E402
+from specplay.core.decoding.types import GenerationConfig  # noqa: E402
 
 #: Qwen2.5-Coder-1.5B-Instruct (target) and 0.5B-Instruct (draft), and a CPU-sized stand-in.
 SHAPES = {

@@ -24,7 +24,7 @@ from PySide6.QtGui import QTextCursor  # noqa: E402
 qasync = pytest.importorskip("qasync")
 from tiny import save_tiny_model  # noqa: E402
 
-from specplay.core.types import Fate, Rule, StepEvent, StepTiming, StopReason, TokenEvent  # noqa: E402
+from specplay.core.decoding.types import Fate, Rule, StepEvent, StepTiming, StopReason, TokenEvent  # noqa: E402
 
 TIMEOUT = 30_000
 
@@ -614,7 +614,7 @@ def test_a_bad_method_setting_blocks_the_run_with_the_message(window, qtbot):
 def test_stop_cancels_within_one_step(window, qtbot):
     from PySide6.QtCore import Qt as _Qt
 
-    from specplay.core.types import StopReason
+    from specplay.core.decoding.types import StopReason
 
     window.prompt_panel.max_new_tokens.setValue(400)
     window.methods_panel.set_method("autoregressive")
@@ -665,18 +665,18 @@ def test_engine_errors_appear_in_the_window(window, qtbot):
 def test_a_run_the_engine_ends_early_keeps_its_tokens_and_says_why(window, qtbot, monkeypatch):
     import dataclasses as dc
 
-    import specplay.core.engine
+    import specplay.core.decoding.engine
 
     from specplay import core
-    from specplay.core.types import StopReason
+    from specplay.core.decoding.types import StopReason
 
-    real = core.engine.drain
+    real = core.decoding.engine.drain
 
     def failing_drain(gen, on_event=None):  # the engine's out-of-memory path, as RunResult reports it
         result = real(gen, on_event)
         return dc.replace(result, stop_reason=StopReason.ERROR, error="out of memory while generating")
 
-    monkeypatch.setattr(core.engine, "drain", failing_drain)
+    monkeypatch.setattr(core.decoding.engine, "drain", failing_drain)
     result = run(qtbot, window.run_single())
     assert result.token_ids and "out of memory while generating" in window.live.banner.text()
     assert window.session.history.load()[-1]["stop_reason"] == "error"
@@ -750,8 +750,8 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
     """The first run says it measures the machine's verification cost; after a comparison the
     "Why this speed" tab holds that curve, the break-even lines and one cost row per method,
     the same numbers ``specplay compare --why`` prints."""
-    from specplay.core.costmodel import cost_curve
-    from specplay.core.whyspeed import break_even_cost, explain
+    from specplay.core.decoding.costmodel import cost_curve
+    from specplay.core.measure.whyspeed import break_even_cost, explain
 
     seen = []
     window.session.engine.worker.sig_progress.connect(lambda stage, fraction: seen.append(stage))
@@ -804,7 +804,7 @@ def axis_labels(axis, qtbot) -> list[tuple[str, object]]:
 
 def test_the_cost_curve_axis_labels_each_block_size_once_without_overlap(qtbot):
     from specplay.app.whyspeed_view import WhySpeedView
-    from specplay.core.costmodel import CostCurve
+    from specplay.core.decoding.costmodel import CostCurve
 
     view = WhySpeedView()
     qtbot.addWidget(view)
@@ -839,13 +839,13 @@ def test_the_time_split_axis_starts_at_zero_seconds_while_a_run_streams(qtbot):
 
 def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, monkeypatch):
     """The first method must not be timed cold: each runs the shared core warm-up first."""
-    import specplay.core.compare
-    import specplay.core.engine
+    import specplay.core.measure.compare
+    import specplay.core.decoding.engine
     from specplay import core
     order = []
-    real_warm_up, real_drain = core.compare.warm_up, core.engine.drain
+    real_warm_up, real_drain = core.measure.compare.warm_up, core.decoding.engine.drain
 
-    def warm_up(target, method, prompt_ids, sampling, tokens=core.compare.WARMUP_TOKENS, should_stop=None):
+    def warm_up(target, method, prompt_ids, sampling, tokens=core.measure.compare.WARMUP_TOKENS, should_stop=None):
         if tokens > 0:
             order.append(("warm-up", method.name, tokens))
         return real_warm_up(target, method, prompt_ids, sampling, tokens, should_stop)
@@ -856,17 +856,17 @@ def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, 
             order.append(("timed", result.method))
         return result
 
-    monkeypatch.setattr(core.compare, "warm_up", warm_up)
-    monkeypatch.setattr(core.engine, "drain", drain)
+    monkeypatch.setattr(core.measure.compare, "warm_up", warm_up)
+    monkeypatch.setattr(core.decoding.engine, "drain", drain)
     run(qtbot, window.run_compare(["autoregressive", "prompt_lookup"]), timeout=60_000)
-    tokens = core.compare.WARMUP_TOKENS
+    tokens = core.measure.compare.WARMUP_TOKENS
     assert order == [("warm-up", "autoregressive", tokens), ("timed", "autoregressive"),
                      ("warm-up", "prompt_lookup", tokens), ("timed", "prompt_lookup")]
 
 
 def test_compare_table_marks_a_differing_output():
     from specplay.app.compare_view import identical_text
-    from specplay.core.compare import annotate
+    from specplay.core.measure.compare import annotate
 
     recs = [{"method": "autoregressive", "tokens_per_s": 10.0, "token_ids": [1, 2, 3]},
             {"method": "speculative", "tokens_per_s": 20.0, "token_ids": [1, 2, 4]}]

@@ -1,6 +1,6 @@
 """The house's rules, checked on the source: one installed namespace, and a core without Qt.
 
-Every import of the project's own code is absolute and full (``specplay.core.engine``), never a
+Every import of the project's own code is absolute and full (``specplay.core.decoding.engine``), never a
 bare ``core``/``app``/``assets``: in the checkout those folders would import a second time under
 their bare names (the working folder is on ``sys.path``), installed they do not exist at all.
 """
@@ -53,7 +53,7 @@ def test_installed_the_project_is_specplay_only(tmp_path):
     ``core``, ``app`` or ``assets`` from this project."""
     code = """
 import importlib, importlib.util
-import specplay.core.engine, specplay.app.launcher, specplay.assets
+import specplay.core.decoding.engine, specplay.app.launcher, specplay.assets
 print([name for name in ("core", "app", "assets") if importlib.util.find_spec(name) is not None])
 """
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

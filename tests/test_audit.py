@@ -10,15 +10,15 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from specplay.core import audit
-from specplay.core.audit import AuditConfig, audit_record, fit_known, format_audit, run_audit, score_samples
+from specplay.core.measure import audit
+from specplay.core.measure.audit import AuditConfig, audit_record, fit_known, format_audit, run_audit, score_samples
 from specplay.core.errors import ConfigError
 from specplay.core.heads import MedusaHeads, save_heads
 from specplay.core.methods import build_method
 from specplay.core.methods.medusa import MedusaConfig
 from specplay.core.methods.speculative import SpeculativeConfig
-from specplay.core.sampling import probabilities
-from specplay.core.types import SamplingConfig
+from specplay.core.decoding.sampling import probabilities
+from specplay.core.decoding.types import SamplingConfig
 from stats import chi_square_pvalue
 from tiny import loaded, native_from_hf, perturbed_copy, save_tiny_model, tiny_hf_model
 
@@ -202,7 +202,7 @@ def biased_from(monkeypatch, depth: int) -> None:
     """The engine's verifier accepts a drafted token at draft depth >= ``depth`` with min(1, 2p/q)
     instead of min(1, p/q) (its q halved), which leans the output there towards the draft; shallower
     tokens it judges exactly."""
-    import specplay.core.engine as engine
+    import specplay.core.decoding.engine as engine
 
     real = engine.verify
 
@@ -234,8 +234,8 @@ def test_each_sample_is_the_run_it_would_be_without_reading_the_prompt_once(targ
     """Sample i is what a plain run with seed 2i makes, token for token, though the audit's target
     and draft read the prompt once and crop back to it (core.audit.ReusedPrompt), and each sample
     ends once it holds its K tokens: a run of K + γ tokens, its first K."""
-    from specplay.core.engine import drain, generate
-    from specplay.core.types import GenerationConfig
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
 
     draft = loaded(native_from_hf(perturbed_copy(target_model, 0.3)))
     config = SpeculativeConfig(gamma=3)

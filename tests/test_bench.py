@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from specplay.core.bench import BenchSpec, Question, format_summary, load_questions, run_bench, summarize
+from specplay.core.measure.bench import BenchSpec, Question, format_summary, load_questions, run_bench, summarize
 from specplay.core.errors import ConfigError
 from tiny import loaded, native_from_hf, tiny_hf_model
 
@@ -118,7 +118,7 @@ def test_multi_turn_history_contains_the_methods_own_answer(tmp_path, monkeypatc
 def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monkeypatch):
     import torch
 
-    from specplay.core.bench import format_summary
+    from specplay.core.measure.bench import format_summary
     from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), model_id="tiny")
@@ -161,9 +161,9 @@ def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monk
 def test_the_transformers_peers_ignore_the_model_folders_generation_settings(tmp_path, monkeypatch):
     from transformers import GenerationConfig as HFGenerationConfig
 
-    from specplay.core.bench import HFPeer
+    from specplay.core.measure.bench import HFPeer
     from specplay.core.models.loader import load_model
-    from specplay.core.types import GenerationConfig, SamplingConfig
+    from specplay.core.decoding.types import GenerationConfig, SamplingConfig
     from tiny import save_tiny_model
 
     folder = save_tiny_model(tmp_path / "m")
@@ -192,10 +192,10 @@ def _check_int8_assistant(tmp_path, **draft_info):
     with the output of plain greedy generation."""
     from dataclasses import replace
 
-    from specplay.core.bench import HFPeer
+    from specplay.core.measure.bench import HFPeer
     from specplay.core.models.linear import int8_supported
     from specplay.core.models.loader import LoadedModel, load_model
-    from specplay.core.types import GenerationConfig
+    from specplay.core.decoding.types import GenerationConfig
     from tiny import save_tiny_model
 
     if not int8_supported():
@@ -237,9 +237,9 @@ def answer_lines(path):
 def fake_endpoints(monkeypatch, target, suffix=None):
     """Endpoints answer with the target's own greedy text (``suffix``: name -> text appended), with no server."""
     import specplay.core.remote as remote
-    from specplay.core.engine import drain, generate
+    from specplay.core.decoding.engine import drain, generate
     from specplay.core.methods import build_method
-    from specplay.core.types import GenerationConfig, SamplingConfig
+    from specplay.core.decoding.types import GenerationConfig, SamplingConfig
 
     def stream_completion(endpoint, prompt, max_tokens, **_):
         ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -253,7 +253,7 @@ def fake_endpoints(monkeypatch, target, suffix=None):
 
 
 def test_file_stems_are_plain_names_kept_apart():
-    from specplay.core.bench import file_stems
+    from specplay.core.measure.bench import file_stems
 
     names = ["autoregressive", "remote:fake", "remote:h:8000/Org/Name", "remote:../../x", "remote:a/b", "remote:a-b",
              "remote:A-B", "remote:" + "n" * 300]
@@ -287,7 +287,7 @@ def test_endpoint_labels_with_slashes_or_dots_write_inside_out_and_keep_everythi
 
 
 def test_an_interrupted_bench_keeps_its_answers_and_a_rerun_resumes_it(tmp_path, monkeypatch):
-    from specplay.core.bench import OurMethod
+    from specplay.core.measure.bench import OurMethod
     from specplay.core.methods.prompt_lookup import PromptLookupConfig
 
     target = tiny_target()
@@ -350,7 +350,7 @@ def test_a_rerun_with_another_draft_backend_or_dtype_measures_afresh_and_the_sam
 
     import torch
 
-    from specplay.core.bench import OurMethod
+    from specplay.core.measure.bench import OurMethod
 
     target = tiny_target()
     hf = tiny_hf_model(seed=0, dtype=torch.float32)
@@ -453,7 +453,7 @@ def test_spec_bench_reads_a_bench_folder_as_it_reads_its_own(tmp_path, monkeypat
 
 
 def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their_results(tmp_path, monkeypatch):
-    from specplay.core.bench import HFPeer
+    from specplay.core.measure.bench import HFPeer
     from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 
     target = tiny_target()
@@ -507,7 +507,7 @@ def test_an_endpoint_is_identical_when_its_text_is_the_baselines(tmp_path, monke
 def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_what_it_did(tmp_path):
     import torch
 
-    from specplay.core.bench import format_sweep
+    from specplay.core.measure.bench import format_sweep
     from specplay.core.cli import _temperatures
     from specplay.core.errors import SpecPlayError
 
@@ -535,7 +535,7 @@ def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_wh
 
     # A single temperature writes summary.json and the answer files as before a sweep existed,
     # and its answers are the sweep's at that temperature (same seed, same settings; compared on the
-    # baseline, whose steps never depend on timing as a drafting method's may, see core/standdown.py).
+    # baseline, whose steps never depend on timing as a drafting method's may, see core/decoding/standdown.py).
     run_bench(target, None, questions, BenchSpec(**settings, temperature=1.0), tmp_path / "single",
               log=lambda m: None)
     doc = json.loads((tmp_path / "single" / "summary.json").read_text())

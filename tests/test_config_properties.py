@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from specplay.core.errors import ConfigError
 from specplay.core.methods import METHODS
-from specplay.core.types import GenerationConfig, SamplingConfig
+from specplay.core.decoding.types import GenerationConfig, SamplingConfig
 
 ANY_VALUE = st.one_of(
     st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True, allow_infinity=True),

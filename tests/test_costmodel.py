@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specplay.core.costmodel import CostCurve, best_size, cost_curve, measure
+from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve, measure
 from tiny import native_from_hf, tiny_hf_model
 
 
@@ -33,7 +33,7 @@ def test_best_size_weighs_acceptance_against_cost():
 
 def test_block_sizes_take_turns_and_each_keeps_its_fastest_pass(monkeypatch):
     """A slow spell of the machine touches every size once instead of inflating the one it fell on."""
-    from specplay.core import costmodel
+    from specplay.core.decoding import costmodel
 
     clock = [0.0]
     order = []
@@ -70,7 +70,7 @@ def test_measured_curve_is_nondecreasing_cached_and_leaves_the_cache_empty():
 def test_a_curve_is_measured_once_per_machine_and_model_and_read_back_in_a_later_start(monkeypatch, tmp_path):
     """A later start of a one-shot command does not time the model again: the curve is kept with
     the machine's measurements, keyed by the model, its storage and the code that runs it."""
-    from specplay.core import costmodel
+    from specplay.core.decoding import costmodel
 
     monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path))
     first = native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32))

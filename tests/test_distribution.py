@@ -10,14 +10,14 @@ distribution of the sequences is compared with the exact one, enumerated from th
 import pytest
 import torch
 
-from specplay.core.engine import drain, generate
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.methods import build_method
 from specplay.core.methods.lookahead import LookaheadConfig
 from specplay.core.methods.prompt_lookup import PromptLookupConfig
 from specplay.core.methods.speculative import SpeculativeConfig
 from specplay.core.models.llamacpp_draft import LlamaCppDraft
-from specplay.core.sampling import probabilities
-from specplay.core.types import Draft, GenerationConfig, SamplingConfig
+from specplay.core.decoding.sampling import probabilities
+from specplay.core.decoding.types import Draft, GenerationConfig, SamplingConfig
 from stats import chi_square_pvalue
 from tiny import loaded, native_from_hf, need_llama_cpp, perturbed_copy, tiny_hf_model, tiny_tokenizer, write_tiny_gguf
 
@@ -33,7 +33,7 @@ def _steady_proposal_lengths(monkeypatch):
     """Prompt lookup sizes its proposals by a timing of the target: on a loaded machine a tiny
     target's timing could keep them short, and no draft would be verified three tokens deep."""
     import specplay.core.methods.prompt_lookup as prompt_lookup
-    from specplay.core.costmodel import CostCurve
+    from specplay.core.decoding.costmodel import CostCurve
 
     monkeypatch.setattr(prompt_lookup, "cost_curve", lambda model: CostCurve.linear(0.05))
 

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from specplay.core.engine import drain, generate
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.errors import ModelError
 from specplay.core.heads import EagleHead, head_config, save_heads
 from specplay.core.methods import build_method
 from specplay.core.methods.eagle import EagleConfig
 from specplay.core.training.common import TrainSettings
 from specplay.core.training.eagle import EagleObjective, train_eagle
-from specplay.core.types import GenerationConfig
+from specplay.core.decoding.types import GenerationConfig
 from tiny import loaded, native_from_hf, sgd_steps_lower, target_features, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
@@ -117,7 +117,7 @@ def test_auto_size_grows_only_levels_that_can_pay(target, tmp_path, monkeypatch)
     """With the tree sized by the verify cost, a level whose nodes are too unlikely to pay is not
     grown: nothing past the first when verifying is dear, every level when it is free, and on a costly (convex)
     curve the same draft as growing every level, from fewer drafter passes."""
-    from specplay.core.costmodel import CostCurve
+    from specplay.core.decoding.costmodel import CostCurve
 
     head = make_head_file(tmp_path / "eagle.safetensors", target.model)
     cfg = EagleConfig(head=str(head), tree="dynamic", depth=5, top_k=3, total_tokens=40)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specplay.core.engine import drain, generate
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.errors import ModelError
 from specplay.core.heads import head_config, load_heads, save_heads
 from specplay.core.heads.eagle3 import Eagle3Head
@@ -13,7 +13,7 @@ from specplay.core.models.base import ForwardOutput
 from specplay.core.training.eagle3 import Eagle3Objective
 from specplay.core.training.tau import accepted_length, answer_roots, eagle_tau
 from specplay.core.training.teacher import TeacherSet, read_teacher
-from specplay.core.types import GenerationConfig
+from specplay.core.decoding.types import GenerationConfig
 from tiny import loaded, native_from_hf, sgd_steps_lower, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]

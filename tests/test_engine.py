@@ -11,15 +11,15 @@ import json
 import pytest
 import torch
 
-from specplay.core.engine import commit, decode_step, drain, finish, generate, prefill, should_end, start_run, verify_draft
+from specplay.core.decoding.engine import commit, decode_step, drain, finish, generate, prefill, should_end, start_run, verify_draft
 from specplay.core.errors import ConfigError
 from specplay.core.methods import build_method
-from specplay.core.costmodel import CostCurve, best_size
+from specplay.core.decoding.costmodel import CostCurve, best_size
 from specplay.core.methods.lookahead import LookaheadConfig
 from specplay.core.methods.prompt_lookup import PromptLookupConfig
 from specplay.core.methods.speculative import SpeculativeConfig
-from specplay.core.sampling import probabilities
-from specplay.core.types import Fate, GenerationConfig, SamplingConfig, StopReason
+from specplay.core.decoding.sampling import probabilities
+from specplay.core.decoding.types import Fate, GenerationConfig, SamplingConfig, StopReason
 from stats import chi_square_pvalue
 from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model
 
@@ -447,7 +447,7 @@ def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(
 def test_a_run_record_is_written_back_as_it_was_read(models):
     """A record read from a log, the history or an older version writes back key for key: the keys it
     lacks stay out, keys the schema does not know stay in, a key set later is written."""
-    from specplay.core.runlog import RunRecord, run_record
+    from specplay.core.records.runlog import RunRecord, run_record
 
     target, near, *_ = models
     res = run(target, "speculative", SpeculativeConfig(gamma=3), near)
@@ -468,8 +468,8 @@ def test_a_run_record_is_written_back_as_it_was_read(models):
 
 def test_token_events_and_run_logs_carry_the_rule_per_draft_token(models):
     """Deterministic candidates carry a display q, yet are verified as one-hot: the event says so."""
-    from specplay.core.runlog import event_from_dict, event_to_dict
-    from specplay.core.types import Rule
+    from specplay.core.records.runlog import event_from_dict, event_to_dict
+    from specplay.core.decoding.types import Rule
 
     target, near, *_ = models
     sampled = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False, sampling=SamplingConfig(temperature=0.9))
@@ -519,11 +519,11 @@ def test_a_draft_that_is_never_accepted_stands_down_and_stays_exact(models, monk
     """A draft model that never agrees with the target: the run takes plain steps, says so on those
     steps and in its metrics, and still emits greedy decoding's tokens."""
     target, draft = models[0], models[3]
-    import specplay.core.engine
+    import specplay.core.decoding.engine
     from specplay import core
     # A flat cost curve: a plain step costs a drafting step's verification pass alone, so a step that
     # adds one token always loses to it, whatever the machine's timings.
-    monkeypatch.setattr(core.engine, "cost_curve", lambda model: CostCurve.linear(0.0))
+    monkeypatch.setattr(core.decoding.engine, "cost_curve", lambda model: CostCurve.linear(0.0))
     gen = GenerationConfig(max_new_tokens=60, stop_at_eos=False)
     base = run(target, "autoregressive", gen=gen)
     res = run(target, "speculative", SpeculativeConfig(gamma=4), draft, gen=gen)
@@ -553,7 +553,7 @@ def test_every_token_names_who_offered_it(models):
 
 
 def test_the_record_says_when_a_seed_would_not_repeat_a_sampled_run(models):
-    from specplay.core.runlog import run_record
+    from specplay.core.records.runlog import run_record
 
     target, draft = models[0], models[1]
 

@@ -18,7 +18,7 @@ def steady_sizes(monkeypatch):
     import specplay.core.methods.eagle
     import specplay.core.methods.prompt_lookup
     from specplay import core
-    from specplay.core.costmodel import CostCurve
+    from specplay.core.decoding.costmodel import CostCurve
 
     for module in (core.methods.eagle, core.methods.prompt_lookup):
         monkeypatch.setattr(module, "cost_curve", lambda model: CostCurve.linear(0.05))
@@ -53,10 +53,10 @@ def break_third_step(monkeypatch, culprit: str, how: str) -> dict:
     run there, as the engine does when an allocation fails. Returns a dict whose "at" is, once
     the check has run, the output position where the culprit's last run went wrong.
     """
-    import specplay.core.engine
+    import specplay.core.decoding.engine
     from specplay import core
     state = {"method": None}
-    real_build, real_generate, real_verify = gpu_check.build_method, gpu_check.generate, core.engine.verify
+    real_build, real_generate, real_verify = gpu_check.build_method, gpu_check.generate, core.decoding.engine.verify
 
     def build_method(name, *args):
         state["method"] = name
@@ -80,7 +80,7 @@ def break_third_step(monkeypatch, culprit: str, how: str) -> dict:
 
     monkeypatch.setattr(gpu_check, "build_method", build_method)
     monkeypatch.setattr(gpu_check, "generate", generate)
-    monkeypatch.setattr(core.engine, "verify", verify)
+    monkeypatch.setattr(core.decoding.engine, "verify", verify)
     return state
 
 

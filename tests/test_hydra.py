@@ -4,7 +4,7 @@ drafting equal to training, exactness beside the classic heads, τ_sim."""
 import pytest
 import torch
 
-from specplay.core.engine import drain, generate
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.errors import ConfigError
 from specplay.core.heads import load_heads, save_heads
 from specplay.core.heads.hydra import HydraHeads
@@ -13,8 +13,8 @@ from specplay.core.methods.medusa import MedusaConfig
 from specplay.core.training.common import TrainSettings
 from specplay.core.training.hydra import HydraObjective, train_hydra
 from specplay.core.training.tau import medusa_tau
-from specplay.core.tree import TreeSpec
-from specplay.core.types import GenerationConfig
+from specplay.core.decoding.tree import TreeSpec
+from specplay.core.decoding.types import GenerationConfig
 from test_eagle3 import teacher_set
 from test_medusa import ACC
 from tiny import loaded, native_from_hf, sgd_steps_lower, tiny_hf_model

@@ -188,10 +188,10 @@ def test_the_c_layer_computes_torchs_layer():
 
 
 def test_speculation_on_a_gguf_target_emits_greedy_decodings_tokens():
-    from specplay.core.engine import drain, generate
+    from specplay.core.decoding.engine import drain, generate
     from specplay.core.methods import build_method
     from specplay.core.methods.speculative import SpeculativeConfig
-    from specplay.core.types import GenerationConfig
+    from specplay.core.decoding.types import GenerationConfig
     from tiny import loaded
 
     target = loaded(_tiny_gguf_decoder(seed=0))
@@ -242,12 +242,12 @@ def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly
     """A .gguf draft (float32 tensors, rows of 32) loads on the kernel without a conversion: its
     blocks fitted and kept in the cache at the first load, read back at the next; speculation with
     it emits greedy's tokens."""
-    from specplay.core.engine import drain, generate
+    from specplay.core.decoding.engine import drain, generate
     from specplay.core.methods import build_method
     from specplay.core.methods.speculative import SpeculativeConfig
     from specplay.core.models import loader
     from specplay.core.models.cache import KQUANT_DRAFT_WEIGHTS, check_weights
-    from specplay.core.types import GenerationConfig
+    from specplay.core.decoding.types import GenerationConfig
     from tiny import loaded, native_from_hf, tiny_hf_model, write_tiny_gguf
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))

@@ -3,7 +3,7 @@
 
 import pytest
 
-from specplay.core.bench import LlamaCppPeer
+from specplay.core.measure.bench import LlamaCppPeer
 from specplay.core.errors import ModelError
 from specplay.core.models.llamacpp import LlamaSettings, ProbeResult
 
@@ -58,7 +58,7 @@ def test_the_prompt_lookup_peer_opens_llama_cpp_with_the_flash_attention_its_set
     import sys
     import types
 
-    from specplay.core import bench
+    from specplay.core.measure import bench
     from specplay.core.models import llamacpp
 
     opened = []

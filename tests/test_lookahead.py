@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from specplay.core.engine import _forward_inputs, drain, generate
+from specplay.core.decoding.engine import _forward_inputs, drain, generate
 from specplay.core.errors import ConfigError
 from specplay.core.methods import build_method
-from specplay.core.methods.base import RunContext
+from specplay.core.decoding.method import RunContext
 from specplay.core.methods.lookahead import Lookahead, LookaheadConfig, NgramPool
-from specplay.core.tree import path_to
-from specplay.core.types import GenerationConfig
+from specplay.core.decoding.tree import path_to
+from specplay.core.decoding.types import GenerationConfig
 from tiny import loaded, native_from_hf, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]

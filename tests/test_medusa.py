@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specplay.core.engine import drain, generate
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.errors import Cancelled, ConfigError, ModelError
 from specplay.core.heads import load_heads, save_heads
 from specplay.core.methods import build_method
@@ -13,8 +13,8 @@ from specplay.core.heads import MedusaHeads
 from specplay.core.methods.medusa import MedusaConfig
 from specplay.core.training.common import TrainSettings
 from specplay.core.training.medusa import MedusaObjective, train_medusa
-from specplay.core.tree import TreeSpec, ancestor_mask, choose_tree, path_to
-from specplay.core.types import GenerationConfig, SamplingConfig
+from specplay.core.decoding.tree import TreeSpec, ancestor_mask, choose_tree, path_to
+from specplay.core.decoding.types import GenerationConfig, SamplingConfig
 from tiny import loaded, native_from_hf, sgd_steps_lower, target_features, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
@@ -272,7 +272,7 @@ def test_resume_continues_only_a_checkpoint_of_the_same_target(target, tmp_path,
 def test_the_dynamic_tree_follows_the_heads_confidence_and_the_verify_cost(target, tmp_path):
     """Each step's tree goes deep where the heads are sure and wide where they are not, and holds
     only as many nodes as pay for their verification: one node when verifying is dear."""
-    from specplay.core.costmodel import CostCurve
+    from specplay.core.decoding.costmodel import CostCurve
 
     heads = make_heads_file(tmp_path / "heads.safetensors")
     method = build_method("medusa", MedusaConfig(heads=str(heads), tree="dynamic"), target)

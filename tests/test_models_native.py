@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specplay.core.models.base import expand_mask
-from specplay.core.tree import ancestor_mask
+from specplay.core.decoding.tree import ancestor_mask
 from tiny import native_from_hf, tiny_hf_model, tiny_pair
 
 

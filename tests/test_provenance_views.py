@@ -6,7 +6,7 @@ pytest.importorskip("PySide6")
 
 from specplay.app.charts import Series  # noqa: E402
 from specplay.app.xray import tooltip_html  # noqa: E402
-from specplay.core.types import Fate, StepEvent, StepTiming, TokenEvent  # noqa: E402
+from specplay.core.decoding.types import Fate, StepEvent, StepTiming, TokenEvent  # noqa: E402
 
 
 def _step(tokens, stood_down=None, drafted=0):

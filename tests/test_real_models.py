@@ -57,10 +57,10 @@ def test_native_matches_transformers_on_the_real_0_5b(draft_f32):
 def test_autoregressive_equals_transformers_generate(draft_f32):
     from transformers import AutoModelForCausalLM
 
-    from specplay.core.engine import drain, generate
+    from specplay.core.decoding.engine import drain, generate
     from specplay.core.methods import build_method
     from specplay.core.text import encode_prompt
-    from specplay.core.types import GenerationConfig
+    from specplay.core.decoding.types import GenerationConfig
 
     ids = encode_prompt(draft_f32.tokenizer, "Implement binary search in Python.")
     ours = drain(generate(draft_f32.model, draft_f32.tokenizer, build_method("autoregressive", None, draft_f32), ids,
@@ -73,10 +73,10 @@ def test_autoregressive_equals_transformers_generate(draft_f32):
 def test_default_pair_speculation_is_lossless():
     """On the default target and draft (int8 storage), every method emits greedy decoding's tokens,
     and the shipped Medusa and EAGLE heads draft tokens the target accepts."""
-    from specplay.core.compare import compare_methods
+    from specplay.core.measure.compare import compare_methods
     from specplay.core.models import check_draft_compatible, load_model
     from specplay.core.text import encode_prompt
-    from specplay.core.types import GenerationConfig
+    from specplay.core.decoding.types import GenerationConfig
 
     _require(DEFAULT_TARGET)
     _require(DEFAULT_DRAFT)
@@ -101,11 +101,11 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
     decoding's tokens. Asked for by name: with ``auto`` the draft takes whichever engine measured
     faster here, and on an Intel Xeon whose llama.cpp must run without its extra buffers the two
     are within a few milliseconds a token (33.7 against 29.3 for the int4 layers, one run)."""
-    from specplay.core.compare import compare_methods
+    from specplay.core.measure.compare import compare_methods
     from specplay.core.models import check_draft_compatible, load_model
     from specplay.core.models.linear import int8_supported
     from specplay.core.text import encode_prompt
-    from specplay.core.types import GenerationConfig
+    from specplay.core.decoding.types import GenerationConfig
     from tiny import need_llama_cpp
 
     need_llama_cpp()
@@ -128,10 +128,10 @@ def test_the_default_models_run_on_the_ggufs_blocks_and_greedy_speculation_stays
     """Nothing asked for: where the k-quant kernel runs, the target runs on the shipped file's own
     Q4_K/Q6_K blocks and the draft on the kernel (its blocks fitted once), neither converted into
     float weights; greedy speculation emits exactly greedy decoding's tokens."""
-    from specplay.core.compare import compare_methods
+    from specplay.core.measure.compare import compare_methods
     from specplay.core.models import kquant, load_model
     from specplay.core.text import encode_prompt
-    from specplay.core.types import GenerationConfig
+    from specplay.core.decoding.types import GenerationConfig
 
     _require(DEFAULT_TARGET)
     _require(DEFAULT_DRAFT)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from specplay.core.cli import main
-from specplay.core.engine import drain, generate
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.errors import ModelError
-from specplay.core.history import History
+from specplay.core.records.history import History
 from specplay.core.methods import build_method
-from specplay.core.runlog import run_record, write_jsonl_atomic
-from specplay.core.types import GenerationConfig, StopReason
+from specplay.core.records.runlog import run_record, write_jsonl_atomic
+from specplay.core.decoding.types import GenerationConfig, StopReason
 from tiny import loaded, native_from_hf, save_tiny_model, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8]
@@ -199,7 +199,7 @@ def _full_disk(monkeypatch):
 
 
 def test_bench_outputs_on_a_full_disk_keep_the_previous_run(target, tmp_path, monkeypatch):
-    from specplay.core.bench import BenchSpec, Question, run_bench
+    from specplay.core.measure.bench import BenchSpec, Question, run_bench
 
     spec = BenchSpec(methods=["autoregressive"], max_new_tokens=4, warmup=0, chat_template=False)
     run_bench(target, None, [Question(1, "code", ("ab",))], spec, tmp_path, log=lambda m: None)

@@ -15,7 +15,7 @@ from specplay.core import remote
 from specplay.core.errors import ConfigError
 from specplay.core.remote import (Endpoint, RemoteError, api_key, compare_endpoints, format_remote_table, llamacpp_spec_stats,
                          parse_prometheus, remote_record, sglang_spec_stats, stream_completion, vllm_spec_stats)
-from specplay.core.runlog import LOCAL_ONLY, RunRecord
+from specplay.core.records.runlog import LOCAL_ONLY, RunRecord
 
 FIXTURES = Path(__file__).parent / "fixtures" / "remote"
 
@@ -566,7 +566,7 @@ def test_llamacpp_server_with_and_without_its_draft(tmp_path):
 def test_an_endpoint_is_benchmarked_beside_local_methods(tmp_path):
     import torch
 
-    from specplay.core.bench import BenchSpec, Question, run_bench
+    from specplay.core.measure.bench import BenchSpec, Question, run_bench
     from tests.tiny import loaded, tiny_pair
 
     target = loaded(tiny_pair(dtype=torch.float64)[0])

@@ -21,9 +21,9 @@ from tiny import save_tiny_model  # noqa: E402
 
 from specplay.app.session import RunSession  # noqa: E402
 from specplay.app.worker import AuditRequest, LoadRequest, RunRequest  # noqa: E402
-from specplay.core.history import History  # noqa: E402
+from specplay.core.records.history import History  # noqa: E402
 from specplay.core.methods import method_title  # noqa: E402
-from specplay.core.types import GenerationConfig, SamplingConfig  # noqa: E402
+from specplay.core.decoding.types import GenerationConfig, SamplingConfig  # noqa: E402
 
 TIMEOUT = 30_000
 SIGNALS = ("sig_busy_changed", "sig_status", "sig_error", "sig_models_changed", "sig_load_failed", "sig_run_started",
@@ -94,7 +94,7 @@ def test_a_run_streams_its_steps_and_ends_with_its_saved_record(session, qtbot):
 
 def test_the_record_is_made_in_the_engine_thread(session, qtbot, monkeypatch):
     """Records read the models, which only the engine thread touches."""
-    import specplay.core.runlog as runlog
+    import specplay.core.records.runlog as runlog
 
     threads = []
     real = runlog.run_record
@@ -152,8 +152,8 @@ def test_an_engine_error_is_a_signal_with_its_message_and_the_session_goes_on(se
 def test_a_run_the_engine_ends_early_is_kept_saved_and_said(session, qtbot, monkeypatch):
     import dataclasses
 
-    import specplay.core.engine as engine
-    from specplay.core.types import StopReason
+    import specplay.core.decoding.engine as engine
+    from specplay.core.decoding.types import StopReason
 
     real = engine.drain
 

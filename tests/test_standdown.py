@@ -3,7 +3,7 @@ decoding where drafts are never accepted, and never stands down where drafting p
 
 import pytest
 
-from specplay.core.standdown import StandDownGate
+from specplay.core.decoding.standdown import StandDownGate
 
 T1 = 1.0  # a plain step
 GAMMA, C = 5, 0.2  # draft tokens a step, a draft token's cost in plain steps

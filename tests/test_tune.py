@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from specplay.core.cli import main
-from specplay.core import tune as tuning
-from specplay.core.costmodel import CostCurve
-from specplay.core.engine import drain, generate
+from specplay.core.measure import tune as tuning
+from specplay.core.decoding.costmodel import CostCurve
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.methods import build_method
 from specplay.core.methods.eagle import EagleConfig
 from specplay.core.methods.prompt_lookup import PromptLookupConfig
 from specplay.core.methods.speculative import SpeculativeConfig
-from specplay.core.types import GenerationConfig
+from specplay.core.decoding.types import GenerationConfig
 from test_eagle import make_head_file
 from tiny import loaded, native_from_hf, perturbed_copy, save_tiny_model, tiny_hf_model
 

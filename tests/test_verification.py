@@ -8,10 +8,10 @@ on a verifier that is wrong in a plausible way must fail, so the test has the po
 import pytest
 import torch
 
-from specplay.core.sampling import probabilities
-from specplay.core.tree import TreeSpec
-from specplay.core.types import Draft, Fate, Rule, SamplingConfig
-from specplay.core.verification import verify, verify_greedy, verify_sampling
+from specplay.core.decoding.sampling import probabilities
+from specplay.core.decoding.tree import TreeSpec
+from specplay.core.decoding.types import Draft, Fate, Rule, SamplingConfig
+from specplay.core.decoding.verification import verify, verify_greedy, verify_sampling
 from stats import chi_square_pvalue
 
 V = 6

@@ -2,8 +2,8 @@
 
 import pytest
 
-from specplay.core.costmodel import CostCurve
-from specplay.core.whyspeed import break_even_cost, chain_speedup, explain, format_explanation
+from specplay.core.decoding.costmodel import CostCurve
+from specplay.core.measure.whyspeed import break_even_cost, chain_speedup, explain, format_explanation
 
 CURVE = CostCurve((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3))
 

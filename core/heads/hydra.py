@@ -47,7 +47,7 @@ class HydraHeads(nn.Module):
                    ranks: Sequence[int], depth_of: Sequence[int], logits: Callable[[torch.Tensor], torch.Tensor],
                    embed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """A static tree's candidates for ``B`` roots at once: ``hidden`` ``[B, h]``, ``root_embeds``
-        ``[B, h]``; nodes ordered by depth, parents first (:class:`specplay.core.tree.TreeSpec`). ``logits``
+        ``[B, h]``; nodes ordered by depth, parents first (:class:`specplay.core.decoding.tree.TreeSpec`). ``logits``
         maps states to draft-vocabulary logits, ``embed`` draft-vocabulary indices to embeddings.
         Returns each node's draft-vocabulary index and draft probability, both ``[B, n]``."""
         n = len(parents)

@@ -7,7 +7,7 @@ from typing import Callable
 
 from specplay.core.errors import ConfigError
 from specplay.core.methods.autoregressive import Autoregressive, AutoregressiveConfig
-from specplay.core.methods.base import Method, MethodConfig
+from specplay.core.decoding.method import Method, MethodConfig
 from specplay.core.methods.eagle import Eagle, EagleConfig
 from specplay.core.methods.lookahead import Lookahead, LookaheadConfig
 from specplay.core.methods.medusa import Medusa, MedusaConfig

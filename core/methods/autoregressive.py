@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specplay.core.methods.base import Method, MethodConfig
-from specplay.core.types import Draft
+from specplay.core.decoding.method import Method, MethodConfig
+from specplay.core.decoding.types import Draft
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ Drafting: ``chain`` follows the top token for ``depth`` steps (EAGLE-1). ``dynam
 (EAGLE-2) takes the ``top_k`` children of the root, then at each further level expands the
 ``top_k`` frontier nodes with the highest cumulative log-probability, and finally keeps the
 best nodes of all levels for verification: at most ``total_tokens``, and with ``auto_size``
-only as many as pay for their verification on this machine (:mod:`specplay.core.costmodel`); a level
+only as many as pay for their verification on this machine (:mod:`specplay.core.decoding.costmodel`); a level
 whose nodes are all too unlikely to pay is then not grown (with the shipped head on two cores
 this rarely cuts a level: docs/benchmarks.md). The head keeps its own KV cache of (true
 feature, token) pairs across steps; draft-time entries are cropped after each step and the
@@ -30,14 +30,14 @@ from typing import Callable
 
 import torch
 
-from specplay.core.costmodel import CostCurve, best_size, cost_curve
+from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve
 from specplay.core.errors import ModelError
 from specplay.core.heads import draft_lm_rows, head_config, load_heads, resolve_heads_path
 from specplay.core.heads.eagle import EagleDrafter
-from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.models.layers import rms_norm
 from specplay.core.models.linear import make_linear, storage_of
-from specplay.core.types import Draft
+from specplay.core.decoding.types import Draft
 
 
 def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.Tensor], vocab_ids: torch.Tensor,

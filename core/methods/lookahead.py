@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
-from specplay.core.tree import build_trie
-from specplay.core.types import Draft
+from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.decoding.tree import build_trie
+from specplay.core.decoding.types import Draft
 
 
 @dataclass(frozen=True)

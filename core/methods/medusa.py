@@ -12,9 +12,9 @@ small (2.4 M parameters each) and makes drafting and training cheap on a CPU. To
 outside the draft vocabulary are never drafted; the target still produces them.
 
 Candidates: each depth's top-k tokens from its head form a static tree declared as paths
-of ranks (:class:`specplay.core.tree.TreeSpec`). The default tree takes the paths with the highest
+of ranks (:class:`specplay.core.decoding.tree.TreeSpec`). The default tree takes the paths with the highest
 estimated acceptance (the product of the heads' measured accuracies), as many as pay for
-their verification on this machine (:mod:`specplay.core.costmodel`): a handful on a CPU, dozens on
+their verification on this machine (:mod:`specplay.core.decoding.costmodel`): a handful on a CPU, dozens on
 a GPU. The target verifies the tree in one pass;
 candidates are deterministic, so verification is exact (and lossless at temperature > 0).
 Medusa's typical acceptance is available as an option and is labelled lossy.
@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 
 from specplay.core.errors import ConfigError, ModelError
-from specplay.core.costmodel import CostCurve, best_size, cost_curve
+from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve
 from specplay.core.heads import MedusaHeads, draft_lm_rows, load_heads, resolve_heads_path
 from specplay.core.heads.hydra import HydraHeads
-from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
-from specplay.core.tree import TreeSpec, choose_tree
-from specplay.core.types import Draft
+from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.decoding.tree import TreeSpec, choose_tree
+from specplay.core.decoding.types import Draft
 
 NAMED_TREES = {"auto": "the most valuable paths by measured accuracy, as many as pay for their verification here",
                "dynamic": "chosen afresh each step by the heads' confidence, as many as pay for their verification",

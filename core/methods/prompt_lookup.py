@@ -8,7 +8,7 @@ its continuation is proposed as a deterministic chain.
 How much of it to propose: verifying k extra tokens is not free (on a CPU each costs a few
 percent of a step), and a one-token match is a much weaker guess than a three-token one.
 With ``adaptive`` (the default) the method learns, per match length, how often its guesses
-are accepted and, with the target's measured verification cost (:mod:`specplay.core.costmodel`),
+are accepted and, with the target's measured verification cost (:mod:`specplay.core.decoding.costmodel`),
 proposes the length that maximises expected tokens per unit of time (possibly none).
 Without it, every match proposes ``num_tokens``.
 """
@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specplay.core.errors import ConfigError
-from specplay.core.costmodel import best_size, cost_curve
-from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
-from specplay.core.types import Draft
+from specplay.core.decoding.costmodel import best_size, cost_curve
+from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.decoding.types import Draft
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from specplay.core.costmodel import best_size, cost_curve
+from specplay.core.decoding.costmodel import best_size, cost_curve
 from specplay.core.errors import ConfigError
-from specplay.core.methods.base import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 from specplay.core.models.base import CausalLM
-from specplay.core.sampling import align_vocab, probabilities, sample
-from specplay.core.types import Draft
+from specplay.core.decoding.sampling import align_vocab, probabilities, sample
+from specplay.core.decoding.types import Draft
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ over roots spread across the answers (never inside a prompt: decoding drafts onl
 with the tree the method grows at inference but of a fixed size (the number of nodes the
 cost model keeps moves with the machine; here it is fixed so runs compare): EAGLE's dynamic
 tree (:func:`specplay.core.methods.eagle.grow_tree`) and Medusa's static tree of the most valuable paths
-by held-out accuracy (:func:`specplay.core.tree.choose_tree`).
+by held-out accuracy (:func:`specplay.core.decoding.tree.choose_tree`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from specplay.core.training.teacher import TeacherSet
-from specplay.core.tree import TreeSpec, choose_tree
+from specplay.core.decoding.tree import TreeSpec, choose_tree
 
 EAGLE_TREE = {"depth": 5, "top_k": 4, "total_tokens": 16}  # docs/benchmarks.md measures τ at 16 nodes too
 MEDUSA_NODES = 8  # about what pays for its verification on a two-core CPU

@@ -31,8 +31,8 @@ import math
 
 import torch
 
-from specplay.core.sampling import probabilities, sample, token_probability, uniform
-from specplay.core.types import Draft, Fate, Rule, SamplingConfig, Verdict
+from specplay.core.decoding.sampling import probabilities, sample, token_probability, uniform
+from specplay.core.decoding.types import Draft, Fate, Rule, SamplingConfig, Verdict
 
 
 def _children(draft: Draft) -> dict[int, list[int]]:

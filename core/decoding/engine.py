@@ -1,7 +1,7 @@
 """The decoding loop every method plugs into: propose -> verify -> commit -> observe.
 
-:func:`generate` is a generator of :class:`~specplay.core.types.StepEvent`; its return value (the
-``StopIteration`` value, or :func:`drain`'s result) is the :class:`~specplay.core.types.RunResult`.
+:func:`generate` is a generator of :class:`~specplay.core.decoding.types.StepEvent`; its return value (the
+``StopIteration`` value, or :func:`drain`'s result) is the :class:`~specplay.core.decoding.types.RunResult`.
 It checks ``should_stop`` between steps, so a cancelled run returns what it produced.
 
 It is a short loop over functions that each work on a :class:`RunState` and can be called
@@ -24,17 +24,17 @@ from typing import Callable, Generator
 
 import torch
 
-from specplay.core.costmodel import CostCurve, cost_curve
+from specplay.core.decoding.costmodel import CostCurve, cost_curve
 from specplay.core.errors import ConfigError, is_out_of_memory
-from specplay.core.methods.base import Method, RunContext, StepOutcome
-from specplay.core.metrics import MetricsRecorder
+from specplay.core.decoding.method import Method, RunContext, StepOutcome
+from specplay.core.decoding.metrics import MetricsRecorder
 from specplay.core.models.base import CausalLM, ForwardOutput
-from specplay.core.standdown import GateState, StandDownGate
+from specplay.core.decoding.standdown import GateState, StandDownGate
 from specplay.core.text import Detokenizer
-from specplay.core.tree import ancestor_mask
-from specplay.core.types import (Draft, Fate, GenerationConfig, RunResult, StepEvent, StepTiming, StopReason, TokenEvent,
+from specplay.core.decoding.tree import ancestor_mask
+from specplay.core.decoding.types import (Draft, Fate, GenerationConfig, RunResult, StepEvent, StepTiming, StopReason, TokenEvent,
                         Verdict)
-from specplay.core.verification import verify
+from specplay.core.decoding.verification import verify
 
 
 def _forward_inputs(draft: Draft, root: int, base: int):

@@ -44,7 +44,7 @@ import torch
 from specplay.core.atomic import write_text_atomic
 from specplay.core.errors import ConfigError, ModelError, SpecPlayError, is_out_of_memory
 from specplay.core.paths import assets_dir
-from specplay.core.runlog import dumps, write_jsonl_atomic
+from specplay.core.records.runlog import dumps, write_jsonl_atomic
 from specplay.core.text import lone_surrogate_at
 
 HF_PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
@@ -146,8 +146,8 @@ class OurMethod:
         return self.method.describe()
 
     def run(self, prompt_ids: list[int], gen) -> TurnResult:
-        from specplay.core.engine import drain, generate
-        from specplay.core.types import StopReason
+        from specplay.core.decoding.engine import drain, generate
+        from specplay.core.decoding.types import StopReason
 
         r = drain(generate(self.target.model, self.target.tokenizer, self.method, prompt_ids, gen))
         m = r.metrics
@@ -288,7 +288,7 @@ class LlamaCppPeer:
         return TurnResult(new, text, wall, None, time_to_first_token=first)
 
     def _tokens(self, prompt_ids: list[int], gen):
-        from specplay.core.sampling import probabilities, sample
+        from specplay.core.decoding.sampling import probabilities, sample
 
         s = gen.sampling
         if self.session is None:
@@ -495,8 +495,8 @@ def format_sweep(by_temperature: dict[float, dict]) -> str:
 
 def measure_verify_cost(model, context: int = 200, repeats: int = 7) -> dict:
     """The fastest of ``repeats`` forward passes of 1 and of 8 new tokens after ``context`` cached
-    tokens, taking turns (see :func:`specplay.core.costmodel.time_passes`)."""
-    from specplay.core.costmodel import time_passes
+    tokens, taking turns (see :func:`specplay.core.decoding.costmodel.time_passes`)."""
+    from specplay.core.decoding.costmodel import time_passes
 
     t1, t8 = time_passes(model, (1, 8), context, repeats)
     return {"t1_ms": t1 * 1e3, "t8_ms": t8 * 1e3, "ratio": t8 / t1, "context": context}
@@ -515,7 +515,7 @@ class BenchSpec:
     warmup: int = 1
     repeats: int = 1
     chat_template: bool = True
-    #: Methods take plain steps where drafting does not pay (core/standdown.py).
+    #: Methods take plain steps where drafting does not pay (core/decoding/standdown.py).
     stand_down: bool = True
     #: A sweep: every method runs at each of these temperatures in turn (empty: ``temperature`` alone).
     temperatures: tuple[float, ...] = ()
@@ -575,7 +575,7 @@ def _run_questions(runners: dict, questions: list[Question], bench_spec: BenchSp
                    files: dict[str, Path], params: dict, prompt_ids: Callable, warm: set[str],
                    log: Callable[[str], None]) -> dict:
     """Every runner's answer to every question at ``bench_spec.temperature``: read back, or run and appended."""
-    from specplay.core.types import GenerationConfig, SamplingConfig
+    from specplay.core.decoding.types import GenerationConfig, SamplingConfig
 
     gen = GenerationConfig(max_new_tokens=bench_spec.max_new_tokens, stand_down=bench_spec.stand_down,
                            sampling=SamplingConfig(temperature=bench_spec.temperature, top_p=bench_spec.top_p,
@@ -825,7 +825,7 @@ def _resume(path: Path, name: str, settings: dict, params: dict, wanted: dict, l
 def _write_summary(out_dir: Path, by_temperature: dict[float, dict], verify_cost: dict, target, draft,
                    bench_spec: BenchSpec, params: dict, files: dict[float, dict[str, Path]]) -> dict:
     """Write ``summary.json`` (a sweep adds every temperature's summary and files); return its environment card."""
-    from specplay.core.environment import environment
+    from specplay.core.records.environment import environment
 
     first = bench_spec.sweep()[0]
     doc = {"summary": by_temperature[first], "verify_cost": verify_cost, "baseline": "autoregressive",

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specplay.core.engine import drain, generate
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.methods import build_method
-from specplay.core.runlog import RunRecord, run_record
-from specplay.core.types import GenerationConfig, RunResult, SamplingConfig
+from specplay.core.records.runlog import RunRecord, run_record
+from specplay.core.decoding.types import GenerationConfig, RunResult, SamplingConfig
 
 #: Tokens of the untimed warm-up run before each method's timed run.
 WARMUP_TOKENS = 8

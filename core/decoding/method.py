@@ -1,6 +1,6 @@
 """What a decoding method is: a proposer with its own drafting state.
 
-A method never accepts tokens. Each step it *proposes* a :class:`~specplay.core.types.Draft` (a
+A method never accepts tokens. Each step it *proposes* a :class:`~specplay.core.decoding.types.Draft` (a
 chain or a tree, with draft probabilities when it has them); the engine runs the target,
 the verifier decides, the target cache commits the accepted path, and the method
 *observes* the outcome to update its own state (draft caches, n-gram pools, γ).
@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from specplay.core.models.base import CausalLM, ForwardOutput
-from specplay.core.types import Draft, GenerationConfig, Verdict
+from specplay.core.decoding.types import Draft, GenerationConfig, Verdict
 
 
 @dataclass

@@ -52,9 +52,9 @@ import torch
 from specplay.core.errors import ConfigError
 from specplay.core.models.base import CausalLM, ForwardOutput
 from specplay.core.progress import Progress
-from specplay.core.sampling import probabilities
-from specplay.core.tree import ancestor_mask
-from specplay.core.types import GenerationConfig, SamplingConfig, StopReason
+from specplay.core.decoding.sampling import probabilities
+from specplay.core.decoding.tree import ancestor_mask
+from specplay.core.decoding.types import GenerationConfig, SamplingConfig, StopReason
 
 #: A prompt whose first answer tokens are spread over a few dozen likely openings at T = 1.
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -436,7 +436,7 @@ def _sample(model, tokenizer, method, prompt_ids: list[int], gen: GenerationConf
             stop: Callable[[], bool]):
     """One sample's run, ended (as cancelled) once it holds ``tested`` tokens, or earlier by ``stop``;
     (the run, its deepest judged position within those tokens)."""
-    from specplay.core.engine import drain, generate
+    from specplay.core.decoding.engine import drain, generate
 
     made, deepest = [0], [0]
 
@@ -535,8 +535,8 @@ def audit_record(result: AuditResult, *, target, draft=None, prompt: str | None 
     the samples' runs made, ``max_new_tokens`` each run's limit: K plus the method's deepest
     draft), so run tables and CSV exports read it too.
     """
-    from specplay.core.environment import environment
-    from specplay.core.runlog import _model_entry
+    from specplay.core.records.environment import environment
+    from specplay.core.records.runlog import _model_entry
 
     s, c = result.sampling, result.config
     new_tokens = result.decoded

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from specplay.core.atomic import replacing
-from specplay.core.environment import environment
-from specplay.core.types import Fate, Rule, RunResult, StepEvent, StepTiming, TokenEvent
+from specplay.core.records.environment import environment
+from specplay.core.decoding.types import Fate, Rule, RunResult, StepEvent, StepTiming, TokenEvent
 
 
 def _model_entry(loaded) -> dict | None:
@@ -123,7 +123,7 @@ class RunRecord:
     time_split: dict[str, float] | None = None
     environment: dict | None = None
     events: list[dict] | None = None  # every step (event_to_dict), where the record keeps them
-    # a comparison's (core/compare.py, core/remote.py)
+    # a comparison's (core/measure/compare.py, core/remote.py)
     speedup: float | None = None
     identical_to_baseline: bool | None = None
     absent: set[str] = field(default_factory=set, repr=False)
@@ -190,7 +190,7 @@ _KEYS = tuple(f.name for f in fields(RunRecord) if f.name not in ("absent", "ext
 ENDPOINT_ONLY = frozenset({"engine", "inter_token_latency", "spec_source"})
 LOCAL_ONLY = frozenset({"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_per_position",
                         "stood_down_steps", "repeatable", "unrepeatable_because", "tokens_by_source"})
-#: Keys a comparison adds to its records (:func:`specplay.core.compare.annotate`).
+#: Keys a comparison adds to its records (:func:`specplay.core.measure.compare.annotate`).
 COMPARISON_ONLY = frozenset({"speedup", "identical_to_baseline"})
 
 

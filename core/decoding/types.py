@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from specplay.core.errors import ConfigError
-from specplay.core.tree import depths
+from specplay.core.decoding.tree import depths
 
 
 def _is_number(value) -> bool:
@@ -66,7 +66,7 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_strings: tuple[str, ...] = ()
     stop_at_eos: bool = True
-    #: Take plain steps while drafting runs slower than plain decoding (core/standdown.py); off for study.
+    #: Take plain steps while drafting runs slower than plain decoding (core/decoding/standdown.py); off for study.
     stand_down: bool = True
 
     def __post_init__(self):
@@ -250,4 +250,4 @@ class RunResult:
         return self.stop_reason is StopReason.CANCELLED
 
 
-from specplay.core.metrics import RunMetrics  # noqa: E402  (type used in annotations above)
+from specplay.core.decoding.metrics import RunMetrics  # noqa: E402  (type used in annotations above)

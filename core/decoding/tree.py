@@ -1,6 +1,6 @@
 """Draft trees: attention masks, positions and path retrieval.
 
-A tree is stored as a parent array (see :class:`specplay.core.types.Draft`). Forward row 0 is the
+A tree is stored as a parent array (see :class:`specplay.core.decoding.types.Draft`). Forward row 0 is the
 root (the last committed token); row ``i + 1`` is node ``i``. A node may attend to the
 committed cache, the root, its ancestors and itself; its position is the root's plus its
 depth. Static trees (Medusa) are declared as data, a list of paths of candidate ranks, and

@@ -39,15 +39,15 @@ from typing import Callable
 
 import torch
 
-from specplay.core.compare import WARMUP_TOKENS, warm_up
-from specplay.core.costmodel import CostCurve, best_size, cost_curve, time_passes
-from specplay.core.engine import drain, generate
+from specplay.core.measure.compare import WARMUP_TOKENS, warm_up
+from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve, time_passes
+from specplay.core.decoding.engine import drain, generate
 from specplay.core.errors import Cancelled, ConfigError
 from specplay.core.methods import build_method, get_spec
-from specplay.core.methods.base import MethodConfig
+from specplay.core.decoding.method import MethodConfig
 from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
-from specplay.core.runlog import RunRecord
-from specplay.core.types import GenerationConfig
+from specplay.core.records.runlog import RunRecord
+from specplay.core.decoding.types import GenerationConfig
 
 ASSUMPTIONS = (
     "temperature 0: acceptance is replayed along autoregressive's answer, which every setting reproduces",
@@ -135,7 +135,7 @@ class Trial:
     measured_tokens_per_s: float
     measured_tau: float
     identical: bool  # every run's output is autoregressive's
-    record: dict  # the first run's record (core/runlog.py)
+    record: dict  # the first run's record (core/records/runlog.py)
     measured_runs: list[float] = field(default_factory=list)  # each run's tokens/s (measured: their mean)
     predicted_at_timing: float = 0.0  # tokens/s at the machine's speed when the costs were timed
     slowdown: float = 1.0  # the machine's speed then over its speed during the runs (their mean)
@@ -239,7 +239,7 @@ def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int) 
 
 def draft_passes(method, context_ids: list[int], sizes: tuple[int, ...], vocab: int, repeats: int = 5) -> list[float]:
     """Median seconds of the draft's pass over n new tokens after ``context_ids``, run as the method runs
-    it (its engine and head), the sizes taking turns as in :func:`specplay.core.costmodel.time_passes`."""
+    it (its engine and head), the sizes taking turns as in :func:`specplay.core.decoding.costmodel.time_passes`."""
     method.start(SimpleNamespace(tokens=list(context_ids)))
     dm = method.draft_model
     kept = dm.cache_len

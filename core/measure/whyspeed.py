@@ -9,7 +9,7 @@ step in the same comparison)::
     speedup    ≈  τ / step cost                    (decoding only, prefill aside)
 
 with k the mean number of draft nodes verified per step and T(n)/T(1) this machine's measured
-verification cost curve (:mod:`specplay.core.costmodel`). Comparing this prediction with the measured
+verification cost curve (:mod:`specplay.core.decoding.costmodel`). Comparing this prediction with the measured
 decoding speedup shows where time goes; a gap means time the model does not see.
 
 The break-even picture (Leviathan et al.'s analysis with a measured cost curve): a chain of γ
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specplay.core.costmodel import CostCurve
+from specplay.core.decoding.costmodel import CostCurve
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def _decode_time(record: dict) -> float:
 
 
 def explain(records: list[dict], curve: CostCurve, baseline: str = "autoregressive") -> list[SpeedExplanation]:
-    """One explanation per run record (as :func:`specplay.core.runlog.run_record` writes them) of one comparison."""
+    """One explanation per run record (as :func:`specplay.core.records.runlog.run_record` writes them) of one comparison."""
     base = next(r for r in records if r["method"] == baseline)
     t1 = _decode_time(base) / base["steps"]  # one plain step, as this comparison measured it
     base_rate = base["new_tokens"] / _decode_time(base)

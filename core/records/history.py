@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specplay.core.atomic import replacing
 from specplay.core.paths import data_dir
-from specplay.core.runlog import dumps
+from specplay.core.records.runlog import dumps
 
 log = logging.getLogger(__name__)
 

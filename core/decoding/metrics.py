@@ -36,7 +36,7 @@ class RunMetrics:
     #: ``num_drafts`` and ``num_accepted_tokens_per_pos``).
     num_drafts: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    #: Plain steps taken because drafting did not pay (core/standdown.py).
+    #: Plain steps taken because drafting did not pay (core/decoding/standdown.py).
     stood_down_steps: int = 0
 
     def to_dict(self) -> dict:
