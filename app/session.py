@@ -28,7 +28,7 @@ from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteR
 from specplay.core.measure.compare import BASELINE, annotate
 from specplay.core.records.history import Entry, History, summary_of
 from specplay.core.methods import method_title
-from specplay.core.remote import annotate_remote
+from specplay.core.remote.runs import annotate_remote
 from specplay.core.records.runlog import stats_line
 from specplay.core.decoding.types import RunResult, StepEvent, StopReason
 

@@ -40,7 +40,7 @@ from specplay.core.errors import ConfigError
 from specplay.core.records.history import Entry, History
 from specplay.core.memory import memory_text
 from specplay.core.methods import METHODS, method_title
-from specplay.core.remote import Endpoint
+from specplay.core.remote.endpoint import Endpoint
 from specplay.core.decoding.types import RunResult
 
 log = logging.getLogger(__name__)

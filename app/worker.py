@@ -353,7 +353,7 @@ class EngineWorker(QObject):
     @Slot(object)
     def generate_remote(self, request: RemoteRequest) -> None:
         """Stream from a remote endpoint: each chunk is a step event; the result is a ``RemoteRun``."""
-        from specplay.core.remote import chunk_event, remote_record, stream_completion
+        from specplay.core.remote.runs import chunk_event, remote_record, stream_completion
 
         should_stop = self._stopper(request.job)
         try:

@@ -61,3 +61,119 @@ print([name for name in ("core", "app", "assets") if importlib.util.find_spec(na
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------ layers
+#: ``specplay.core``'s rooms, bottom to top (docs/architecture.md): a module may import its own
+#: room and the rooms below it, never one above. ``specplay.core`` alone is its package file.
+LAYERS = (
+    ("the helpers", ("specplay.core", "specplay.core.errors", "specplay.core.paths", "specplay.core.atomic",
+                     "specplay.core.text", "specplay.core.progress", "specplay.core.memory")),
+    ("models", ("specplay.core.models",)),
+    ("heads", ("specplay.core.heads",)),
+    ("the decoding step", ("specplay.core.decoding",)),
+    ("methods", ("specplay.core.methods",)),
+    ("records", ("specplay.core.records",)),
+    ("remote engines", ("specplay.core.remote",)),
+    ("training", ("specplay.core.training",)),
+    ("the tools that measure", ("specplay.core.measure",)),
+    ("the command line", ("specplay.core.cli",)),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["specplay"] + parts)
+
+
+def _project_modules() -> dict[str, Path]:
+    return {_module_name(path): path for top in ("core", "app") for path in (ROOT / top).rglob("*.py")}
+
+
+def _edges(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project's modules a file imports, anywhere in it (inside functions too). ``from p import
+    m`` is an import of module ``p.m`` where there is one; a module's own packages are not counted
+    (importing a module runs them first, whoever imports it)."""
+    me = _module_name(path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                found.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module)
+    return {name for name in found if name in modules and name != me and not _within(me, name)}
+
+
+def _layer(module: str) -> int:
+    """The room of a module of ``specplay.core``: its most specific entry in :data:`LAYERS`."""
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            exact = prefix == "specplay.core" and module == prefix
+            if (exact or (prefix != "specplay.core" and _within(module, prefix))) and (
+                    best is None or len(prefix) > best[1]):
+                best = (i, len(prefix))
+    assert best is not None, f"{module} is in no room of LAYERS: give it one"
+    return best[0]
+
+
+def test_every_core_module_imports_only_its_room_and_those_below():
+    modules = _project_modules()
+    upward = []
+    for name, path in modules.items():
+        if not _within(name, "specplay.core"):
+            continue
+        mine = _layer(name)
+        upward += [f"{name} ({LAYERS[mine][0]}) imports {other} ({LAYERS[_layer(other)][0]})"
+                   for other in sorted(_edges(path, modules)) if _within(other, "specplay.core") and _layer(other) > mine]
+    assert upward == []
+
+
+def test_no_import_circle_anywhere():
+    """Tarjan's strongly connected components over every import of the project's own modules."""
+    modules = _project_modules()
+    graph = {name: _edges(path, modules) for name, path in modules.items()}
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_core_has_few_top_level_modules_and_none_too_long():
+    top = sorted(p.stem for p in (ROOT / "core").glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 10, top
+    long = [f"{p.relative_to(ROOT)}: {n}" for top_dir in ("core", "app") for p in (ROOT / top_dir).rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 700]
+    assert long == []
+
+
+def test_every_sub_package_of_core_says_what_it_holds_and_may_import():
+    missing = [str(p.relative_to(ROOT)) for p in (ROOT / "core").glob("*/__init__.py")
+               if "May import" not in (ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "")]
+    assert missing == []

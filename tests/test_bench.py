@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from specplay.core.measure.bench import BenchSpec, Question, format_summary, load_questions, run_bench, summarize
+from specplay.core.measure.bench import BenchSpec, format_summary, run_bench, summarize
+from specplay.core.measure.prompts import Question, load_questions
 from specplay.core.errors import ConfigError
 from tiny import loaded, native_from_hf, tiny_hf_model
 
@@ -161,7 +162,7 @@ def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monk
 def test_the_transformers_peers_ignore_the_model_folders_generation_settings(tmp_path, monkeypatch):
     from transformers import GenerationConfig as HFGenerationConfig
 
-    from specplay.core.measure.bench import HFPeer
+    from specplay.core.measure.peers import HFPeer
     from specplay.core.models.loader import load_model
     from specplay.core.decoding.types import GenerationConfig, SamplingConfig
     from tiny import save_tiny_model
@@ -192,7 +193,7 @@ def _check_int8_assistant(tmp_path, **draft_info):
     with the output of plain greedy generation."""
     from dataclasses import replace
 
-    from specplay.core.measure.bench import HFPeer
+    from specplay.core.measure.peers import HFPeer
     from specplay.core.models.linear import int8_supported
     from specplay.core.models.loader import LoadedModel, load_model
     from specplay.core.decoding.types import GenerationConfig
@@ -236,7 +237,7 @@ def answer_lines(path):
 
 def fake_endpoints(monkeypatch, target, suffix=None):
     """Endpoints answer with the target's own greedy text (``suffix``: name -> text appended), with no server."""
-    import specplay.core.remote as remote
+    import specplay.core.remote.runs as remote
     from specplay.core.decoding.engine import drain, generate
     from specplay.core.methods import build_method
     from specplay.core.decoding.types import GenerationConfig, SamplingConfig
@@ -267,7 +268,7 @@ def test_file_stems_are_plain_names_kept_apart():
 
 
 def test_endpoint_labels_with_slashes_or_dots_write_inside_out_and_keep_everything(tmp_path, monkeypatch):
-    from specplay.core.remote import Endpoint
+    from specplay.core.remote.endpoint import Endpoint
 
     target = tiny_target()
     fake_endpoints(monkeypatch, target)
@@ -287,7 +288,7 @@ def test_endpoint_labels_with_slashes_or_dots_write_inside_out_and_keep_everythi
 
 
 def test_an_interrupted_bench_keeps_its_answers_and_a_rerun_resumes_it(tmp_path, monkeypatch):
-    from specplay.core.measure.bench import OurMethod
+    from specplay.core.measure.peers import OurMethod
     from specplay.core.methods.prompt_lookup import PromptLookupConfig
 
     target = tiny_target()
@@ -350,7 +351,7 @@ def test_a_rerun_with_another_draft_backend_or_dtype_measures_afresh_and_the_sam
 
     import torch
 
-    from specplay.core.measure.bench import OurMethod
+    from specplay.core.measure.peers import OurMethod
 
     target = tiny_target()
     hf = tiny_hf_model(seed=0, dtype=torch.float32)
@@ -423,7 +424,7 @@ def test_spec_bench_reads_a_bench_folder_as_it_reads_its_own(tmp_path, monkeypat
     """Spec-Bench's record, choice by choice: one flat accept_lengths list over the turns and one
     decoding_steps entry per turn; the turns apart stay under our own key. Two turns of unequal
     lengths made a ragged array numpy refused ("inhomogeneous shape")."""
-    from specplay.core.remote import Endpoint
+    from specplay.core.remote.endpoint import Endpoint
 
     target = tiny_target()
     fake_endpoints(monkeypatch, target)
@@ -453,7 +454,7 @@ def test_spec_bench_reads_a_bench_folder_as_it_reads_its_own(tmp_path, monkeypat
 
 
 def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their_results(tmp_path, monkeypatch):
-    from specplay.core.measure.bench import HFPeer
+    from specplay.core.measure.peers import HFPeer
     from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 
     target = tiny_target()
@@ -490,7 +491,7 @@ def test_a_method_that_cannot_load_or_run_is_a_failure_and_the_others_keep_their
 def test_an_endpoint_is_identical_when_its_text_is_the_baselines(tmp_path, monkeypatch):
     """The target's tokenizer reads an endpoint's text back without the special tokens the baseline
     emitted (here a <s> mid-answer), so the token ids differ where the texts are the same."""
-    from specplay.core.remote import Endpoint
+    from specplay.core.remote.endpoint import Endpoint
 
     target = tiny_target()
     fake_endpoints(monkeypatch, target, suffix={"off": "z"})
@@ -508,7 +509,7 @@ def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_wh
     import torch
 
     from specplay.core.measure.bench import format_sweep
-    from specplay.core.cli import _temperatures
+    from specplay.core.cli.commands import _temperatures
     from specplay.core.errors import SpecPlayError
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), model_id="tiny")

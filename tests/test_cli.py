@@ -309,7 +309,7 @@ def help_of(capsys, *command):
 
 
 def test_the_help_names_every_prompt_set_and_every_endpoint_option(capsys):
-    from specplay.core.measure.bench import BUILTIN_SETS
+    from specplay.core.measure.prompts import BUILTIN_SETS
 
     bench = help_of(capsys, "bench")
     prompts = bench.split("--prompts PROMPTS ", 1)[1].split("--categories")[0]  # the option's own help

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from specplay.core.measure.bench import LlamaCppPeer, gguf_file
+from specplay.core.measure.peers import LlamaCppPeer, gguf_file
 from specplay.core.errors import ConfigError
 
 
@@ -25,7 +25,8 @@ def test_a_target_that_is_not_a_gguf_file_is_refused_clearly():
 @pytest.mark.real_model
 def test_llamacpp_decodes_the_default_target_in_the_bench(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e \".[peers]\")")
-    from specplay.core.measure.bench import BenchSpec, Question, run_bench
+    from specplay.core.measure.bench import BenchSpec, run_bench
+    from specplay.core.measure.prompts import Question
     from specplay.core.models import load_model
     from specplay.core.models.catalog import DEFAULT_TARGET, get_entry
 
@@ -40,7 +41,7 @@ def test_llamacpp_decodes_the_default_target_in_the_bench(tmp_path):
     # with that reason, and only there.
     from torch import get_num_threads
 
-    from specplay.core.measure.bench import gguf_file
+    from specplay.core.measure.peers import gguf_file
     from specplay.core.models.llamacpp import fastest_safe, usable_settings
 
     _, probes = usable_settings(gguf_file(target), get_num_threads())  # the verdicts the bench just used

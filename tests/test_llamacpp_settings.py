@@ -3,7 +3,7 @@
 
 import pytest
 
-from specplay.core.measure.bench import LlamaCppPeer
+from specplay.core.measure.peers import LlamaCppPeer
 from specplay.core.errors import ModelError
 from specplay.core.models.llamacpp import LlamaSettings, ProbeResult
 
@@ -58,7 +58,7 @@ def test_the_prompt_lookup_peer_opens_llama_cpp_with_the_flash_attention_its_set
     import sys
     import types
 
-    from specplay.core.measure import bench
+    from specplay.core.measure import peers
     from specplay.core.models import llamacpp
 
     opened = []
@@ -70,7 +70,7 @@ def test_the_prompt_lookup_peer_opens_llama_cpp_with_the_flash_attention_its_set
     monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
     monkeypatch.setattr(llamacpp, "available", lambda: None)
     monkeypatch.setattr(llamacpp, "usable_settings", lambda gguf, threads: (OFF_ON, TRANSIENT))
-    monkeypatch.setattr(bench, "gguf_file", lambda target: tmp_path / "target.gguf")
+    monkeypatch.setattr(peers, "gguf_file", lambda target: tmp_path / "target.gguf")
     peer = LlamaCppPeer("llamacpp_prompt_lookup", target=None)
     assert opened[0]["flash_attn"] is False  # extra buffers on, flash attention off: the one that survived
     assert peer.params()["engine"].startswith("extra buffers on, flash attention off (")

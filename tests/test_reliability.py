@@ -199,7 +199,8 @@ def _full_disk(monkeypatch):
 
 
 def test_bench_outputs_on_a_full_disk_keep_the_previous_run(target, tmp_path, monkeypatch):
-    from specplay.core.measure.bench import BenchSpec, Question, run_bench
+    from specplay.core.measure.bench import BenchSpec, run_bench
+    from specplay.core.measure.prompts import Question
 
     spec = BenchSpec(methods=["autoregressive"], max_new_tokens=4, warmup=0, chat_template=False)
     run_bench(target, None, [Question(1, "code", ("ab",))], spec, tmp_path, log=lambda m: None)

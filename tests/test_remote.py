@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from specplay.core import remote
 from specplay.core.errors import ConfigError
-from specplay.core.remote import (Endpoint, RemoteError, api_key, compare_endpoints, format_remote_table, llamacpp_spec_stats,
-                         parse_prometheus, remote_record, sglang_spec_stats, stream_completion, vllm_spec_stats)
 from specplay.core.records.runlog import LOCAL_ONLY, RunRecord
+from specplay.core.remote import transport
+from specplay.core.remote.endpoint import Endpoint, RemoteError, api_key
+from specplay.core.remote.metrics import llamacpp_spec_stats, parse_prometheus, sglang_spec_stats, vllm_spec_stats
+from specplay.core.remote.runs import compare_endpoints, format_remote_table, remote_record, stream_completion
 
 FIXTURES = Path(__file__).parent / "fixtures" / "remote"
 
@@ -421,7 +422,7 @@ def test_metrics_that_are_not_finite_numbers_claim_nothing():
 
 
 def test_a_line_that_never_ends_is_cut_at_the_cap_and_the_text_kept(monkeypatch):
-    monkeypatch.setattr(remote, "MAX_LINE_BYTES", 2**16, raising=False)
+    monkeypatch.setattr(transport, "MAX_LINE_BYTES", 2**16)
     endless = (b"x" * 2**16 for _ in range(256))  # 16 MiB without a newline
     with RawServer(streaming(word(0), word(1), b"data: ", endless)) as server:
         run = stream_completion(Endpoint(server.url, model="m"), "hi", max_tokens=8)
@@ -429,7 +430,7 @@ def test_a_line_that_never_ends_is_cut_at_the_cap_and_the_text_kept(monkeypatch)
 
 
 def test_a_body_past_the_cap_ends_the_run_and_the_text_is_kept(monkeypatch):
-    monkeypatch.setattr(remote, "MAX_BODY_BYTES", 2**16, raising=False)
+    monkeypatch.setattr(transport, "MAX_BODY_BYTES", 2**16)
     many = (word(i) for i in range(2000))  # about 180 kB of well-formed events
     with RawServer(streaming(many, sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))) as server:
         run = stream_completion(Endpoint(server.url, model="m"), "hi", max_tokens=8)
@@ -509,7 +510,8 @@ class LlamaCppServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self):
-        from specplay.core.remote import list_models, RemoteError
+        from specplay.core.remote.endpoint import RemoteError
+        from specplay.core.remote.transport import list_models
 
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -566,7 +568,8 @@ def test_llamacpp_server_with_and_without_its_draft(tmp_path):
 def test_an_endpoint_is_benchmarked_beside_local_methods(tmp_path):
     import torch
 
-    from specplay.core.measure.bench import BenchSpec, Question, run_bench
+    from specplay.core.measure.bench import BenchSpec, run_bench
+    from specplay.core.measure.prompts import Question
     from tests.tiny import loaded, tiny_pair
 
     target = loaded(tiny_pair(dtype=torch.float64)[0])

@@ -267,7 +267,7 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
     import shutil
 
     from specplay.core.models.cache import write_marker
-    from specplay.core.training import pipeline
+    from specplay.core.training import data
     from tests.tiny import save_tiny_model
 
     def quiet(stage, fraction):
@@ -275,14 +275,14 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
     hashed = []
-    real_sha256 = pipeline.sha256_file
-    monkeypatch.setattr(pipeline, "sha256_file", lambda path, progress: hashed.append(path) or real_sha256(path))
+    real_sha256 = data.sha256_file
+    monkeypatch.setattr(data, "sha256_file", lambda path, progress: hashed.append(path) or real_sha256(path))
     one, other = save_tiny_model(tmp_path / "one", seed=0), save_tiny_model(tmp_path / "other", seed=1)
-    key = pipeline.target_key(one, quiet)
-    assert pipeline.target_key(one, quiet) == key and len(hashed) == 1
-    assert pipeline.target_key(other, quiet) != key
+    key = data.target_key(one, quiet)
+    assert data.target_key(one, quiet) == key and len(hashed) == 1
+    assert data.target_key(other, quiet) != key
     shutil.copyfile(other / "model.safetensors", one / "model.safetensors")
-    assert pipeline.target_key(one, quiet) == pipeline.target_key(other, quiet) and len(hashed) == 3
+    assert data.target_key(one, quiet) == data.target_key(other, quiet) and len(hashed) == 3
 
     blob = tmp_path / "hub" / "blobs" / ("c" * 64)
     blob.parent.mkdir(parents=True)
@@ -290,10 +290,10 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
     snapshot = tmp_path / "hub" / "snapshots" / "main"
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").symlink_to(blob)
-    assert pipeline.target_key(snapshot, quiet) != key and len(hashed) == 3
+    assert data.target_key(snapshot, quiet) != key and len(hashed) == 3
 
     write_marker(one, {"source": "m.gguf", "sha256": "ab" * 32})
-    assert pipeline.target_key(one, quiet) == "ab" * 32
+    assert data.target_key(one, quiet) == "ab" * 32
 
 
 def test_the_committed_corpus_is_read_for_the_default_target_alone():
@@ -301,7 +301,7 @@ def test_the_committed_corpus_is_read_for_the_default_target_alone():
     default target as the catalog pins it, not for other weights that share its name."""
     from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
     from specplay.core.training.data import load_corpus
-    from specplay.core.training.pipeline import shipped_corpus
+    from specplay.core.training.data import shipped_corpus
 
     path = shipped_corpus(DEFAULT_TARGET)
     assert len(load_corpus(path, DEFAULT_TARGET, CATALOG[DEFAULT_TARGET].sha256)) > 2000

@@ -11,6 +11,7 @@ says clearly what does not match.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,18 @@ def shipped_path(kind: str, target_spec: str, variant: str = "") -> Path:
     """The heads shipped for a target: the default ones, or a named ``variant`` (:data:`SHIPPED_VARIANTS`)."""
     name = f"{kind}-{variant}-" if variant else f"{kind}-"
     return assets_dir() / "heads" / f"{name}{Path(target_spec).name}.safetensors"
+
+
+def heads_manifest(kind: str, recipe: str, *, target: str, info, vocab_ids: torch.Tensor, coverage: float,
+                   command: str, data: dict, settings: dict, **fields) -> dict:
+    """The manifest of a heads file, whichever trainer made it: the heads' kind and recipe, the
+    target they fit (``info``: its :class:`~specplay.core.models.base.ModelInfo`), the draft
+    vocabulary and its held-out coverage, how they were trained (command, data, settings) and the
+    trainer's own ``fields`` (the heads' sizes, accuracy, τ, steps, time)."""
+    return {"kind": kind, "recipe": recipe, "target": target, "hidden_size": info.hidden_size,
+            "vocab_size": info.vocab_size, "draft_vocab": int(vocab_ids.numel()), "draft_vocab_coverage": coverage,
+            "command": command, "data": data, "settings": settings, "feature_dtype": info.dtype,
+            "date": time.strftime("%Y-%m-%d"), **fields}
 
 
 def save_heads(path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:

@@ -1,4 +1,10 @@
-"""The decoding methods and how to build them by name."""
+"""The decoding methods, each an implementation of the step's contract
+(:mod:`specplay.core.decoding.method`): autoregressive, speculative decoding with a draft model,
+prompt lookup, lookahead, Medusa and EAGLE, and how to build one by name (:func:`build_method`).
+
+May import: the helpers, :mod:`specplay.core.models`, :mod:`specplay.core.heads` and
+:mod:`specplay.core.decoding`.
+"""
 
 from __future__ import annotations
 

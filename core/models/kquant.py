@@ -31,7 +31,7 @@ import torch
 
 from specplay.core.atomic import replacing
 from specplay.core.errors import ModelError
-from specplay.core.models.linear import blocks_match, cpu_flags, rows_one_at_a_time
+from specplay.core.models.exactness import blocks_match, cpu_flags, rows_one_at_a_time
 from specplay.core.paths import cache_dir
 
 log = logging.getLogger(__name__)

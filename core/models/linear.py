@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specplay.core.errors import ConfigError
+from specplay.core.models.exactness import cpu_flags
 
 
 class FloatLinear:
@@ -51,19 +52,6 @@ class FloatLinear:
 def int8_supported() -> bool:
     """Whether this machine has torch's x86 quantized engine (fbgemm)."""
     return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where /proc/cpuinfo does not exist)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def _has_vnni() -> bool:
@@ -288,16 +276,6 @@ class Int4DraftLinear:
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], w.rows)
-
-
-def rows_one_at_a_time(layer, x: torch.Tensor) -> torch.Tensor:
-    """``layer`` applied to each row of ``x`` alone: what a row-exact layer must give in any block."""
-    return torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
-
-
-def blocks_match(layer, x: torch.Tensor, alone: torch.Tensor) -> bool:
-    """Whether every block of the first 1 .. len(x) rows gives ``alone``'s rows bit for bit."""
-    return all(torch.equal(layer(x[:m]), alone[:m]) for m in range(1, x.shape[0] + 1))
 
 
 def storage_of(info) -> str:

@@ -14,7 +14,7 @@ import torch
 
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled, ConfigError, SpecPlayError
-from specplay.core.training.data import FeatureSet
+from specplay.core.training.data import FeatureSet, draft_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -170,3 +170,18 @@ def run_loop(module: torch.nn.Module, loss_fn: Callable[[torch.Tensor], torch.Te
             progress(TrainProgress(step=step, total=settings.steps, elapsed_s=elapsed()["elapsed_s"], metrics=metrics))
     module.eval()
     return step, last_eval
+
+
+def held_out_vocabulary(features: FeatureSet, size: int, always: tuple[int, ...],
+                        eval_fraction: float) -> tuple[torch.Tensor, float]:
+    """(draft vocabulary, its coverage): built from the training sequences' labels, measured on the
+    held-out sequences the heads' accuracy is measured on.
+
+    On the labels it was built from, the coverage says nothing (any vocabulary as large as the
+    tokens seen covers 100%); on unseen text it is the share of target predictions the heads
+    can draft at all.
+    """
+    train_pos, eval_pos = split_sequences(features, eval_fraction)
+    vocab_ids = draft_vocabulary(features.labels[train_pos], size, always)
+    coverage = float(torch.isin(features.labels[eval_pos].long(), vocab_ids).float().mean())
+    return vocab_ids, coverage

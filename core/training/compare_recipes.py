@@ -6,7 +6,7 @@ in ``<cache>/training/<target>/teacher/``: ``train`` (the target's answers to le
 ``heldout`` (answers no head trains on; the shipped head's data does not hold them either).
 The two sets are concatenated with the held-out answers last, and each trainer is told that
 share as its evaluation fraction, so it trains on the train answers only and builds the draft
-vocabulary from their labels (:func:`~specplay.core.training.pipeline.held_out_vocabulary`).
+vocabulary from their labels (:func:`~specplay.core.training.common.held_out_vocabulary`).
 
 Training is each recipe's own, with ``specplay train eagle``'s defaults: batch 16 windows of
 128, lr 3e-4, bfloat16 matmuls where the CPU has the units, the head started from the target's
@@ -50,17 +50,18 @@ from pathlib import Path
 import torch
 
 from specplay.core.errors import Cancelled
-from specplay.core.heads import EagleHead, MedusaHeads, head_config, load_heads, save_heads, shipped_path
+from specplay.core.heads import (EagleHead, MedusaHeads, head_config, heads_manifest, load_heads, save_heads,
+                                 shipped_path)
 from specplay.core.heads.eagle import init_from_target_layer
 from specplay.core.heads.eagle3 import Eagle3Head
 from specplay.core.heads.hydra import HydraHeads
 from specplay.core.models.linear import has_bf16_units
-from specplay.core.training.common import TrainSettings
+from specplay.core.training.common import TrainSettings, held_out_vocabulary
 from specplay.core.training.eagle import EagleObjective, train_eagle
 from specplay.core.training.eagle3 import Eagle3Objective, train_eagle3
 from specplay.core.training.hydra import HydraObjective, train_hydra
 from specplay.core.training.medusa import MedusaObjective, train_medusa
-from specplay.core.training.pipeline import default_workdir, held_out_vocabulary
+from specplay.core.training.pipeline import default_workdir
 from specplay.core.training.tau import eagle_tau, medusa_tau
 from specplay.core.training.teacher import TeacherSet, capture_teacher, corpus_sequences, default_layers
 
@@ -93,8 +94,8 @@ def capture(target, splits: list[str]) -> None:
     """Read the target's layers, final features and top-K once for each of ``splits``' answers, into
     resumable shards (a stopped capture goes on where it stopped)."""
     from specplay.core.progress import log_progress
-    from specplay.core.training.data import chat_prompt_ids, instruction_prompts, load_corpus
-    from specplay.core.training.pipeline import shipped_corpus, target_key
+    from specplay.core.training.data import (chat_prompt_ids, instruction_prompts, load_corpus, shipped_corpus,
+                                             target_key)
 
     key = target_key(target.path, log_progress)
     corpus = load_corpus(shipped_corpus(target.model_id), target.model_id, key)
@@ -268,17 +269,15 @@ def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor,
     """A heads file the eagle or medusa method reads, its manifest saying how it was made and how it
     judged; ``layers``: the target layers an EAGLE-3 head's data was read from."""
     kind = RECIPES[record["recipe"]]
-    manifest = {"kind": kind, "recipe": record["recipe"], "target": model_id, "hidden_size": model.info.hidden_size,
-                "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
-                "draft_vocab_coverage": record["coverage"], "command": record["command"],
-                "data": {"total_tokens": record["data_tokens"], "answers": record["train_answers"],
-                         "sources": "the target's greedy answers in the committed corpus (assets/training/), "
-                                    "read once for its layers, final features and top-K"},
-                "settings": record["settings"], "feature_dtype": model.info.dtype, "steps": record["steps"],
-                "train_seconds": record["train_wall_s"], "train_cpu_s": record["train_cpu_s"],
-                "tau_sim": round(record["tau_sim"], 4), "tau_sim_roots": record["tau_sim_roots"],
-                "heldout": {"answers": record["heldout_answers"], "tokens": record["heldout_tokens"]},
-                "date": time.strftime("%Y-%m-%d")}
+    data = {"total_tokens": record["data_tokens"], "answers": record["train_answers"],
+            "sources": "the target's greedy answers in the committed corpus (assets/training/), "
+                       "read once for its layers, final features and top-K"}
+    manifest = heads_manifest(kind, record["recipe"], target=model_id, info=model.info, vocab_ids=vocab_ids,
+                              coverage=record["coverage"], command=record["command"], data=data,
+                              settings=record["settings"], steps=record["steps"], train_seconds=record["train_wall_s"],
+                              train_cpu_s=record["train_cpu_s"], tau_sim=round(record["tau_sim"], 4),
+                              tau_sim_roots=record["tau_sim_roots"],
+                              heldout={"answers": record["heldout_answers"], "tokens": record["heldout_tokens"]})
     if kind == "medusa":
         manifest.update(num_heads=len(head.blocks), accuracy=record["accuracy"], top1=record["top1_by_head"],
                         top5=record["top5_by_head"], tau_sim_tree=record["tau_sim_tree"])

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import random
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +27,12 @@ from typing import Callable
 
 import torch
 
-from specplay.core.atomic import replacing
-from specplay.core.errors import Cancelled, SpecPlayError
+from specplay.core.atomic import replacing, write_text_atomic
+from specplay.core.errors import Cancelled, ModelError, SpecPlayError
+from specplay.core.models.cache import read_marker
 from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
+from specplay.core.models.prepare import sha256_file
+from specplay.core.paths import assets_dir, cache_dir
 from specplay.core.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -512,3 +516,70 @@ def draft_vocabulary(labels: torch.Tensor, size: int, always: tuple[int, ...] = 
     top = top[counts[top] > 0]
     ids = torch.unique(torch.cat([top, torch.tensor(always, dtype=torch.long)]))
     return ids.sort().values
+
+
+# ---------------------------------------------------------------- where a training's data lives
+_WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".gguf")
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    code_tokens: int = 60_000
+    answers: int = 64
+    answer_tokens: int = 256
+    seq_len: int = 512
+    seed: int = 0
+    slots: int = 16  # answers generated at once
+
+    def key(self) -> str:
+        return f"c{self.code_tokens}-s{self.seed}"
+
+
+def shipped_corpus(target_spec: str) -> Path:
+    """Where the project keeps the token ids of the target's answers made so far (:func:`save_corpus`)."""
+    return assets_dir() / "training" / f"answers-{Path(target_spec).name}.safetensors"
+
+
+def answers_dir(workdir: Path, settings: DataSettings) -> Path:
+    return workdir / f"answers-{settings.answer_tokens}-s{settings.seed}"
+
+
+def target_key(folder: Path, progress: Progress) -> str:
+    """What identifies a target's weights, so that data made by another target (one with the
+    same folder name, or the same folder with other weights) is never taken for its own.
+
+    A converted model's marker records the sha256 of the GGUF it was made from (a catalog
+    model's is the catalog's); another folder is known by the sha256 of its weights files.
+    """
+    source = read_marker(folder).get("sha256")
+    if source:
+        return source
+    files = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHTS_SUFFIXES and p.is_file())
+    if not files:
+        raise ModelError(f"no weights files in {folder} to tell which model it is")
+    listing = "".join(f"{p.name} {_file_sha256(p, progress)}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _file_sha256(path: Path, progress: Progress) -> str:
+    """A weights file's sha256: the name of the blob a hub snapshot links it to, or else hashed
+    once (seconds per GB) and remembered with the file's size and modification time."""
+    real = path.resolve()
+    if real.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", real.name):
+        return real.name
+    known_file = cache_dir() / "training" / "weights-sha256.json"
+    try:
+        known = json.loads(known_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    stat = real.stat()
+    stamp = [stat.st_size, stat.st_mtime_ns]
+    if known.get(str(real), {}).get("stamp") == stamp:
+        return known[str(real)]["sha256"]
+    sha = sha256_file(real, progress)
+    known = {name: seen for name, seen in known.items() if Path(name).exists()}  # not a line per deleted file
+    known[str(real)] = {"stamp": stamp, "sha256": sha}
+    known_file.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(known_file, json.dumps(known, indent=1) + "\n")
+    return sha
+

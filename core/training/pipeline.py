@@ -6,53 +6,20 @@ interrupted run resumes where it stopped (``--resume`` for the training itself).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from specplay.core.atomic import write_text_atomic
-from specplay.core.errors import ModelError
 from specplay.core.heads import save_heads
-from specplay.core.models.cache import read_marker
-from specplay.core.models.prepare import sha256_file
-from specplay.core.paths import assets_dir, cache_dir, data_dir
+from specplay.core.paths import cache_dir, data_dir
 from specplay.core.progress import Progress
-from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings, split_sequences
-from specplay.core.training.data import (FeatureSet, chat_prompt_ids, code_sequences, draft_vocabulary, extract_features,
-                                generate_answers, instruction_prompts, load_corpus)
+from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings, held_out_vocabulary
+from specplay.core.training.data import (DataSettings, FeatureSet, answers_dir, chat_prompt_ids, code_sequences,
+                                         extract_features, generate_answers, instruction_prompts, load_corpus,
+                                         shipped_corpus, target_key)
 
 log = logging.getLogger(__name__)
-
-_WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".gguf")
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    code_tokens: int = 60_000
-    answers: int = 64
-    answer_tokens: int = 256
-    seq_len: int = 512
-    seed: int = 0
-    slots: int = 16  # answers generated at once
-
-    def key(self) -> str:
-        return f"c{self.code_tokens}-s{self.seed}"
-
-
-def shipped_corpus(target_spec: str) -> Path:
-    """Where the project keeps the token ids of the target's answers made so far (:func:`save_corpus`)."""
-    return assets_dir() / "training" / f"answers-{Path(target_spec).name}.safetensors"
-
-
-def answers_dir(workdir: Path, settings: DataSettings) -> Path:
-    return workdir / f"answers-{settings.answer_tokens}-s{settings.seed}"
 
 
 def default_workdir(target_spec: str) -> Path:
@@ -61,46 +28,6 @@ def default_workdir(target_spec: str) -> Path:
 
 def default_output(kind: str, target_spec: str) -> Path:
     return data_dir() / "heads" / f"{kind}-{Path(target_spec).name}.safetensors"
-
-
-def target_key(folder: Path, progress: Progress) -> str:
-    """What identifies a target's weights, so that data made by another target (one with the
-    same folder name, or the same folder with other weights) is never taken for its own.
-
-    A converted model's marker records the sha256 of the GGUF it was made from (a catalog
-    model's is the catalog's); another folder is known by the sha256 of its weights files.
-    """
-    source = read_marker(folder).get("sha256")
-    if source:
-        return source
-    files = sorted(p for p in folder.iterdir() if p.suffix in _WEIGHTS_SUFFIXES and p.is_file())
-    if not files:
-        raise ModelError(f"no weights files in {folder} to tell which model it is")
-    listing = "".join(f"{p.name} {_file_sha256(p, progress)}\n" for p in files)
-    return hashlib.sha256(listing.encode()).hexdigest()
-
-
-def _file_sha256(path: Path, progress: Progress) -> str:
-    """A weights file's sha256: the name of the blob a hub snapshot links it to, or else hashed
-    once (seconds per GB) and remembered with the file's size and modification time."""
-    real = path.resolve()
-    if real.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", real.name):
-        return real.name
-    known_file = cache_dir() / "training" / "weights-sha256.json"
-    try:
-        known = json.loads(known_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
-    stat = real.stat()
-    stamp = [stat.st_size, stat.st_mtime_ns]
-    if known.get(str(real), {}).get("stamp") == stamp:
-        return known[str(real)]["sha256"]
-    sha = sha256_file(real, progress)
-    known = {name: seen for name, seen in known.items() if Path(name).exists()}  # not a line per deleted file
-    known[str(real)] = {"stamp": stamp, "sha256": sha}
-    known_file.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(known_file, json.dumps(known, indent=1) + "\n")
-    return sha
 
 
 def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progress,
@@ -133,21 +60,6 @@ def prepare_data(target, settings: DataSettings, workdir: Path, progress: Progre
              "sources": "Python standard library source; the target's greedy answers to instructions written "
                         "from the standard library (functions, classes, function bodies, modules, reference topics)"}
     return features, stats
-
-
-def held_out_vocabulary(features: FeatureSet, size: int, always: tuple[int, ...],
-                        eval_fraction: float) -> tuple[torch.Tensor, float]:
-    """(draft vocabulary, its coverage): built from the training sequences' labels, measured on the
-    held-out sequences the heads' accuracy is measured on.
-
-    On the labels it was built from, the coverage says nothing (any vocabulary as large as the
-    tokens seen covers 100%); on unseen text it is the share of target predictions the heads
-    can draft at all.
-    """
-    train_pos, eval_pos = split_sequences(features, eval_fraction)
-    vocab_ids = draft_vocabulary(features.labels[train_pos], size, always)
-    coverage = float(torch.isin(features.labels[eval_pos].long(), vocab_ids).float().mean())
-    return vocab_ids, coverage
 
 
 def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, *, num_heads: int = 4,

@@ -11,13 +11,12 @@ on the held-out answers, which goes into the heads' manifest with the per-level 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from specplay.core.heads import save_heads
+from specplay.core.heads import heads_manifest, save_heads
 from specplay.core.progress import Progress
 from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings
 from specplay.core.training.data import FeatureSet
@@ -35,9 +34,9 @@ def teacher_data(target, data, workdir: Path, progress: Progress, should_cancel:
     Answers come from the corpus where it holds them in full; where it does not, they are
     generated as the classic recipes' are (and then read once more, for their layers). Returns
     (the data, what it holds, the key of the target's weights)."""
-    from specplay.core.training.data import chat_prompt_ids, generate_answers, load_corpus, usable_answer
-    from specplay.core.training.pipeline import (answers_dir, code_sequences, instruction_prompts, shipped_corpus,
-                                        target_key)
+    from specplay.core.training.data import (answers_dir, chat_prompt_ids, code_sequences, generate_answers,
+                                             instruction_prompts, load_corpus, shipped_corpus, target_key,
+                                             usable_answer)
 
     key = target_key(target.path, progress)
     code = code_sequences(target.tokenizer, data.code_tokens, data.seq_len, data.seed)
@@ -106,7 +105,7 @@ def train_recipe(kind: str, recipe: str, target, data, settings: TrainSettings, 
                  window: int, unroll: int, init: str, teacher_weight: float, corpus: Path | None, workdir: Path,
                  out: Path, resume: bool, command: str, progress: Progress, on_step: ProgressFn | None,
                  should_cancel: Callable[[], bool]) -> tuple[Path, dict]:
-    from specplay.core.training.pipeline import held_out_vocabulary
+    from specplay.core.training.common import held_out_vocabulary
     from specplay.core.training.tau import eagle_tau, medusa_tau
 
     model = target.model
@@ -123,10 +122,9 @@ def train_recipe(kind: str, recipe: str, target, data, settings: TrainSettings, 
         if on_step:
             on_step(p)
 
-    manifest = {"kind": kind, "recipe": recipe, "target": target.model_id, "hidden_size": model.info.hidden_size,
-                "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
-                "draft_vocab_coverage": round(coverage, 4), "command": command, "data": stats,
-                "settings": settings.to_dict(), "feature_dtype": model.info.dtype, "teacher_weight": teacher_weight}
+    manifest = heads_manifest(kind, recipe, target=target.model_id, info=model.info, vocab_ids=vocab_ids,
+                              coverage=round(coverage, 4), command=command, data=stats, settings=settings.to_dict(),
+                              teacher_weight=teacher_weight)
     # Which training a checkpoint in the work folder must belong to to be resumed (as the classic recipes')
     identity = {"kind": kind, "recipe": recipe, "target": key, "code_tokens": data.code_tokens,
                 "answers": data.answers, "answer_tokens": data.answer_tokens, "seq_len": data.seq_len,
@@ -163,8 +161,7 @@ def train_recipe(kind: str, recipe: str, target, data, settings: TrainSettings, 
         accuracy = result["accuracy"]
         manifest.update(num_heads=num_heads, accuracy=[[round(a, 4) for a in row] for row in accuracy],
                         top1=[round(row[0], 4) for row in accuracy], top5=[round(sum(row[:5]), 4) for row in accuracy])
-    manifest.update(**tau_fields(result), steps=steps, train_seconds=round(trained["seconds"], 1),
-                    date=time.strftime("%Y-%m-%d"))
+    manifest.update(**tau_fields(result), steps=steps, train_seconds=round(trained["seconds"], 1))
     tensors["vocab_ids"] = vocab_ids
     save_heads(out, tensors, manifest)
     return out, manifest
