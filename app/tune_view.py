@@ -23,8 +23,7 @@ TUNE_COLUMNS = ("Run", "Setting", "Predicted tok/s", "Measured tok/s", "Error", 
                 "Same as autoregressive")
 TUNE_TIPS = ("The method as configured in the Method panel, and the setting predicted fastest",
              "The knobs this tune changes; every other setting stays as the Method panel has it",
-             "From the replayed acceptance and this machine's timed step costs, at the machine's speed "
-             "around the runs (hover a figure for the prediction at its speed when timed)",
+             "From the replayed acceptance and this machine's timed step costs, before the run",
              "The run itself (prefill included), the stand-down gate off",
              "(predicted − measured) / measured: how far the model of this machine was off",
              "Tokens per step, replayed along autoregressive's answer", "Tokens per step in the run",
@@ -152,10 +151,6 @@ class TuneView(QWidget):
                 item = QTableWidgetItem(value)
                 if 2 <= col <= 6:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-                if col == 2 and "machine_slowdown" in t:
-                    item.setToolTip(f"{t['predicted_at_timing_tokens_per_s']:.2f} tok/s at the machine's speed when "
-                                    f"its costs were timed; around these runs its one-token pass took "
-                                    f"{t['machine_slowdown']:.2f}× as long")
                 self.table.setItem(row, col, item)
         self.assumptions.setText("Assumes: " + "; ".join(record["assumptions"]) + ".")
         main = record["knobs"][0]

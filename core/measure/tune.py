@@ -13,17 +13,13 @@ setting would take minutes; at temperature 0 one run is enough to predict them a
    the adaptive schedule at once); EAGLE's dynamic tree is grown once per position at the
    deepest setting from the target's own features (one teacher-forced pass of the target),
    and every smaller depth and budget is a part of it; prompt lookup replays its own index.
-3. **The cost of each step from this machine's measurements**, timed here at the prompt's
-   context: drafting per token (or per tree level, with a draft's first pass over what its
-   cache lacks), the target's pass over every block size a setting verifies, bookkeeping per
-   step as ``autoregressive`` recorded; a setting's tokens/s is the answer's length over the
-   prefill plus its steps.
+3. **The cost of each step from this machine's measurements**: drafting per token (or per
+   tree level) as the recorded run measured it, verification as one plain step times the
+   target's measured cost curve T(n)/T(1) (:mod:`specplay.core.costmodel`), bookkeeping per step
+   as recorded; a setting's tokens/s is the answer's length over the prefill plus its steps.
 4. **Proof**: the default and the predicted best run twice each, taking turns; each is
    reported measured (the mean of its runs) beside its prediction, and every run is checked
-   token for token against ``autoregressive``. A shared machine's speed drifts between the
-   timing and the runs, so the one-token pass is timed again around each run and the
-   prediction scaled by how much slower (or faster) it has become; the unscaled prediction
-   is kept beside it.
+   token for token against ``autoregressive``.
 
 The runs are timed with the stand-down gate off, so each measures its setting. What a
 prediction assumes is listed in :data:`ASSUMPTIONS` and in every result.
@@ -56,9 +52,8 @@ ASSUMPTIONS = (
     "the root and the draft's nodes (timed here at this prompt's context, the answer half written, median of "
     "five; interpolated between the sizes timed) plus autoregressive's bookkeeping per step",
     "the prefill is autoregressive's plus what the method adds (the draft model's own pass over the prompt)",
-    "the machine's speed during a proof run is the target's one-token pass timed just before and just after "
-    "it, against that pass when the costs were timed: a shared machine's slow spell scales every cost alike "
-    "(the weakest assumption; the prediction at the timing's speed is kept beside)",
+    "the machine runs as fast during the proof (two runs of each setting, taking turns) as while it was timed: "
+    "on a shared machine this is the weakest",
     "the stand-down gate is off in the proof's runs, so each measures its own setting",
 )
 
@@ -137,8 +132,6 @@ class Trial:
     identical: bool  # every run's output is autoregressive's
     record: dict  # the first run's record (core/records/runlog.py)
     measured_runs: list[float] = field(default_factory=list)  # each run's tokens/s (measured: their mean)
-    predicted_at_timing: float = 0.0  # tokens/s at the machine's speed when the costs were timed
-    slowdown: float = 1.0  # the machine's speed then over its speed during the runs (their mean)
 
     @property
     def error(self) -> float:
@@ -151,9 +144,7 @@ class Trial:
                "measured_tokens_per_s": round(self.measured_tokens_per_s, 3),
                "prediction_error": round(self.error, 4), "predicted_tau": round(self.predicted_tau, 3),
                "measured_tau": round(self.measured_tau, 3), "identical": self.identical,
-               "measured_runs": [round(t, 3) for t in self.measured_runs],
-               "predicted_at_timing_tokens_per_s": round(self.predicted_at_timing, 3),
-               "machine_slowdown": round(self.slowdown, 4)}
+               "measured_runs": [round(t, 3) for t in self.measured_runs]}
         if with_record:
             out["record"] = self.record
         return out
@@ -458,7 +449,7 @@ class _Predictor:
         self.name, self.base, self.target = method_name, base, target
         self.prompt_ids, self.answer = prompt_ids, answer
         self.curve = cost_curve(target.model)  # what auto-sizing settings size by, as the methods do
-        self.context = context = len(prompt_ids) + len(answer) // 2
+        context = len(prompt_ids) + len(answer) // 2
         self.extra_prefill = 0.0
         if method_name == "speculative":
             self.runs, self.extra_prefill = draft_matches(method, prompt_ids, answer, target.model.info.vocab_size)
@@ -549,34 +540,24 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
     if pick.predicted_tokens_per_s < predicted_default.predicted_tokens_per_s * (1 + MARGIN):
         pick = predicted_default  # a gain smaller than the predictions' error is not worth a change
 
-    reference = predictor.verify(1)  # the one-token pass as the costs were timed
-
-    def probe() -> float:
-        """The one-token pass now, as :class:`_Predictor` timed it: the machine's speed at this moment."""
-        return time_passes(target.model, (1,), predictor.context, repeats=5, median=True)[0]
-
     def trial(setting: Setting, runs: list) -> Trial:
-        results = [res for res, _, _ in runs]
-        slowdown = sum(s for _, _, s in runs) / len(runs)
-        return Trial(setting.params, setting.predicted_tokens_per_s / slowdown, setting.predicted_tau,
+        results = [res for res, _ in runs]
+        return Trial(setting.params, setting.predicted_tokens_per_s, setting.predicted_tau,
                      sum(r.metrics.tokens_per_s for r in results) / len(results),
                      sum(r.metrics.mean_accepted for r in results) / len(results),
                      all(r.token_ids == answer for r in results), runs[0][1].to_dict(),
-                     [r.metrics.tokens_per_s for r in results], setting.predicted_tokens_per_s, slowdown)
-
-    def proof(cfg, what, fraction) -> tuple:
-        before = probe()
-        result, record = run(method, cfg, what, fraction)
-        return result, record, (before + probe()) / 2 / reference
+                     [r.metrics.tokens_per_s for r in results])
 
     best_config = base if pick.params == default_params else _config_with(method, base, pick.params)
     proofs: dict[str, list] = {"default": [], "best": []}
     for i in range(PROOF_ROUNDS):  # taking turns: a slow spell of a shared machine touches both
-        proofs["default"].append(proof(base, f"Running {method} as configured (the default), {i + 1} of "
-                                             f"{PROOF_ROUNDS}", 0.5 + 0.25 * i / PROOF_ROUNDS))
+        result, record = run(method, base, f"Running {method} as configured (the default), {i + 1} of "
+                                              f"{PROOF_ROUNDS}", 0.5 + 0.25 * i / PROOF_ROUNDS)
+        proofs["default"].append((result, record))
         if pick.params != default_params:
-            proofs["best"].append(proof(best_config, f"Running the predicted best, {i + 1} of {PROOF_ROUNDS}",
-                                        0.5 + 0.25 * (2 * i + 1) / (2 * PROOF_ROUNDS)))
+            result, record = run(method, best_config, f"Running the predicted best, {i + 1} of {PROOF_ROUNDS}",
+                                    0.5 + 0.25 * (2 * i + 1) / (2 * PROOF_ROUNDS))
+            proofs["best"].append((result, record))
     default = trial(predicted_default, proofs["default"])
     best = trial(pick, proofs["best"]) if proofs["best"] else default
     stage("Tuned", 1.0)
