@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFrame, QGridLayout
 from specplay.app.palette import method_colour
 from specplay.app.tokenview import REJECTED_INLINE_TIP, TokenView
 from specplay.core.methods import METHODS, method_title
+from specplay.core.records.runlog import RunRecord
 
 TABLE_COLUMNS = ("Method", "Same", "tok/s", "TTFT", "Speedup (wall)", "τ", "Accept", "Tokens", "Steps", "Notes")
 COLUMN_TIPS = ("", "Identical: token for token the same output as autoregressive (checked at temperature 0; "
@@ -117,7 +118,7 @@ class CompareView(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.order = list(METHODS)
-        self.records: list[dict] = []
+        self.records: list[RunRecord] = []
         self.columns: dict[str, CompareColumn] = {}
         choose = self._build_choice()
         endpoints_row = self._build_endpoints()
@@ -271,29 +272,26 @@ class CompareView(QWidget):
         return self.columns.get(name)
 
     def set_records(self, records: list[dict]) -> None:
-        """Fill the table and the chart from annotated run records (see ``core.compare.annotate``)."""
-        self.records = list(records)
-        self.table.setRowCount(len(records))
-        for row, r in enumerate(records):
-            acc = r.get("acceptance_rate")
-            sp = r.get("speedup")
+        """Fill the table and the chart from annotated run records (see ``core.measure.compare.annotate``)."""
+        self.records = [RunRecord.from_dict(r) for r in records]
+        self.table.setRowCount(len(self.records))
+        for row, r in enumerate(self.records):
+            acc, sp, ttft, tau = r.acceptance_rate, r.speedup, r.time_to_first_token, r.mean_accepted
             notes = []
-            if r.get("lossy"):
+            if r.lossy:
                 notes.append("LOSSY")
-            if r.get("cancelled"):
+            if r.cancelled:
                 notes.append("cancelled")
-            if r.get("stop_reason") and r.get("stop_reason") not in ("max_tokens", "cancelled"):
-                notes.append(f"stopped: {r['stop_reason']}")
-            title = method_title(r["method"], short=True)
-            ttft = r.get("time_to_first_token")
-            tau = r.get("mean_accepted")
-            if r["method"].startswith("remote:") and r.get("spec_source") is None and not r.get("error"):
+            if r.stop_reason and r.stop_reason not in ("max_tokens", "cancelled"):
+                notes.append(f"stopped: {r.stop_reason}")
+            title = method_title(r.method, short=True)
+            if r.method.startswith("remote:") and r.spec_source is None and not r.error:
                 notes.append("speculation not exposed")
-            values = (title, identical_text(r.get("identical_to_baseline")), f"{r['tokens_per_s']:.2f}",
+            values = (title, identical_text(r.identical_to_baseline), f"{r.tokens_per_s:.2f}",
                       "–" if ttft is None else f"{ttft:.2f} s", "–" if sp is None else f"{sp:.2f}×",
                       "–" if tau is None else f"{tau:.2f}",
-                      "–" if acc is None else f"{acc:.0%}", str(r["new_tokens"]),
-                      "–" if r.get("steps") is None else str(r["steps"]),
+                      "–" if acc is None else f"{acc:.0%}", str(r.new_tokens),
+                      "–" if r.steps is None else str(r.steps),
                       ", ".join(notes))
             for col, v in enumerate(values):
                 item = QTableWidgetItem(v)
@@ -301,7 +299,7 @@ class CompareView(QWidget):
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 if col == IDENTICAL_COL:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
-                    ident = r.get("identical_to_baseline")
+                    ident = r.identical_to_baseline
                     if ident is not None:
                         item.setForeground(QColor("#007a55" if ident else "#b00020"))
                         item.setToolTip("Token for token the same output as autoregressive (temperature 0)"
@@ -312,13 +310,13 @@ class CompareView(QWidget):
         self._update_chart()
 
     def _update_chart(self) -> None:
-        rows = [r for r in self.records if r.get("speedup") is not None]
+        rows = [r for r in self.records if r.speedup is not None]
         ys = np.arange(len(rows), dtype=float)[::-1]  # the first method on top
-        widths = np.array([r["speedup"] for r in rows], dtype=float)
-        brushes = [QColor(method_colour(r["method"], self.order)) for r in rows]
+        widths = np.array([r.speedup for r in rows], dtype=float)
+        brushes = [QColor(method_colour(r.method, self.order)) for r in rows]
         self.speedup_bars.setOpts(x0=np.zeros(len(rows)), width=widths, y=ys, height=0.6, brushes=brushes)
         self.speedup_plot.getAxis("left").setTicks(
-            [[(float(y), method_title(r["method"], short=True)) for y, r in zip(ys, rows)]])
+            [[(float(y), method_title(r.method, short=True)) for y, r in zip(ys, rows)]])
         place_labels(self.speedup_plot, self.speedup_labels,
                      [(f" {w:.2f}×", float(w), float(y)) for w, y in zip(widths, ys)], anchor=(0.0, 0.5))
         if len(rows):

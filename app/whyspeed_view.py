@@ -21,6 +21,7 @@ from specplay.app.palette import method_colour
 from specplay.core.decoding.costmodel import SIZES, CostCurve
 from specplay.core.methods import METHODS, method_title
 from specplay.core.measure.whyspeed import SpeedExplanation, break_even_cost, explain
+from specplay.core.records.runlog import RunRecord
 
 WHY_COLUMNS = ("Method", "τ", "Nodes/step", "Draft", "Verify", "Other", "Predicted", "Measured (steps)",
                "Draft/token")
@@ -42,7 +43,7 @@ class WhySpeedView(QWidget):
         super().__init__(parent)
         self.order = list(METHODS)
         self.curve: CostCurve | None = None
-        self.records: list[dict] = []
+        self.records: list[RunRecord] = []
         self.rows: list[SpeedExplanation] = []
         self.summary = QLabel("")
         self.summary.setWordWrap(True)
@@ -87,7 +88,7 @@ class WhySpeedView(QWidget):
 
     def set_records(self, records: list[dict]) -> None:
         """The run records of one comparison (finished runs only)."""
-        self.records = [r for r in records if not r.get("cancelled") and r.get("steps") and r.get("time_split")]
+        self.records = [r for r in map(RunRecord.from_dict, records) if not r.cancelled and r.steps and r.time_split]
         self._refresh()
 
     def _refresh(self) -> None:
@@ -103,11 +104,11 @@ class WhySpeedView(QWidget):
             line.setData(alphas if curve else [], ys)
         self.rows = []
         if curve is not None:
-            if any(r["method"] == "autoregressive" for r in self.records):
+            if any(r.method == "autoregressive" for r in self.records):
                 self.rows = explain(self.records, curve)
-                t1 = next(r for r in self.records if r["method"] == "autoregressive")
-                split = t1["time_split"]
-                step_ms = 1000 * (split["draft"] + split["verify"] + split["other"]) / max(t1["steps"], 1)
+                t1 = next(r for r in self.records if r.method == "autoregressive")
+                split = t1.time_split
+                step_ms = 1000 * (split["draft"] + split["verify"] + split["other"]) / max(t1.steps, 1)
                 self.summary.setText(
                     f"One plain decoding step T(1) took <b>{step_ms:.0f} ms</b> in the last comparison. A method's "
                     "speedup is τ divided by its step cost in those units; <b>Predicted</b> is that quotient, "
@@ -144,7 +145,7 @@ class WhySpeedView(QWidget):
 
     def _place_points(self) -> None:
         """Each method with a drafted-token cost, at its measured (α, c)."""
-        accept = {r["method"]: r.get("acceptance_rate") for r in self.records}
+        accept = {r.method: r.acceptance_rate for r in self.records}
         spots = []
         for e in self.rows:
             alpha = accept.get(e.method)

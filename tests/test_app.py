@@ -752,6 +752,7 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
     the same numbers ``specplay compare --why`` prints."""
     from specplay.core.decoding.costmodel import cost_curve
     from specplay.core.measure.whyspeed import break_even_cost, explain
+    from specplay.core.records.runlog import RunRecord
 
     seen = []
     window.session.engine.worker.sig_progress.connect(lambda stage, fraction: seen.append(stage))
@@ -764,7 +765,7 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
     assert list(xs) == list(curve.sizes) and list(ys) == pytest.approx(curve.relative)
     _, even = window.why.even_lines[5].getData()
     assert even[50] == pytest.approx(break_even_cost(0.5, 5, curve), rel=0.05)
-    want = explain(records, curve)
+    want = explain([RunRecord.from_dict(r) for r in records], curve)
     table = window.why.table
     assert table.rowCount() == 3
     for row, e in enumerate(want):

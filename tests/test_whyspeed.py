@@ -4,13 +4,14 @@ import pytest
 
 from specplay.core.decoding.costmodel import CostCurve
 from specplay.core.measure.whyspeed import break_even_cost, chain_speedup, explain, format_explanation
+from specplay.core.records.runlog import RunRecord
 
 CURVE = CostCurve((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3))
 
 
 def record(method, steps, new_tokens, drafted, draft, verify, other=0.0):
-    return {"method": method, "steps": steps, "new_tokens": new_tokens, "drafted": drafted,
-            "mean_accepted": new_tokens / steps, "time_split": {"draft": draft, "verify": verify, "other": other}}
+    return RunRecord(method=method, steps=steps, new_tokens=new_tokens, drafted=drafted,
+                     mean_accepted=new_tokens / steps, time_split={"draft": draft, "verify": verify, "other": other})
 
 
 def test_the_prediction_from_tau_and_step_costs_matches_hand_computation():

@@ -94,9 +94,10 @@ def cmd_compare(args) -> int:
     if args.why and not any(r.error or r.cancelled for r in comparison.results.values()):
         from specplay.core.decoding.costmodel import cost_curve
         from specplay.core.measure.whyspeed import explain, format_explanation
+        from specplay.core.records.runlog import RunRecord
 
         curve = cost_curve(target.model)
-        why = explain(comparison.records, curve)
+        why = explain([RunRecord.from_dict(r) for r in comparison.records], curve)
         doc["why"] = {"verify_cost": curve.to_dict(), "methods": [e.to_dict() for e in why]}
     if args.json:
         print(dumps(doc))

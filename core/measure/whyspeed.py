@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specplay.core.decoding.costmodel import CostCurve
+from specplay.core.records.runlog import RunRecord
 
 
 @dataclass(frozen=True)
@@ -40,29 +41,29 @@ class SpeedExplanation:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
-def _decode_time(record: dict) -> float:
-    split = record["time_split"]
+def _decode_time(record: RunRecord) -> float:
+    split = record.time_split
     return split["draft"] + split["verify"] + split["other"]
 
 
-def explain(records: list[dict], curve: CostCurve, baseline: str = "autoregressive") -> list[SpeedExplanation]:
-    """One explanation per run record (as :func:`specplay.core.records.runlog.run_record` writes them) of one comparison."""
-    base = next(r for r in records if r["method"] == baseline)
-    t1 = _decode_time(base) / base["steps"]  # one plain step, as this comparison measured it
-    base_rate = base["new_tokens"] / _decode_time(base)
+def explain(records: list[RunRecord], curve: CostCurve, baseline: str = "autoregressive") -> list[SpeedExplanation]:
+    """One explanation per run record of one comparison (each with its steps, drafted tokens and time split)."""
+    base = next(r for r in records if r.method == baseline)
+    t1 = _decode_time(base) / base.steps  # one plain step, as this comparison measured it
+    base_rate = base.new_tokens / _decode_time(base)
     out = []
     for r in records:
-        steps = max(r["steps"], 1)
-        split = r["time_split"]
-        k = r["drafted"] / steps
+        steps = max(r.steps, 1)
+        split = r.time_split
+        k = r.drafted / steps
         draft, other = split["draft"] / steps / t1, split["other"] / steps / t1
         verify = curve(1 + round(k))
-        tau = r["mean_accepted"]
-        measured = r["new_tokens"] / _decode_time(r) / base_rate if _decode_time(r) > 0 else 0.0
+        tau = r.mean_accepted
+        measured = r.new_tokens / _decode_time(r) / base_rate if _decode_time(r) > 0 else 0.0
         out.append(SpeedExplanation(
-            method=r["method"], tau=tau, nodes_per_step=k, draft_cost=draft, verify_cost=verify, other_cost=other,
+            method=r.method, tau=tau, nodes_per_step=k, draft_cost=draft, verify_cost=verify, other_cost=other,
             predicted_speedup=tau / (draft + verify + other), measured_speedup=measured,
-            draft_cost_per_token=split["draft"] / r["drafted"] / t1 if r["drafted"] else None))
+            draft_cost_per_token=split["draft"] / r.drafted / t1 if r.drafted else None))
     return out
 
 
