@@ -355,7 +355,7 @@ class PromptPanel(QWidget):
                           chat_template=self.chat_template.isChecked(), warmup_tokens=warmup_tokens)
 
     def remote_request(self, endpoint) -> RemoteRequest:
-        """A request to stream this prompt from ``endpoint`` (a :class:`specplay.core.remote.Endpoint`)."""
+        """A request to stream this prompt from ``endpoint`` (a :class:`specplay.core.remote.endpoint.Endpoint`)."""
         gen = self.generation_config()
         s = gen.sampling
         return RemoteRequest(endpoint=endpoint, prompt=self._prompt_to_send(), max_tokens=gen.max_new_tokens,

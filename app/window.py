@@ -388,7 +388,7 @@ class MainWindow(QMainWindow):
 
     async def run_compare(self, names: list[str], endpoints: list[str] | None = None) -> list[dict] | None:
         """Run ``names`` one after another on the same prompt, seed and settings, then the remote
-        ``endpoints`` (specs as ``core.remote.Endpoint.parse`` reads them); fill the table."""
+        ``endpoints`` (specs as ``core.remote.endpoint.Endpoint.parse`` reads them); fill the table."""
         if self.session.busy or self.session.models is None:
             return None
         requests = self._compare_requests([n for n in names if n in METHODS],

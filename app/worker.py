@@ -51,7 +51,7 @@ class RunDone:
 
 @dataclass
 class RemoteRequest:
-    """One streamed completion from an OpenAI-compatible endpoint (a :class:`specplay.core.remote.Endpoint`)."""
+    """One streamed completion from an OpenAI-compatible endpoint (a :class:`specplay.core.remote.endpoint.Endpoint`)."""
 
     endpoint: object
     prompt: str
@@ -324,7 +324,7 @@ class EngineWorker(QObject):
             def progress(stage, fraction):
                 self.sig_progress.emit(stage, -1.0 if fraction is None else float(fraction))
 
-            # The audit builds its own method, over models that read the prompt once (core.audit.ReusedPrompt).
+            # The audit builds its own method, over models that read the prompt once (core.measure.audit.ReusedPrompt).
             result = run_audit(self.target, self.draft, run.method, run.method_config, ids, run.config.sampling,
                                config, should_stop, progress)
             record = audit_record(result, target=self.target, draft=self._draft_of(run.method), prompt=run.prompt,

@@ -232,7 +232,7 @@ def test_a_verifier_biased_only_at_the_last_tested_depth_fails(target, target_mo
 
 def test_each_sample_is_the_run_it_would_be_without_reading_the_prompt_once(target, target_model):
     """Sample i is what a plain run with seed 2i makes, token for token, though the audit's target
-    and draft read the prompt once and crop back to it (core.audit.ReusedPrompt), and each sample
+    and draft read the prompt once and crop back to it (core.measure.audit.ReusedPrompt), and each sample
     ends once it holds its K tokens: a run of K + γ tokens, its first K."""
     from specplay.core.decoding.engine import drain, generate
     from specplay.core.decoding.types import GenerationConfig

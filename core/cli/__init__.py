@@ -22,7 +22,7 @@ from specplay.core.errors import SpecPlayError
 log = logging.getLogger("specplay")
 
 
-#: Every option an endpoint takes (:meth:`specplay.core.remote.Endpoint.parse`).
+#: Every option an endpoint takes (:meth:`specplay.core.remote.endpoint.Endpoint.parse`).
 ENGINE_METAVAR = "URL[,model=M][,name=N][,key-env=VAR][,timeout=S][,deadline=S]"
 
 

@@ -185,7 +185,7 @@ class BenchSpec:
     methods: list[str]
     configs: dict = field(default_factory=dict)
     max_new_tokens: int = 256
-    endpoints: dict = field(default_factory=dict)  # "remote:<label>" -> core.remote.Endpoint
+    endpoints: dict = field(default_factory=dict)  # "remote:<label>" -> core.remote.endpoint.Endpoint
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0

@@ -34,7 +34,7 @@ BASELINE = "autoregressive"
 
 def annotate(records: list[dict], greedy: bool, baseline: str = BASELINE) -> None:
     """Add ``speedup`` and ``identical_to_baseline`` to each local run record, in place (remote
-    runs are compared with each other: :func:`specplay.core.remote.annotate_remote`)."""
+    runs are compared with each other: :func:`specplay.core.remote.runs.annotate_remote`)."""
     runs = [(r, RunRecord.from_dict(r)) for r in records]
     base = next((run for _, run in runs if run.method == baseline), None)
     for r, run in runs:

@@ -62,7 +62,7 @@ class RunRecord:
     """One run as the run logs, the history and the exports keep it (a JSON object on disk).
 
     Every key the project writes is a field, in the order it is written. A local run
-    (:meth:`of_run`) and an endpoint's (:func:`specplay.core.remote.remote_record`) each leave out
+    (:meth:`of_run`) and an endpoint's (:func:`specplay.core.remote.runs.remote_record`) each leave out
     the keys the other has: the keys a record does not carry are listed in ``absent`` and left
     out of :meth:`to_dict` (they read as None here), so a record is written back as it was read,
     old files included. Keys this class does not know (an audit's, a newer version's, the app's
