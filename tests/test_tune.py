@@ -1,6 +1,7 @@
 """Tune: every setting's replayed steps are the steps a real run takes, and the command proves its pick."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -112,6 +113,34 @@ def test_a_step_costs_its_drafting_verification_and_bookkeeping():
         replay.add(added, nodes, units)
     assert replay.tau == 2.0
     assert replay.seconds(costs) == pytest.approx(0.5 + 0.019 + 0.011)
+
+
+def test_a_step_with_a_draft_model_pays_the_handover_and_one_without_does_not():
+    costs = tuning.StepCosts(verify=CostCurve((1, 3), (0.010, 0.014)), draft_unit=0.002, other=0.001, prefill=0.5,
+                             handover=0.004)
+    assert costs.step(2, 2.0) == pytest.approx(0.004 + 0.014 + 0.001 + 0.004)
+    assert costs.step(0, 0.0) == pytest.approx(0.010 + 0.001)  # copies alone: the draft model never ran
+
+
+def test_the_handover_is_what_each_models_pass_loses_right_after_the_others(pair, monkeypatch):
+    """On a clock the passes advance: a draft pass costs 3 ms more right after the target's, a
+    target pass 5 ms more right after the draft's, so a step's handover is 8 ms."""
+    target, draft = pair
+    method = build_method("speculative", SpeculativeConfig(), target, draft)
+    clock, last = [0.0], [None]
+
+    def timed(fn, own, extra):
+        def run(*args, **kw):
+            clock[0] += (0.010 if own == "draft" else 0.030) + (extra if last[0] not in (None, own) else 0.0)
+            last[0] = own
+            return fn(*args, **kw)
+        return run
+
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(method, "_next_logits", timed(method._next_logits, "draft", 0.003))
+    monkeypatch.setattr(target.model, "forward", timed(target.model.forward, "target", 0.005))
+    got = tuning.time_handover(method, target.model, PROMPT, target.model.info.vocab_size)
+    assert got == pytest.approx(0.008)
 
 
 def test_tune_predicts_every_setting_and_proves_the_default_and_the_best(pair):

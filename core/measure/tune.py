@@ -50,7 +50,8 @@ ASSUMPTIONS = (
     "a step costs its drafting (a draft token, tree level or lookup as timed here; a draft model's first pass "
     "of a step over what its cache lacks, as timed) plus the target's pass over "
     "the root and the draft's nodes (timed here at this prompt's context, the answer half written, median of "
-    "five; interpolated between the sizes timed) plus autoregressive's bookkeeping per step",
+    "five; interpolated between the sizes timed) plus autoregressive's bookkeeping per step, plus, with a draft "
+    "model, the handover: what each model's pass loses right after the other's (timed against back to back)",
     "the prefill is autoregressive's plus what the method adds (the draft model's own pass over the prompt)",
     "the machine runs as fast during the proof (two runs of each setting, taking turns) as while it was timed: "
     "on a shared machine this is the weakest",
@@ -81,13 +82,16 @@ class StepCosts:
     draft_unit: float  # drafting per unit: a drafted token (speculative), a step (prompt lookup), a tree level (EAGLE)
     other: float  # bookkeeping per step (commit)
     prefill: float
+    handover: float = 0.0  # a step that runs a draft model: its passes and the target's taking turns
 
     def step(self, nodes: int, draft_units: float) -> float:
-        return draft_units * self.draft_unit + self.verify(1 + nodes) + self.other
+        turns = self.handover if draft_units > 0 else 0.0
+        return draft_units * self.draft_unit + self.verify(1 + nodes) + self.other + turns
 
     def to_dict(self) -> dict:
         return {"verify_ms": {str(n): round(t * 1e3, 3) for n, t in zip(self.verify.sizes, self.verify.relative)},
                 "draft_unit_ms": round(self.draft_unit * 1e3, 3), "other_ms": round(self.other * 1e3, 3),
+                "handover_ms": round(self.handover * 1e3, 3),
                 "prefill_s": round(self.prefill, 4)}
 
 
@@ -246,6 +250,46 @@ def draft_passes(method, context_ids: list[int], sizes: tuple[int, ...], vocab: 
     finally:
         dm.reset()
     return [sorted(t)[len(t) // 2] for t in times]
+
+
+def time_handover(method, target_model, context_ids: list[int], vocab: int, repeats: int = 7) -> float:
+    """Seconds a speculative step loses to its two models taking turns: a one-token pass of each right
+    after the other model's, against one right after its own, timed in the same rounds (so a drift of
+    the machine touches both). On a CPU the models share the cores and the caches, and a draft on
+    another engine (llama.cpp) brings its own threads, so neither model's back-to-back timing holds."""
+    method.start(SimpleNamespace(tokens=list(context_ids)))
+    dm = method.draft_model
+    kept = dm.cache_len
+    target_model.reset()
+    target_model.forward_chain(torch.tensor(list(context_ids), dtype=torch.long))
+    token = torch.tensor(list(context_ids[-1:]), dtype=torch.long)
+
+    def draft() -> float:
+        started = time.perf_counter()
+        method._next_logits(method._readable(list(context_ids[-1:])), vocab)
+        took = time.perf_counter() - started
+        dm.crop(kept)
+        return took
+
+    def target() -> float:
+        started = time.perf_counter()
+        target_model.forward(token)  # left pending: the next pass overwrites it
+        return time.perf_counter() - started
+
+    after = {"draft after draft": [], "target after target": [], "draft after target": [], "target after draft": []}
+    try:
+        for _ in range(repeats):
+            draft()
+            after["draft after draft"].append(draft())
+            after["target after draft"].append(target())
+            after["target after target"].append(target())
+            after["draft after target"].append(draft())
+    finally:
+        dm.reset()
+        target_model.reset()
+    med = {k: sorted(v)[len(v) // 2] for k, v in after.items()}
+    return (max(0.0, med["draft after target"] - med["draft after draft"])
+            + max(0.0, med["target after draft"] - med["target after target"]))
 
 
 def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int], gamma: int, adaptive: bool,
@@ -450,7 +494,7 @@ class _Predictor:
         self.prompt_ids, self.answer = prompt_ids, answer
         self.curve = cost_curve(target.model)  # what auto-sizing settings size by, as the methods do
         context = len(prompt_ids) + len(answer) // 2
-        self.extra_prefill = 0.0
+        self.extra_prefill, self.handover = 0.0, 0.0
         if method_name == "speculative":
             self.runs, self.extra_prefill = draft_matches(method, prompt_ids, answer, target.model.info.vocab_size)
             sizes = (1, 2, 4, 8, 16)
@@ -458,6 +502,8 @@ class _Predictor:
                                   target.model.info.vocab_size)
             self.unit = passes[0]
             self.catch_up = CostCurve(sizes, tuple(t / passes[0] for t in passes))
+            self.handover = time_handover(method, target.model, (list(prompt_ids) + list(answer))[:context],
+                                     target.model.info.vocab_size)
         elif method_name == "eagle":
             totals = tuple(sorted({*EAGLE_TOTALS, base.total_tokens}))
             self.trees, self.unit, self.first = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH,
@@ -528,7 +574,7 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
     predictor = _Predictor(method, replayed, target, base, prompt_ids, answer)
     costs = StepCosts(verify=predictor.verify, draft_unit=predictor.unit,
                       other=ar.metrics.other_s / max(ar.metrics.steps, 1),
-                      prefill=ar.metrics.prefill_time + predictor.extra_prefill)
+                      prefill=ar.metrics.prefill_time + predictor.extra_prefill, handover=predictor.handover)
     default_params = _default_params(method, base)
     table = {_key(p): p for p in [default_params] + _SETTINGS[method](base)}
     settings = []
