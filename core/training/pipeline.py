@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from specplay.core.heads import save_heads
+from specplay.core.heads import heads_manifest, save_heads
 from specplay.core.paths import cache_dir, data_dir
 from specplay.core.progress import Progress
 from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings, held_out_vocabulary
@@ -91,10 +91,8 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     vocab_ids, coverage = held_out_vocabulary(features, draft_vocab, tuple(model.info.eos_token_ids),
                                               settings.eval_fraction)
     lm_rows = model.lm_head_weight()[vocab_ids]
-    manifest = {"kind": kind, "recipe": "classic", "target": target.model_id, "hidden_size": model.info.hidden_size,
-                "vocab_size": model.info.vocab_size, "draft_vocab": int(vocab_ids.numel()),
-                "draft_vocab_coverage": round(coverage, 4), "command": command, "data": stats,
-                "settings": settings.to_dict(), "feature_dtype": model.info.dtype}
+    manifest = heads_manifest(kind, "classic", target=target.model_id, info=model.info, vocab_ids=vocab_ids,
+                              coverage=round(coverage, 4), command=command, data=stats, settings=settings.to_dict())
     # Which training a checkpoint in the work folder must belong to to be resumed: these weights,
     # this data and vocabulary, heads of this shape (the folder may hold another target's training).
     # How long and how fast to train may change between sessions.
@@ -149,7 +147,6 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     else:
         raise ValueError(f"unknown head kind {kind}")
     tensors["vocab_ids"] = vocab_ids
-    manifest.update(**tau_fields(last_tau), steps=steps, train_seconds=round(trained["seconds"], 1),
-                    date=time.strftime("%Y-%m-%d"))
+    manifest.update(**tau_fields(last_tau), steps=steps, train_seconds=round(trained["seconds"], 1))
     save_heads(out, tensors, manifest)
     return out, manifest
