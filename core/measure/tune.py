@@ -13,10 +13,11 @@ setting would take minutes; at temperature 0 one run is enough to predict them a
    the adaptive schedule at once); EAGLE's dynamic tree is grown once per position at the
    deepest setting from the target's own features (one teacher-forced pass of the target),
    and every smaller depth and budget is a part of it; prompt lookup replays its own index.
-3. **The cost of each step from this machine's measurements**: drafting per token (or per
-   tree level) as the recorded run measured it, verification as one plain step times the
-   target's measured cost curve T(n)/T(1) (:mod:`specplay.core.costmodel`), bookkeeping per step
-   as recorded; a setting's tokens/s is the answer's length over the prefill plus its steps.
+3. **The cost of each step from this machine's measurements**, timed here at the prompt's
+   context: drafting per token (or per tree level, with a draft's first pass over what its
+   cache lacks), the target's pass over every block size a setting verifies, the handover
+   between a draft model and the target, bookkeeping per step as ``autoregressive`` recorded;
+   a setting's tokens/s is the answer's length over the prefill plus its steps.
 4. **Proof**: the default and the predicted best run twice each, taking turns; each is
    reported measured (the mean of its runs) beside its prediction, and every run is checked
    token for token against ``autoregressive``.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from types import SimpleNamespace
 from typing import Callable
@@ -232,24 +234,41 @@ def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int) 
     return runs[:-1], prefill
 
 
-def draft_passes(method, context_ids: list[int], sizes: tuple[int, ...], vocab: int, repeats: int = 5) -> list[float]:
-    """Median seconds of the draft's pass over n new tokens after ``context_ids``, run as the method runs
-    it (its engine and head), the sizes taking turns as in :func:`specplay.core.decoding.costmodel.time_passes`."""
+@contextmanager
+def _draft_timer(method, context_ids: list[int], vocab: int):
+    """The method's draft started on ``context_ids``; yields the seconds of one pass over the last n of
+    them (``timed(n)``), run as the method runs it (its engine and head), its cache cropped back after."""
     method.start(SimpleNamespace(tokens=list(context_ids)))
     dm = method.draft_model
     kept = dm.cache_len
-    times: list[list[float]] = [[] for _ in sizes]
+
+    def timed(n: int) -> float:
+        block = method._readable(list(context_ids[-n:]))
+        started = time.perf_counter()
+        method._next_logits(block, vocab)
+        took = time.perf_counter() - started
+        dm.crop(kept)
+        return took
+
     try:
-        for _ in range(repeats):
-            for i, n in enumerate(sizes):
-                block = method._readable(list(context_ids[-n:]))
-                started = time.perf_counter()
-                method._next_logits(block, vocab)
-                times[i].append(time.perf_counter() - started)
-                dm.crop(kept)
+        yield timed
     finally:
         dm.reset()
-    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def _median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+def draft_passes(method, context_ids: list[int], sizes: tuple[int, ...], vocab: int, repeats: int = 5) -> list[float]:
+    """Median seconds of the draft's pass over n new tokens after ``context_ids``, run as the method runs
+    it (its engine and head), the sizes taking turns as in :func:`specplay.core.decoding.costmodel.time_passes`."""
+    times: list[list[float]] = [[] for _ in sizes]
+    with _draft_timer(method, context_ids, vocab) as timed:
+        for _ in range(repeats):
+            for i, n in enumerate(sizes):
+                times[i].append(timed(n))
+    return [_median(t) for t in times]
 
 
 def time_handover(method, target_model, context_ids: list[int], vocab: int, repeats: int = 7) -> float:
@@ -257,19 +276,7 @@ def time_handover(method, target_model, context_ids: list[int], vocab: int, repe
     after the other model's, against one right after its own, timed in the same rounds (so a drift of
     the machine touches both). On a CPU the models share the cores and the caches, and a draft on
     another engine (llama.cpp) brings its own threads, so neither model's back-to-back timing holds."""
-    method.start(SimpleNamespace(tokens=list(context_ids)))
-    dm = method.draft_model
-    kept = dm.cache_len
-    target_model.reset()
-    target_model.forward_chain(torch.tensor(list(context_ids), dtype=torch.long))
     token = torch.tensor(list(context_ids[-1:]), dtype=torch.long)
-
-    def draft() -> float:
-        started = time.perf_counter()
-        method._next_logits(method._readable(list(context_ids[-1:])), vocab)
-        took = time.perf_counter() - started
-        dm.crop(kept)
-        return took
 
     def target() -> float:
         started = time.perf_counter()
@@ -277,17 +284,19 @@ def time_handover(method, target_model, context_ids: list[int], vocab: int, repe
         return time.perf_counter() - started
 
     after = {"draft after draft": [], "target after target": [], "draft after target": [], "target after draft": []}
+    target_model.reset()
+    target_model.forward_chain(torch.tensor(list(context_ids), dtype=torch.long))
     try:
-        for _ in range(repeats):
-            draft()
-            after["draft after draft"].append(draft())
-            after["target after draft"].append(target())
-            after["target after target"].append(target())
-            after["draft after target"].append(draft())
+        with _draft_timer(method, context_ids, vocab) as draft:
+            for _ in range(repeats):
+                draft(1)
+                after["draft after draft"].append(draft(1))
+                after["target after draft"].append(target())
+                after["target after target"].append(target())
+                after["draft after target"].append(draft(1))
     finally:
-        dm.reset()
         target_model.reset()
-    med = {k: sorted(v)[len(v) // 2] for k, v in after.items()}
+    med = {k: _median(v) for k, v in after.items()}
     return (max(0.0, med["draft after target"] - med["draft after draft"])
             + max(0.0, med["target after draft"] - med["target after target"]))
 
@@ -494,16 +503,15 @@ class _Predictor:
         self.prompt_ids, self.answer = prompt_ids, answer
         self.curve = cost_curve(target.model)  # what auto-sizing settings size by, as the methods do
         context = len(prompt_ids) + len(answer) // 2
+        context_ids = (list(prompt_ids) + list(answer))[:context]
         self.extra_prefill, self.handover = 0.0, 0.0
         if method_name == "speculative":
             self.runs, self.extra_prefill = draft_matches(method, prompt_ids, answer, target.model.info.vocab_size)
             sizes = (1, 2, 4, 8, 16)
-            passes = draft_passes(method, (list(prompt_ids) + list(answer))[:context], sizes,
-                                  target.model.info.vocab_size)
+            passes = draft_passes(method, context_ids, sizes, target.model.info.vocab_size)
             self.unit = passes[0]
             self.catch_up = CostCurve(sizes, tuple(t / passes[0] for t in passes))
-            self.handover = time_handover(method, target.model, (list(prompt_ids) + list(answer))[:context],
-                                     target.model.info.vocab_size)
+            self.handover = time_handover(method, target.model, context_ids, target.model.info.vocab_size)
         elif method_name == "eagle":
             totals = tuple(sorted({*EAGLE_TOTALS, base.total_tokens}))
             self.trees, self.unit, self.first = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH,
