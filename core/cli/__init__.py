@@ -29,8 +29,9 @@ ENGINE_METAVAR = "URL[,model=M][,name=N][,key-env=VAR][,timeout=S][,deadline=S]"
 def build_parser() -> argparse.ArgumentParser:
     from specplay.core import __version__
     from specplay.core.measure.audit import DEFAULT_DEPTH as AUDIT_DEPTH, DEFAULT_SAMPLES as AUDIT_SAMPLES
-    from specplay.core.measure.prompts import BUILTIN_SETS
     from specplay.core.measure.compare import WARMUP_TOKENS
+    from specplay.core.measure.prompts import BUILTIN_SETS
+    from specplay.core.measure.tune import KNOBS as TUNED_METHODS
     from specplay.core.methods import METHODS
 
     parser = argparse.ArgumentParser(
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="predict the fastest setting of a method's draft size for a prompt on this "
                                     "machine from one run, then run it to check")
-    p.add_argument("--method", required=True, choices=["speculative", "prompt_lookup", "eagle"])
+    p.add_argument("--method", required=True, choices=list(TUNED_METHODS))
     p.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS,
                    help="untimed warm-up generation before each timed run (0 = none)")
     add_generation_args(p)
