@@ -8,6 +8,7 @@ import torch
 
 from specplay.core.cli import main
 from specplay.core.measure import tune as tuning
+from specplay.core.decoding import costmodel
 from specplay.core.decoding.costmodel import CostCurve
 from specplay.core.decoding.engine import drain, generate
 from specplay.core.methods import build_method
@@ -86,10 +87,14 @@ def test_prompt_lookup_replay_takes_the_steps_a_run_takes(pair, adaptive, num_to
 
 @pytest.mark.parametrize("depth,total,auto", [(2, 4, False), (3, 64, False), (5, 16, False), (8, 64, False),
                                               (3, 8, True), (5, 32, True)])
-def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, tmp_path, depth, total, auto):
+def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, tmp_path, monkeypatch, depth, total,
+                                                                         auto):
     """The deepest tree, grown once per position (once per budget for auto size), holds every smaller
     setting's tree: the replay of each equals a real run with that setting, step for step."""
     target, _ = pair
+    # Auto size sizes by the machine's verify cost: pinned, so that where a level stops is the same in
+    # every session (a timed curve moves the floor a node must pass, and a near-tie can land either side).
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.4, 2.2)))
     head = make_head_file(tmp_path / "eagle.safetensors", target.model, scale=0.05)
     answer = _answer(target)
     config = EagleConfig(head=str(head), depth=depth, total_tokens=total, auto_size=auto)
