@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+from safetensors import SafetensorError
 
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled, ModelError
@@ -68,6 +69,10 @@ _GGUF_LOCK = ".gguf.lock"
 #: for the embedding and output matrices.
 _FTYPE_IQ4_NL = 25
 _TYPE_Q4_0 = 2
+
+#: What a failed write of a cache file raises: safetensors' ``save_file`` has its own error (a full
+#: disk included), not an OSError.
+_WRITE_FAILED = (OSError, SafetensorError)
 
 
 # ---------------------------------------------------------------------------- what the user named
@@ -417,7 +422,7 @@ def store_kquant_blocks(tensors: dict, path: Path, progress: Progress) -> None:
     try:
         save_blocks(tensors, path / KQUANT_DRAFT_WEIGHTS)
         record_weights(path, "kquant-draft")
-    except OSError as exc:
+    except _WRITE_FAILED as exc:
         log.warning("%s: cannot store the k-quant draft blocks (%s); they are fitted again at the next load",
                     path.name, exc)
 
@@ -428,7 +433,7 @@ def store_int4_layers(model, source: CachedWeightsReader, path: Path, progress: 
     progress(f"Storing the int4 draft layers of {path.name} (once)", None)
     try:
         write_int4_weights(model, source, path)
-    except OSError as exc:
+    except _WRITE_FAILED as exc:
         log.warning("%s: cannot store the int4 draft layers (%s); they are packed again at the next load",
                     path.name, exc)
 
