@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from specplay.core.atomic import write_text_atomic
+from specplay.core.atomic import locked, write_text_atomic
 from specplay.core.paths import measurements_dir
 
 log = logging.getLogger(__name__)
@@ -79,15 +79,17 @@ def machine_key() -> str:
 def forget_host(path) -> int:
     """Drop this host's entries (any thread count, any library version) from the table at ``path``;
     how many were dropped."""
-    table = read_table(path)
-    kept = {key: value for key, value in table.items() if not key.startswith(f"{host_key()} ")}
-    if len(kept) < len(table):
-        write_table(path, kept)
+    with locked(path):
+        table = read_table(path)
+        kept = {key: value for key, value in table.items() if not key.startswith(f"{host_key()} ")}
+        if len(kept) < len(table):
+            write_table(path, kept)
     return len(table) - len(kept)
 
 
 def forget_measurements() -> int:
     """Forget what was measured on this host (kernels, draft engines, bandwidth): measured again when next needed."""
+    _unsaved.pop(_file(), None)
     return forget_host(_file())
 
 
@@ -109,8 +111,12 @@ def write_table(path, table: dict) -> None:
     write_text_atomic(path, json.dumps(table, indent=1))
 
 
+#: What a full or read-only cache could not keep, by file: this process remembers it instead.
+_unsaved: dict[Path, dict] = {}
+
+
 def _read() -> dict:
-    return read_table(_file())
+    return {**read_table(_file()), **_unsaved.get(_file(), {})}
 
 
 def has_measured(key: str) -> bool:
@@ -125,14 +131,24 @@ def kept_measurement(key: str) -> dict | None:
 
 def measured(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool] = lambda kept: True) -> dict:
     """``measure()``'s result for ``key`` on this machine: measured once, then read back; measured
-    again where what is kept is not a JSON object or not ``valid`` (a damaged or hand-edited file)."""
+    again where what is kept is not a JSON object or not ``valid`` (a damaged or hand-edited file).
+    Where the cache cannot keep it (full, read-only), this process does, with one warning a file."""
     key = f"{machine_key()}|{key}"
-    table = _read()
-    kept = table.get(key)
-    if not (isinstance(kept, dict) and valid(kept)):
-        table[key] = measure()
-        write_table(_file(), table)
-    return table[key]
+    kept = _read().get(key)
+    if isinstance(kept, dict) and valid(kept):
+        return kept
+    result = measure()  # unlocked: it may take seconds, and measure what it needs in turn
+    path = _file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with locked(path):  # read again, so that what another writer kept meanwhile is kept too
+            write_table(path, {**read_table(path), key: result})
+    except OSError as exc:
+        if path not in _unsaved:
+            log.warning("cannot keep what was measured in %s (%s): it is measured again in each process "
+                        "until it can be", path, exc)
+        _unsaved.setdefault(path, {})[key] = result
+    return result
 
 
 def _engine_report(progress=None) -> dict:
