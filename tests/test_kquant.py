@@ -223,7 +223,7 @@ def test_a_draft_matrix_fitted_into_q4_k_blocks_keeps_its_values_and_pads_its_ro
 
 
 def test_fitted_blocks_are_kept_read_back_and_fitted_again_under_another_kernel(tmp_path, monkeypatch):
-    from specplay.core.models import cache
+    from specplay.core.models import cache, kernel_build
 
     q = KQuantWeight.quantize(torch.randn(8, 300))
     dest = tmp_path / cache.KQUANT_DRAFT_WEIGHTS
@@ -234,7 +234,7 @@ def test_fitted_blocks_are_kept_read_back_and_fitted_again_under_another_kernel(
     back = reader.get("a.weight")
     assert (back.type, back.rows, back.cols, back.width) == (Q4_K, 8, 512, 300) and torch.equal(back.data, q.data)
     assert torch.equal(reader.get("n.weight"), torch.ones(3)) and reader.get("b.weight") is None
-    monkeypatch.setattr(kquant, "library_digest", lambda: "a kernel with another layout")
+    monkeypatch.setattr(kernel_build, "library_digest", lambda: "a kernel with another layout")
     assert cache.check_weights(tmp_path, "kquant-draft") == "stale"
 
 

@@ -102,14 +102,14 @@ def cost_curve(model) -> CostCurve:
 
 def _kept_curve(model) -> CostCurve:
     from specplay.core import __version__
-    from specplay.core.models import kquant
+    from specplay.core.models import kernel_build
     from specplay.core.models.engines import measured
 
     info = model.info
     # What the curve depends on besides the machine (in the measurements' key already): the model,
     # how it is stored and run, and the code that runs it.
     key = (f"cost curve {info.name} {info.num_parameters} {info.backend} {info.dtype} {info.device} "
-           f"specplay {__version__} kquant {kquant.library_digest()}")
+           f"specplay {__version__} kquant {kernel_build.library_digest()}")
     kept = measured(key, lambda: measure(model).to_dict(),
                     valid=lambda d: all(isinstance(d.get(str(n)), (int, float)) for n in SIZES))
     return CostCurve(SIZES, tuple(float(kept[str(n)]) for n in SIZES))

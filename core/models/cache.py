@@ -122,7 +122,7 @@ def _made_by(kind: str) -> dict:
     if kind == "int4-draft":
         return {"torch": torch.__version__}
     if kind == "kquant-draft":
-        from specplay.core.models.kquant import library_digest
+        from specplay.core.models.kernel_build import library_digest
 
         return {"kquant": library_digest()}
     return {}

@@ -1,8 +1,9 @@
 """The exact k-quant target: a GGUF's own Q4_K and Q6_K blocks, multiplied bit-exactly at any block size.
 
 The C kernel (``kquant.c`` beside this file) is compiled once per machine with the system's C
-compiler into the user cache, and loaded with ``ctypes`` after torch, so its OpenMP threads are
-torch's own. It has two paths, chosen here from the CPU's flags: AVX-512 with VNNI, and AVX2 with
+compiler into the user cache (:mod:`specplay.core.models.kernel_build`, which loads it only while
+it is this user's), and loaded with ``ctypes`` after torch, so its OpenMP threads are torch's own.
+It has two paths, chosen here from the CPU's flags: AVX-512 with VNNI, and AVX2 with
 FMA; both give the same bits. It is offered only after :func:`prove` has found every block of 1
 to :data:`PROVED_ROWS` rows bit-identical to the rows computed one at a time, at one and two
 threads, on adversarial activations; where the compiler, the instructions or the proof is
@@ -17,12 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +28,7 @@ import torch
 from specplay.core.atomic import replacing
 from specplay.core.errors import ModelError
 from specplay.core.models.exactness import blocks_match, cpu_flags, rows_one_at_a_time
-from specplay.core.paths import cache_dir
+from specplay.core.models.kernel_build import load_library
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +41,6 @@ QK = 256
 #: The largest verification block the methods send at their defaults (Medusa's 64-node tree and
 #: its root): every block size up to it is proved.
 PROVED_ROWS = 65
-_SOURCES = (Path(__file__).with_name("kquant.c"), Path(__file__).with_name("kquant_layer.c"))
-_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 _AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 _AVX2 = {"avx2", "fma"}
 
@@ -65,40 +59,9 @@ def isa_name(code: int) -> str:
     return {3: "AVX-512 VNNI", 2: "AVX2"}[code]
 
 
-def _compiler() -> str | None:
-    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
-    return cc if shutil.which(cc) else None
-
-
-def library_digest() -> str:
-    """The kernel's source and build flags (what its proof of exactness is kept under)."""
-    return hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES) + " ".join(_FLAGS).encode()).hexdigest()[:16]
-
-
-def _library_path() -> Path:
-    return cache_dir() / "kernels" / f"kquant-{library_digest()}.so"
-
-
-def build() -> Path:
-    """The compiled kernel, compiled here once (a second or two) and kept in the user cache."""
-    lib = _library_path()
-    if lib.is_file():
-        return lib
-    cc = _compiler()
-    if cc is None:
-        raise OSError("no C compiler (cc) on this machine")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(lib) as tmp:
-        done = subprocess.run([cc, *_FLAGS, "-o", str(tmp), *map(str, _SOURCES), "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise OSError(f"{cc} could not compile the k-quant kernel: "
-                          f"{(done.stderr.strip().splitlines() or [''])[-1][:200]}")
-    return lib
-
-
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
+    lib = load_library()
     i64, vp, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.sp_repack.argtypes = [cint, vp, vp, i64, i64]
     lib.sp_dequantize_rows.argtypes = [cint, vp, i64, vp, i64, vp]

@@ -267,6 +267,7 @@ def _exact_gguf_reader(model_id: str, progress):
     kernel is built here, reads every matrix of the file and was proved exact on its real layers;
     else (None, why not)."""
     from specplay.core.models.engines import measured
+    from specplay.core.models.kernel_build import library_digest
     from specplay.core.models.prepare import source_gguf
 
     if not has_gguf_source(model_id):
@@ -282,7 +283,7 @@ def _exact_gguf_reader(model_id: str, progress):
             progress("Proving the exact k-quant kernel on real layers (once)", None)
             return {"exact": kquant.prove(reader.matrices(1))}
 
-        if not measured(f"kquant exact {kquant.library_digest()} {reader.path.name}", measure).get("exact"):
+        if not measured(f"kquant exact {library_digest()} {reader.path.name}", measure).get("exact"):
             why = f"the k-quant kernel was not bit-exact across 1-{kquant.PROVED_ROWS} rows on this machine"
     return (None, why) if why else (reader, None)
 
