@@ -22,11 +22,20 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define QK 256
 
 enum { TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* GGML's type numbers */
+
+/* What every entry returns: 0, or why it did nothing useful (its outputs are then to be thrown
+ * away). Each checks its arguments before it reads or writes anything: they come from a model
+ * file, and a file's numbers are a stranger's. kquant_layer.c uses the same codes. */
+enum { SP_OK = 0, SP_BAD_ARGUMENTS = -1, SP_OUT_OF_MEMORY = -2, SP_ID_OUT_OF_RANGE = -3 };
+
+/* Whether ``a`` * ``b`` * ``c`` (``c`` > 0) is a count of non-negative factors that fits in int64. */
+static int fits(int64_t a, int64_t b, int64_t c) { return a >= 0 && b >= 0 && (b == 0 || a <= INT64_MAX / b / c); }
 
 /* The order of a block's 256 positions in memory, for weights and activations alike. Byte
  * 128h + 16t + 4i + j (half h = 0..1, chunk t = 0..7, slot i = 0..3, j = 0..3) holds position
@@ -125,8 +134,9 @@ static void q6k_values(const uint8_t *ql, const uint8_t *qh, uint8_t *v) {
         }
 }
 
-/* Repack ``rows`` rows of ``nb`` raw GGUF blocks each. Returns 0, or -1 for an unknown type. */
+/* Repack ``rows`` rows of ``nb`` raw GGUF blocks each. Returns a status (an unknown type: bad arguments). */
 int sp_repack(int type, const uint8_t *raw, void *out, int64_t rows, int64_t nb) {
+    if (sp_sizeof_block(type) < 0 || !fits(rows, nb, QK) || !raw || !out) return SP_BAD_ARGUMENTS;
     int64_t total = rows * nb;
     if (type == TYPE_Q4_K) {
         block4 *o = (block4 *)out;
@@ -143,9 +153,7 @@ int sp_repack(int type, const uint8_t *raw, void *out, int64_t rows, int64_t nb)
             q4k_values(b + 16, v);
             pack_nibbles(v, o[i].qs);
         }
-        return 0;
-    }
-    if (type == TYPE_Q6_K) {
+    } else {
         block6 *o = (block6 *)out;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < total; i++) {
@@ -166,9 +174,8 @@ int sp_repack(int type, const uint8_t *raw, void *out, int64_t rows, int64_t nb)
                     o[i].qh[16 * c + l] = hb;
                 }
         }
-        return 0;
     }
-    return -1;
+    return SP_OK;
 }
 
 /* One 32-group's Q4_K-style fit: value ≈ scale * q - offset, q in 0..15, by a few rounds of least
@@ -195,12 +202,14 @@ static void fit_group(const float *x, float *scale, float *offset) {
 static void fit_block(const float *x, block4 *b);
 
 /* Quantize ``rows`` float rows of ``k`` values (a multiple of 256, row stride ``ldw``) into repacked
- * Q4_K blocks: for a draft model's matrices, which ship in other formats. */
-void sp_quantize_q4k(const float *w, int64_t rows, int64_t k, int64_t ldw, block4 *out) {
+ * Q4_K blocks: for a draft model's matrices, which ship in other formats. Returns a status. */
+int sp_quantize_q4k(const float *w, int64_t rows, int64_t k, int64_t ldw, block4 *out) {
+    if (k < QK || k % QK || ldw < k || !fits(rows, ldw, sizeof(float)) || !w || !out) return SP_BAD_ARGUMENTS;
     int64_t nb = k / QK;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < nb; i++) fit_block(w + r * ldw + i * QK, out + r * nb + i);
+    return SP_OK;
 }
 
 enum { TYPE_Q5_0 = 6, TYPE_Q8_0 = 8 }; /* GGML's type numbers of the draft's other blocks */
@@ -231,13 +240,21 @@ static void row_values(int type, const uint8_t *raw, int64_t width, float *out) 
 
 /* A GGUF matrix of ``rows`` rows of ``width`` values in Q8_0 or Q5_0 blocks, fitted into repacked
  * Q4_K blocks of ``k`` values a row (zeros past ``width``) without a float copy of the matrix.
- * Returns 0, or -1 for another type or a width not a multiple of 32. */
+ * Returns a status: bad arguments for another type or a width not a multiple of 32, out of memory
+ * where a thread's row buffer could not be had (some rows are then not fitted). */
 int sp_fit_q4k_from(int type, const uint8_t *raw, int64_t rows, int64_t width, int64_t k, block4 *out) {
-    if ((type != TYPE_Q8_0 && type != TYPE_Q5_0) || width % 32 || width > k || k % QK) return -1;
+    if ((type != TYPE_Q8_0 && type != TYPE_Q5_0) || width < 32 || width % 32 || width > k || k % QK ||
+        !fits(rows, k, sizeof(float)) || !raw || !out)
+        return SP_BAD_ARGUMENTS;
     int64_t nb = k / QK, row_bytes = width / 32 * (type == TYPE_Q8_0 ? 34 : 22);
+    int failed = 0;
 #pragma omp parallel
     {
         float *row = calloc((size_t)k, sizeof(float));
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (!row) continue;
@@ -246,7 +263,7 @@ int sp_fit_q4k_from(int type, const uint8_t *raw, int64_t rows, int64_t width, i
         }
         free(row);
     }
-    return 0;
+    return failed ? SP_OUT_OF_MEMORY : SP_OK;
 }
 
 /* 256 floats fitted into one repacked Q4_K block: each 32-group's fit, its scale and offset
@@ -277,9 +294,14 @@ static int q6k_high(const block6 *q, int byte) {
     return (q->qh[16 * c + byte % 16] >> (2 * s)) & 3;
 }
 
-/* Rows of repacked weights as float (an embedding lookup), by GGUF's dequantization formulas. */
-int sp_dequantize_rows(int type, const void *w, int64_t nb, const int64_t *ids, int64_t n, float *y) {
-    if (sp_sizeof_block(type) < 0) return -1;
+/* Rows ``ids`` of a matrix of ``rows`` x ``nb`` repacked blocks as float (an embedding lookup), by
+ * GGUF's dequantization formulas. Returns a status: an id outside the rows writes nothing. */
+int sp_dequantize_rows(int type, const void *w, int64_t rows, int64_t nb, const int64_t *ids, int64_t n, float *y) {
+    if (sp_sizeof_block(type) < 0 || !fits(rows, nb, QK) || !fits(n, nb, QK * sizeof(float)) ||
+        (n && (!w || !ids || !y)))
+        return SP_BAD_ARGUMENTS;
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= rows) return SP_ID_OUT_OF_RANGE;
     for (int64_t r = 0; r < n; r++) {
         float *out = y + r * nb * QK;
         for (int64_t i = 0; i < nb; i++, out += QK) {
@@ -297,7 +319,7 @@ int sp_dequantize_rows(int type, const void *w, int64_t nb, const int64_t *ids, 
             }
         }
     }
-    return 0;
+    return SP_OK;
 }
 
 /* Quantize rows of x (``m`` x ``width``, row stride ``ldx``) into blocks of 256, row by row, the
@@ -756,17 +778,25 @@ void sp_gemm_rows(int isa, int type, const void *w, int64_t n, int64_t k, const 
  * into ``xq`` (``m`` x ``k / 256`` blocks, zeros past ``width``), then multiplied by ``parts``
  * weight matrices (``types[i]``, ``ws[i]``, ``ns[i]`` rows of ``k`` values), their outputs side by
  * side in ``y`` (row stride ``ldy``). One region instead of one per step: each costs a wake-up of
- * the threads, a third of a small draft layer's time. Returns 0, or -1 for bad arguments. */
+ * the threads, a third of a small draft layer's time. Returns a status. */
 int sp_linear(int isa, int parts, const int *types, const void *const *ws, const int64_t *ns, int64_t k,
               int64_t width, const float *x, int64_t m, int64_t ldx, blockx *xq, float *y, int64_t ldy) {
-    if (k % QK || width > k || m < 0 || (isa != 2 && isa != 3)) return -1;
-    for (int i = 0; i < parts; i++)
-        if (sp_sizeof_block(types[i]) < 0 || ns[i] < 0) return -1;
+    if ((isa != 2 && isa != 3) || parts < 1 || !types || !ws || !ns || k < QK || k % QK || width < 1 ||
+        width > k || ldx < width || !fits(m, ldx, sizeof(float)) || !fits(m, k, sizeof(blockx)) ||
+        (m && (!x || !xq || !y)))
+        return SP_BAD_ARGUMENTS;
+    int64_t out = 0;
+    for (int i = 0; i < parts; i++) {
+        if (sp_sizeof_block(types[i]) < 0 || ns[i] < 0 || ns[i] > INT64_MAX - out || (ns[i] && !ws[i]))
+            return SP_BAD_ARGUMENTS;
+        out += ns[i];
+    }
+    if (ldy < out || !fits(m, ldy, sizeof(float))) return SP_BAD_ARGUMENTS;
 #pragma omp parallel
     {
         sp_quantize_rows(x, m, k, width, ldx, xq);
         int64_t col = 0;
         for (int i = 0; i < parts; col += ns[i], i++) sp_gemm_rows(isa, types[i], ws[i], ns[i], k, xq, m, y + col, ldy);
     }
-    return 0;
+    return SP_OK;
 }

@@ -64,7 +64,7 @@ def _lib() -> ctypes.CDLL:
     lib = load_library()
     i64, vp, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.sp_repack.argtypes = [cint, vp, vp, i64, i64]
-    lib.sp_dequantize_rows.argtypes = [cint, vp, i64, vp, i64, vp]
+    lib.sp_dequantize_rows.argtypes = [cint, vp, i64, i64, vp, i64, vp]
     lib.sp_quantize_q4k.argtypes = [vp, i64, i64, i64, vp]
     lib.sp_fit_q4k_from.argtypes = [cint, vp, i64, i64, i64, vp]
     lib.sp_linear.argtypes = [cint, cint, vp, vp, vp, i64, i64, vp, i64, i64, vp, vp, i64]
@@ -72,6 +72,20 @@ def _lib() -> ctypes.CDLL:
     lib.sp_layer_scratch.restype = i64
     lib.sp_layer.argtypes = [cint, vp, vp, i64, vp, vp, vp, i64, i64, vp, cint, vp]
     return lib
+
+
+#: What the kernel's entries return besides 0 (``kquant.c``): their outputs are then thrown away.
+_BAD_ARGUMENTS, _OUT_OF_MEMORY, _ID_OUT_OF_RANGE = -1, -2, -3
+
+
+def _checked(status: int, call: str) -> None:
+    """Raise for a kernel entry's non-zero status; ``call`` says what it was asked to do."""
+    if status == _OUT_OF_MEMORY:
+        raise MemoryError(f"out of memory in the k-quant kernel ({call})")
+    if status == _ID_OUT_OF_RANGE:
+        raise IndexError(f"the k-quant kernel was asked for rows its matrix does not have ({call})")
+    if status != 0:
+        raise ModelError(f"the k-quant kernel refused to {call}: its sizes disagree (status {status})")
 
 
 class _Matrix:
@@ -115,7 +129,7 @@ class KQuantWeight(_Matrix):
         raw = np.ascontiguousarray(raw)
         lib = _lib()
         data = torch.empty(rows * nb * lib.sp_sizeof_block(type_), dtype=torch.uint8)
-        lib.sp_repack(type_, raw.ctypes.data, data.data_ptr(), rows, nb)
+        _checked(lib.sp_repack(type_, raw.ctypes.data, data.data_ptr(), rows, nb), f"repack {rows} {TYPES[type_]} rows")
         return KQuantWeight(type_, data, rows, cols)
 
     @staticmethod
@@ -130,29 +144,33 @@ class KQuantWeight(_Matrix):
         for start in range(0, rows, chunk):
             part = torch.zeros(min(chunk, rows - start), cols)
             part[:, :width] = w[start:start + chunk]
-            lib.sp_quantize_q4k(part.data_ptr(), part.shape[0], cols, cols, data.data_ptr() + start * per_row)
+            _checked(lib.sp_quantize_q4k(part.data_ptr(), part.shape[0], cols, cols, data.data_ptr() + start * per_row),
+                     f"fit a {rows} x {width} matrix into Q4_K blocks")
         return KQuantWeight(Q4_K, data, rows, cols, width)
 
     @staticmethod
     def fit_blocks(type_: int, raw: np.ndarray, width: int) -> "KQuantWeight | None":
         """A GGUF matrix in Q8_0 or Q5_0 blocks (``raw``: ``[rows, bytes]``) fitted into Q4_K like
-        :meth:`quantize`, straight from its blocks (no float copy); None for another type."""
+        :meth:`quantize`, straight from its blocks (no float copy); None for another type. Raises where
+        the fit fails (out of memory): no block of a failed fit is ever kept."""
         if type_ not in (_Q8_0, _Q5_0) or width % 32:
             return None
         rows, cols = raw.shape[0], -(-width // QK) * QK
+        if raw.shape[1] != width // 32 * (34 if type_ == _Q8_0 else 22):
+            raise ValueError(f"a row of {width} values in GGML type {type_} blocks does not take {raw.shape[1]} bytes")
         lib = _lib()
         data = torch.empty(rows * cols // QK * lib.sp_sizeof_block(Q4_K), dtype=torch.uint8)
         raw = np.ascontiguousarray(raw)
-        if lib.sp_fit_q4k_from(type_, raw.ctypes.data, rows, width, cols, data.data_ptr()) != 0:
-            return None
+        _checked(lib.sp_fit_q4k_from(type_, raw.ctypes.data, rows, width, cols, data.data_ptr()),
+                 f"fit a {rows} x {width} matrix into Q4_K blocks")
         return KQuantWeight(Q4_K, data, rows, cols, width)
 
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows ``ids`` (an embedding lookup), by GGUF's own dequantization."""
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), self.cols)
-        _lib().sp_dequantize_rows(self.type, self.data.data_ptr(), self.cols // QK, ids.data_ptr(), ids.numel(),
-                                  out.data_ptr())
+        _checked(_lib().sp_dequantize_rows(self.type, self.data.data_ptr(), self.rows, self.cols // QK, ids.data_ptr(),
+                                           ids.numel(), out.data_ptr()), f"read {ids.numel()} embedding rows")
         return out if self.width == self.cols else out[:, :self.width]
 
     def dequantize(self) -> torch.Tensor:
@@ -208,8 +226,9 @@ class KQuantLinear:
         lib = _lib()
         xq = torch.empty(m * (self._cols // QK) * lib.sp_sizeof_blockx(), dtype=torch.uint8)
         y = torch.empty(m, self._out)
-        lib.sp_linear(self._isa, len(self.parts), self._types, self._ptrs, self._rows, self._cols, self.in_features,
-                      x2.data_ptr(), m, self.in_features, xq.data_ptr(), y.data_ptr(), self._out)
+        _checked(lib.sp_linear(self._isa, len(self.parts), self._types, self._ptrs, self._rows, self._cols,
+                               self.in_features, x2.data_ptr(), m, self.in_features, xq.data_ptr(), y.data_ptr(),
+                               self._out), f"multiply {m} rows by a {self._out} x {self.in_features} matrix")
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*shape[:-1], self._out)
@@ -278,13 +297,14 @@ class FusedLayers:
         (``causal``) or all."""
         lib, layer = _lib(), ctypes.byref(self._layers[i])
         m = x.shape[0]
-        scratch = torch.empty(lib.sp_layer_scratch(layer, m), dtype=torch.uint8)
+        size = lib.sp_layer_scratch(layer, m)
+        if size < 0:
+            _checked(size, f"run layer {i}")
+        scratch = torch.empty(size, dtype=torch.uint8)
         mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
-        done = lib.sp_layer(self._isa, layer, x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
-                            kv.shape[2], base, None if mask_bytes is None else mask_bytes.data_ptr(), int(causal),
-                            scratch.data_ptr())
-        if done != 0:
-            raise MemoryError("the k-quant layer could not run (out of memory for attention scores?)")
+        _checked(lib.sp_layer(self._isa, layer, x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
+                              kv.shape[2], base, None if mask_bytes is None else mask_bytes.data_ptr(), int(causal),
+                              scratch.data_ptr()), f"run layer {i} over {m} rows")
 
 
 def adversarial_rows(k: int, rows: int, seed: int = 0) -> torch.Tensor:

@@ -21,6 +21,12 @@ void sp_quantize_rows(const float *x, int64_t m, int64_t k, int64_t width, int64
 void sp_gemm_rows(int isa, int type, const void *w, int64_t n, int64_t k, const void *x, int64_t m, float *y,
                   int64_t ldy);
 int sp_sizeof_blockx(void);
+int sp_sizeof_block(int type);
+
+enum { SP_OK = 0, SP_BAD_ARGUMENTS = -1, SP_OUT_OF_MEMORY = -2 }; /* kquant.c's statuses */
+
+/* The largest size of any dimension: keeps every product of sizes (a scratch's bytes) inside int64. */
+#define MOST_SIZE ((int64_t)1 << 24)
 
 typedef struct { /* one (fused) projection: up to three k-quant matrices side by side */
     int32_t parts;
@@ -80,8 +86,34 @@ static int64_t most_blocks(const sp_layer_t *L) {
     return k / 256;
 }
 
-/* Bytes of scratch a call of ``m`` rows needs. */
+/* Whether a projection is not ``width`` inputs (``k``: rounded up to whole blocks of 256) to ``out``
+ * outputs in 1 to 3 k-quant matrices whose rows add up to ``out``. */
+static int bad_projection(const sp_linear_t *l, int64_t width, int64_t out) {
+    if (l->parts < 1 || l->parts > 3 || l->width != width || l->out != out || l->k % 256 || l->k < width ||
+        l->k - width >= 256)
+        return 1;
+    int64_t rows = 0;
+    for (int i = 0; i < l->parts; i++) {
+        if (sp_sizeof_block(l->types[i]) < 0 || l->ns[i] < 0 || l->ns[i] > out || !l->ws[i]) return 1;
+        rows += l->ns[i];
+    }
+    return rows != out;
+}
+
+/* Whether a layer's sizes disagree with each other, or are ones the layer does not run (heads of
+ * more than 256 values, head_dim or hidden not a multiple of 8): checked before anything is read. */
+static int bad_layer(const sp_layer_t *L) {
+    int64_t H = L->hidden, heads = L->heads, kv = L->kv_heads, d = L->head_dim, I = L->inter;
+    if (H < 8 || H % 8 || H > MOST_SIZE || d < 8 || d % 8 || d > 256 || heads < 1 || heads > MOST_SIZE ||
+        kv < 1 || heads % kv || I < 1 || I > MOST_SIZE || !L->ln_in || !L->ln_post)
+        return 1;
+    return bad_projection(&L->qkv, H, (heads + 2 * kv) * d) || bad_projection(&L->o, heads * d, H) ||
+           bad_projection(&L->gate_up, H, 2 * I) || bad_projection(&L->down, I, H);
+}
+
+/* Bytes of scratch a call of ``m`` rows needs, or -1 (bad arguments) for a layer :func:`sp_layer` refuses. */
 int64_t sp_layer_scratch(const sp_layer_t *L, int64_t m) {
+    if (!L || bad_layer(L) || m < 0 || m > MOST_SIZE) return SP_BAD_ARGUMENTS;
     int64_t floats = m * (2 * L->hidden + L->qkv.out + L->heads * L->head_dim + 3 * L->inter);
     return floats * (int64_t)sizeof(float) + 64 + m * most_blocks(L) * sp_sizeof_blockx();
 }
@@ -114,12 +146,15 @@ __attribute__((target(VEC))) static void attend(const sp_layer_t *L, const float
  * ``base`` .. ``base + m - 1`` of ``kv`` (this layer's [2, kv_heads, cap, head_dim] float32).
  * ``cos``/``sin``: the rows' RoPE tables (m x head_dim). A row sees the slots ``mask`` allows
  * (m x (base + m) bytes), or without one: slots up to its own (``causal``) or all of them.
- * ``scratch``: :func:`sp_layer_scratch` bytes. Returns 0, or -1 for sizes it does not run
- * (head_dim above 256 or not a multiple of 8, hidden not a multiple of 8). */
+ * ``scratch``: :func:`sp_layer_scratch` bytes. Returns a status: bad arguments for sizes that
+ * disagree (:func:`bad_layer`) or rows past the cache, out of memory where a thread's attention
+ * scores could not be had (``x`` and ``kv`` are then to be thrown away). */
 int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos, const float *sin, float *kv,
              int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch) {
+    if ((isa != 2 && isa != 3) || !L || bad_layer(L) || m < 0 || m > MOST_SIZE || base < 0 || cap < 0 ||
+        base > cap - m || (m && (!x || !cos || !sin || !kv || !scratch)))
+        return SP_BAD_ARGUMENTS;
     int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, I = L->inter;
-    if (d > 256 || d % 8 || H % 8 || base + m > cap) return -1;
     float *h = (float *)scratch, *qkv = h + m * H, *att = qkv + m * L->qkv.out, *gu = att + m * nq,
           *act = gu + m * 2 * I, *y = act + m * I;
     void *xq = (void *)(((uintptr_t)(y + m * H) + 63) & ~(uintptr_t)63);
@@ -173,5 +208,5 @@ int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos
             for (int64_t j = 0; j < H; j++) x[r * H + j] += L->down.bias ? y[r * H + j] + L->down.bias[j] : y[r * H + j];
         free(sc);
     }
-    return failed ? -1 : 0;
+    return failed ? SP_OUT_OF_MEMORY : SP_OK;
 }
