@@ -57,3 +57,58 @@ def test_a_full_disk_while_storing_an_int4_drafts_layers_is_a_safetensors_error_
     with caplog.at_level(logging.WARNING):
         assert draft_logits(folder, monkeypatch).shape[0] == len(TOKENS)
     assert cache.check_weights(folder, "int4-draft") == "missing" and "packed again at the next load" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from tiny import loaded, native_from_hf, perturbed_copy, tiny_hf_model
+
+    hf = tiny_hf_model(seed=0, dtype=torch.float64)
+    return loaded(native_from_hf(hf)), loaded(native_from_hf(perturbed_copy(hf, scale=0.02)), model_id="draft")
+
+
+# Where Stop comes, in model passes after the predictor began: speculative's are its draft's replay (passes
+# 1-41 here), its timings of the draft (42-67), of the handover (68-104) and of the target (105-140).
+@pytest.mark.parametrize("method,stop_at", [("speculative", 1), ("speculative", 45), ("speculative", 80),
+                                            ("speculative", 115), ("prompt_lookup", 10), ("eagle", 1),
+                                            ("eagle", 60)])
+def test_stop_during_the_predictor_is_honoured_within_a_pass_and_no_proof_runs(pair, tmp_path, monkeypatch, method,
+                                                                               stop_at):
+    """The predictor times and replays for many passes before the proof's runs: Stop pressed during
+    any of them (here: after pass ``stop_at``) ends the tune with ``Cancelled`` at the next pass
+    (EAGLE: once the tree being grown is done), and no proof run starts."""
+    from specplay.core.errors import Cancelled
+    from specplay.core.heads.eagle import EagleDrafter
+    from specplay.core.measure import tune as tuning
+    from specplay.core.methods.eagle import EagleConfig
+    from specplay.core.decoding.types import GenerationConfig
+    from test_eagle import make_head_file
+
+    target, draft = pair
+    config = EagleConfig(head=str(make_head_file(tmp_path / "eagle.safetensors", target.model, scale=0.05))) \
+        if method == "eagle" else None
+    state = {"predicting": False, "passes": 0, "stopped": False}
+
+    def counted(fn):
+        def run(*args, **kw):
+            if state["predicting"]:
+                state["passes"] += 1
+                state["stopped"] |= state["passes"] >= stop_at
+            return fn(*args, **kw)
+        return run
+
+    monkeypatch.setattr(target.model, "forward", counted(target.model.forward))
+    monkeypatch.setattr(draft.model, "forward", counted(draft.model.forward))
+    monkeypatch.setattr(EagleDrafter, "run", counted(EagleDrafter.run))
+    stages = []
+
+    def on_stage(text, fraction):
+        stages.append(text)
+        state["predicting"] = text.startswith("Timing this machine")
+
+    with pytest.raises(Cancelled):
+        tuning.tune(target, draft, method, config, [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7, 9, 10, 4, 5],
+                    GenerationConfig(max_new_tokens=40, stop_at_eos=False), warmup_tokens=0,
+                    should_stop=lambda: state["stopped"], on_stage=on_stage)
+    assert state["stopped"] and stages[-1].startswith("Timing this machine")  # no proof run began
+    assert state["passes"] - stop_at <= (tuning.EAGLE_DEPTH if method == "eagle" else 1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -49,9 +49,11 @@ class CostCurve:
 _CURVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3, median: bool = False) -> list[float]:
+def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3, median: bool = False,
+                check: Callable[[], None] = lambda: None) -> list[float]:
     """Seconds of a forward pass of each block size after ``context`` cached tokens: the fastest of ``repeats``
-    (the median with ``median``: what a run of many such passes meets on a shared machine).
+    (the median with ``median``: what a run of many such passes meets on a shared machine); ``check``
+    runs before each pass (it raises to stop).
 
     The sizes take turns (``repeats`` rounds of all of them) and each keeps its fastest pass:
     on a shared machine noise only ever adds time, and a slow spell then touches every size
@@ -67,6 +69,7 @@ def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3
     for _ in range(repeats):
         for i, n in enumerate(sizes):
             block = torch.randint(0, vocab, (n,), generator=g)
+            check()
             start = time.perf_counter()
             model.forward(block)  # left pending: the next pass overwrites it
             times[i].append(time.perf_counter() - start)

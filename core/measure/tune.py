@@ -215,17 +215,22 @@ def _new_lookup(config: PromptLookupConfig, target_lm, prompt_ids: list[int]) ->
     return lookup
 
 
-def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int) -> tuple[list[int], float]:
+def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int,
+                  check: Callable[[], None] = lambda: None) -> tuple[list[int], float]:
     """For every answer position j, how many of the answer's tokens from j on the draft model's greedy
     chain matches, fed the true prefix token by token as the method feeds it (its window, vocabulary
     and engine, llama.cpp's included, which gives the last token's logits only); and the seconds
-    the method's start (the draft's pass over the prompt) took."""
+    the method's start (the draft's pass over the prompt) took. ``check`` runs before each pass (it
+    raises to stop)."""
+    check()
     started = time.perf_counter()
     method.start(SimpleNamespace(tokens=list(prompt_ids)))
     prefill = time.perf_counter() - started
+    guess = []
     try:
-        guess = [int(method._next_logits(method._readable([t]), vocab).argmax())
-                 for t in [prompt_ids[-1]] + list(answer[:-1])]
+        for t in [prompt_ids[-1]] + list(answer[:-1]):
+            check()
+            guess.append(int(method._next_logits(method._readable([t]), vocab).argmax()))
     finally:
         method.draft_model.reset()
     runs = [0] * (len(answer) + 1)
@@ -235,14 +240,17 @@ def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int) 
 
 
 @contextmanager
-def _draft_timer(method, context_ids: list[int], vocab: int):
+def _draft_timer(method, context_ids: list[int], vocab: int, check: Callable[[], None]):
     """The method's draft started on ``context_ids``; yields the seconds of one pass over the last n of
-    them (``timed(n)``), run as the method runs it (its engine and head), its cache cropped back after."""
+    them (``timed(n)``, after ``check``), run as the method runs it (its engine and head), its cache
+    cropped back after."""
+    check()
     method.start(SimpleNamespace(tokens=list(context_ids)))
     dm = method.draft_model
     kept = dm.cache_len
 
     def timed(n: int) -> float:
+        check()
         block = method._readable(list(context_ids[-n:]))
         started = time.perf_counter()
         method._next_logits(block, vocab)
@@ -260,34 +268,40 @@ def _median(times: list[float]) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def draft_passes(method, context_ids: list[int], sizes: tuple[int, ...], vocab: int, repeats: int = 5) -> list[float]:
+def draft_passes(method, context_ids: list[int], sizes: tuple[int, ...], vocab: int, repeats: int = 5,
+                 check: Callable[[], None] = lambda: None) -> list[float]:
     """Median seconds of the draft's pass over n new tokens after ``context_ids``, run as the method runs
-    it (its engine and head), the sizes taking turns as in :func:`specplay.core.decoding.costmodel.time_passes`."""
+    it (its engine and head), the sizes taking turns as in :func:`specplay.core.decoding.costmodel.time_passes`
+    (``check`` before each pass)."""
     times: list[list[float]] = [[] for _ in sizes]
-    with _draft_timer(method, context_ids, vocab) as timed:
+    with _draft_timer(method, context_ids, vocab, check) as timed:
         for _ in range(repeats):
             for i, n in enumerate(sizes):
                 times[i].append(timed(n))
     return [_median(t) for t in times]
 
 
-def time_handover(method, target_model, context_ids: list[int], vocab: int, repeats: int = 7) -> float:
+def time_handover(method, target_model, context_ids: list[int], vocab: int, repeats: int = 7,
+                  check: Callable[[], None] = lambda: None) -> float:
     """Seconds a speculative step loses to its two models taking turns: a one-token pass of each right
     after the other model's, against one right after its own, timed in the same rounds (so a drift of
     the machine touches both). On a CPU the models share the cores and the caches, and a draft on
-    another engine (llama.cpp) brings its own threads, so neither model's back-to-back timing holds."""
+    another engine (llama.cpp) brings its own threads, so neither model's back-to-back timing holds.
+    ``check`` runs before each pass."""
     token = torch.tensor(list(context_ids[-1:]), dtype=torch.long)
 
     def target() -> float:
+        check()
         started = time.perf_counter()
         target_model.forward(token)  # left pending: the next pass overwrites it
         return time.perf_counter() - started
 
     after = {"draft after draft": [], "target after target": [], "draft after target": [], "target after draft": []}
+    check()
     target_model.reset()
     target_model.forward_chain(torch.tensor(list(context_ids), dtype=torch.long))
     try:
-        with _draft_timer(method, context_ids, vocab) as draft:
+        with _draft_timer(method, context_ids, vocab, check) as draft:
             for _ in range(repeats):
                 draft(1)
                 after["draft after draft"].append(draft(1))
@@ -360,15 +374,17 @@ EAGLE_TOTALS = (4, 8, 16, 32, 64)
 
 @torch.inference_mode()
 def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], depth: int,
-                totals: tuple[int, ...] = ()) -> tuple[dict, float, float]:
+                totals: tuple[int, ...] = (), check: Callable[[], None] = lambda: None) -> tuple[dict, float, float]:
     """EAGLE's trees at every answer position, grown to ``depth`` levels from the target's features of
     one teacher-forced pass with the method's own drafter and growth: ``trees[None]`` unsized, and
     ``trees[t]`` for each of ``totals`` as auto size grows them for a budget of t nodes (levels no node
     of which can pay are not grown); the seconds a level took; and what a step's work before its
-    tree (its accepted features, the drafter's run over them) costs, in levels."""
+    tree (its accepted features, the drafter's run over them) costs, in levels. ``check`` runs before
+    each pass and each tree."""
     from specplay.core.methods.eagle import grow_tree
 
     tokens = list(prompt_ids) + list(answer)
+    check()
     target_lm.reset()
     try:
         out = target_lm.forward_chain(tokens[:-1], hidden=True, layers=method.feature_layers, logit_rows=[],
@@ -389,6 +405,7 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
         wanted = tokens[root + 1:root + 1 + depth]
         # What a step does before its tree: the accepted rows' features, then the drafter's run over
         # them (two pairs: about what a step accepts), as the method's observe and propose do.
+        check()
         started = time.perf_counter()
         since = max(root - 2, 0)
         method._features_of(out, list(range(since, root)))
@@ -396,6 +413,7 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
         d.run(feats[since:root], tokens[since + 1:root + 1], torch.arange(since, root))
         first += time.perf_counter() - started
         for key in trees:
+            check()
             d.crop(root)
             sized = dict(total=key, cost=method.cost, worth_adding=method._worth_adding) if key else \
                 dict(total=1 << 20)
@@ -496,32 +514,36 @@ EAGLE_DEPTH = 8  # the deepest tree the settings grow
 
 
 class _Predictor:
-    """Every setting's replay for one method, one prompt and answer, and what its drafting costs here."""
+    """Every setting's replay for one method, one prompt and answer, and what its drafting costs here.
+    ``check`` runs before each of its model passes (it raises :class:`Cancelled` to stop the tune)."""
 
-    def __init__(self, method_name: str, method, target, base, prompt_ids: list[int], answer: list[int]):
+    def __init__(self, method_name: str, method, target, base, prompt_ids: list[int], answer: list[int],
+                 check: Callable[[], None]):
         self.name, self.base, self.target = method_name, base, target
         self.prompt_ids, self.answer = prompt_ids, answer
-        self.curve = cost_curve(target.model)  # what auto-sizing settings size by, as the methods do
         context = len(prompt_ids) + len(answer) // 2
         context_ids = (list(prompt_ids) + list(answer))[:context]
         self.extra_prefill, self.handover = 0.0, 0.0
+        vocab = target.model.info.vocab_size
         if method_name == "speculative":
-            self.runs, self.extra_prefill = draft_matches(method, prompt_ids, answer, target.model.info.vocab_size)
+            self.runs, self.extra_prefill = draft_matches(method, prompt_ids, answer, vocab, check)
             sizes = (1, 2, 4, 8, 16)
-            passes = draft_passes(method, context_ids, sizes, target.model.info.vocab_size)
+            passes = draft_passes(method, context_ids, sizes, vocab, check=check)
             self.unit = passes[0]
             self.catch_up = CostCurve(sizes, tuple(t / passes[0] for t in passes))
-            self.handover = time_handover(method, target.model, context_ids, target.model.info.vocab_size)
+            self.handover = time_handover(method, target.model, context_ids, vocab, check=check)
         elif method_name == "eagle":
+            self.curve = cost_curve(target.model)  # what auto-sizing settings size by, as the method does
             totals = tuple(sorted({*EAGLE_TOTALS, base.total_tokens}))
             self.trees, self.unit, self.first = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH,
-                                                            totals)
+                                                            totals, check)
         else:
             started = time.perf_counter()
             rep = replay_lookup(base, target.model, prompt_ids, answer)
             self.unit = (time.perf_counter() - started) / max(len(rep.steps), 1)
         sizes = _SIZES[method_name]
-        self.verify = CostCurve(sizes, tuple(time_passes(target.model, sizes, context, repeats=5, median=True)))
+        self.verify = CostCurve(sizes, tuple(time_passes(target.model, sizes, context, repeats=5, median=True,
+                                                         check=check)))
 
     def replay(self, params: dict) -> Replay:
         c = _config_with(self.name, self.base, params)
@@ -569,17 +591,23 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
     started = time.perf_counter()
     gen = replace(config, stand_down=False)
 
+    stopped = "stopped before the proof: nothing was tuned"
+
+    def check() -> None:  # the predictor's timings and replays take many passes: Stop is honoured at the next
+        if should_stop():
+            raise Cancelled(stopped)
+
     def run(name, cfg, what, fraction):
         stage(what, fraction)
         out = _run(target, draft, name, cfg, prompt_ids, gen, prompt, warmup_tokens, should_stop)
         if out[0].cancelled:
-            raise Cancelled("stopped before the proof: nothing was tuned")
+            raise Cancelled(stopped)
         return out
 
     ar, ar_record = run("autoregressive", None, "Running autoregressive (the greedy answer)", 0.0)
     answer = ar.token_ids
     stage("Timing this machine and replaying every setting along the answer", 0.3)
-    predictor = _Predictor(method, replayed, target, base, prompt_ids, answer)
+    predictor = _Predictor(method, replayed, target, base, prompt_ids, answer, check)
     costs = StepCosts(verify=predictor.verify, draft_unit=predictor.unit,
                       other=ar.metrics.other_s / max(ar.metrics.steps, 1),
                       prefill=ar.metrics.prefill_time + predictor.extra_prefill, handover=predictor.handover)
@@ -587,6 +615,7 @@ def tune(target, draft, method: str, base: MethodConfig | None, prompt_ids: list
     table = {_key(p): p for p in [default_params] + _SETTINGS[method](base)}
     settings = []
     for params in table.values():
+        check()
         rep = predictor.replay(params)
         settings.append(Setting(params, len(answer) / rep.seconds(costs), rep.tau, len(rep.steps)))
     predicted_default = next(s for s in settings if s.params == default_params)
