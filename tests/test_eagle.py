@@ -1,4 +1,4 @@
-"""EAGLE: exactness (chain and dynamic tree) with a random head, draft-cache rollback, sampling, training."""
+"""EAGLE: exactness (chain and dynamic tree) with a trained head, draft-cache rollback, sampling, training."""
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ from specplay.core.methods.eagle import EagleConfig
 from specplay.core.training.common import TrainSettings
 from specplay.core.training.eagle import EagleObjective, train_eagle
 from specplay.core.decoding.types import GenerationConfig
-from tiny import loaded, native_from_hf, sgd_steps_lower, target_features, tiny_hf_model
+from tiny import (assert_drafts_accepted, greedy_continuations, loaded, native_from_hf, sgd_steps_lower,
+                  target_features, tiny_hf_model)
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
 
@@ -35,6 +36,23 @@ def target():
     return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)))
 
 
+@pytest.fixture(scope="module")
+def knowing_head(target, tmp_path_factory):
+    """PROMPT's greedy answer (50 tokens), and a head trained briefly on it (a second answer held
+    out): its drafts are mostly accepted there."""
+    model = target.model
+    answers = greedy_continuations(target, [PROMPT, PROMPT[::-1]], 50)
+    head = EagleHead(head_config(model.cfg, 48))
+    train_eagle(target_features(model, answers), head, model.embed, model.lm_head_weight(), torch.arange(64), 64,
+                TrainSettings(steps=300, batch_size=8, lr=3e-3, eval_every=300, warmup=10), window=32)
+    tensors = dict(head.state_dict())
+    tensors["vocab_ids"] = torch.arange(64)
+    path = tmp_path_factory.mktemp("eagle") / "knowing.safetensors"
+    save_heads(path, tensors, {"kind": "eagle", "target": "tiny", "hidden_size": 32, "vocab_size": 64,
+                               "intermediate_size": 48})
+    return answers[0][len(PROMPT):], path
+
+
 def _run(target, name, config=None, n=50, prompt=PROMPT):
     gen = GenerationConfig(max_new_tokens=n, stop_at_eos=False, stand_down=False)
     return drain(generate(target.model, target.tokenizer, build_method(name, config, target), prompt, gen))
@@ -44,12 +62,12 @@ def _run(target, name, config=None, n=50, prompt=PROMPT):
                                  EagleConfig(tree="dynamic"), EagleConfig(tree="dynamic", depth=3, top_k=2,
                                                                          total_tokens=5),
                                  EagleConfig(tree="dynamic", depth=8, top_k=6, total_tokens=60)])
-def test_eagle_greedy_equals_autoregressive(target, tmp_path, cfg):
-    head = make_head_file(tmp_path / "eagle.safetensors", target.model)
-    base = _run(target, "autoregressive")
+def test_eagle_greedy_equals_autoregressive(target, knowing_head, cfg):
+    answer, head = knowing_head
     res = _run(target, "eagle", EagleConfig(**{**cfg.to_dict(), "head": str(head)}))
-    assert res.token_ids == base.token_ids
+    assert res.token_ids == answer
     assert target.model.cache_len == len(PROMPT) + 50 - 1
+    assert_drafts_accepted(res, 1.5)
 
 
 def test_draft_cache_rolls_back_to_the_accepted_path(target, tmp_path):

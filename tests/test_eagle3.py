@@ -14,7 +14,7 @@ from specplay.core.training.eagle3 import Eagle3Objective
 from specplay.core.training.tau import accepted_length, answer_roots, eagle_tau
 from specplay.core.training.teacher import TeacherSet, read_teacher
 from specplay.core.decoding.types import GenerationConfig
-from tiny import loaded, native_from_hf, sgd_steps_lower, tiny_hf_model
+from tiny import assert_drafts_accepted, greedy_continuations, loaded, native_from_hf, sgd_steps_lower, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
 LAYERS = (0, 1, 2)  # the tiny target has three layers here: all of them are fused
@@ -49,6 +49,22 @@ def save_head(path, head, native, layers=LAYERS):
 @pytest.fixture(scope="module")
 def target():
     return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64, layers=3)))
+
+
+@pytest.fixture(scope="module")
+def knowing_head(target, tmp_path_factory):
+    """PROMPT's greedy answer (50 tokens), and a head trained briefly on it (a second answer held
+    out): its drafts are mostly accepted there."""
+    from specplay.core.training.common import TrainSettings
+    from specplay.core.training.eagle3 import train_eagle3
+
+    model = target.model
+    answers = greedy_continuations(target, [PROMPT, PROMPT[::-1]], 50)
+    data = teacher_set(model, [a[:-1] for a in answers], prompt_lens=[len(PROMPT)] * 2)
+    head = Eagle3Head(head_config(model.cfg, 48))
+    train_eagle3(data, head, model.embed, model.lm_head_weight(), torch.arange(64), 64,
+                 TrainSettings(steps=300, batch_size=8, lr=3e-3, eval_every=300, warmup=10), window=32, depth=2)
+    return answers[0][len(PROMPT):], save_head(tmp_path_factory.mktemp("eagle3") / "knowing.safetensors", head, model)
 
 
 def _run(target, name, config=None, n=50, prompt=PROMPT):
@@ -136,12 +152,12 @@ def test_the_drafting_step_equals_the_unrolled_training_step(target, tmp_path):
                                  EagleConfig(tree="dynamic"), EagleConfig(tree="dynamic", depth=3, top_k=2,
                                                                          total_tokens=5),
                                  EagleConfig(tree="dynamic", depth=8, top_k=6, total_tokens=60)])
-def test_eagle3_greedy_equals_autoregressive(target, tmp_path, cfg):
-    path = save_head(tmp_path / "e3.safetensors", random_head(target.model.cfg), target.model)
-    base = _run(target, "autoregressive")
+def test_eagle3_greedy_equals_autoregressive(target, knowing_head, cfg):
+    answer, path = knowing_head
     res = _run(target, "eagle", EagleConfig(**{**cfg.to_dict(), "head": str(path)}))
-    assert res.token_ids == base.token_ids
+    assert res.token_ids == answer
     assert all(e.num_drafted for e in res.events[:-1])  # every step drafted (the last has no budget left)
+    assert_drafts_accepted(res, 1.5)
 
 
 def test_a_trained_eagle3_head_accepts_several_tokens_a_step_exactly(target, tmp_path):

@@ -1,4 +1,4 @@
-"""Medusa: trees, exactness with random heads, training, and bad heads files."""
+"""Medusa: trees, exactness with trained heads, training, and bad heads files."""
 
 import json
 
@@ -15,7 +15,8 @@ from specplay.core.training.common import TrainSettings
 from specplay.core.training.medusa import MedusaObjective, train_medusa
 from specplay.core.decoding.tree import TreeSpec, ancestor_mask, choose_tree, path_to
 from specplay.core.decoding.types import GenerationConfig, SamplingConfig
-from tiny import loaded, native_from_hf, sgd_steps_lower, target_features, tiny_hf_model
+from tiny import (assert_drafts_accepted, greedy_continuations, loaded, native_from_hf, sgd_steps_lower,
+                  target_features, tiny_hf_model)
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
 ACC = [[0.6, 0.15, 0.05, 0.03], [0.4, 0.12, 0.05, 0.02], [0.3, 0.1, 0.04, 0.02], [0.2, 0.08, 0.03, 0.01]]
@@ -36,6 +37,23 @@ def make_heads_file(path, hidden=32, vocab=64, num_heads=4, seed=0, scale=0.3):
 @pytest.fixture(scope="module")
 def target():
     return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def knowing_heads(target, tmp_path_factory):
+    """PROMPT's greedy answer (50 tokens), and four heads trained briefly on it (a second answer
+    held out): their drafts are mostly accepted there. The manifest's accuracy is ACC, not the
+    held-out accuracy training measures, which would rightly size "auto" a one-node tree."""
+    model = target.model
+    answers = greedy_continuations(target, [PROMPT, PROMPT[::-1]], 50)
+    heads, _, _ = train_medusa(target_features(model, answers), model.lm_head_weight(), torch.arange(64), 64, 4,
+                               TrainSettings(steps=300, batch_size=64, lr=3e-3, eval_every=300, warmup=10))
+    tensors = dict(heads.state_dict())
+    tensors["vocab_ids"] = torch.arange(64)
+    path = tmp_path_factory.mktemp("medusa") / "knowing.safetensors"
+    save_heads(path, tensors, {"kind": "medusa", "target": "tiny", "hidden_size": 32, "vocab_size": 64,
+                               "num_heads": 4, "accuracy": ACC})
+    return answers[0][len(PROMPT):], path
 
 
 # ------------------------------------------------------------------------------ trees
@@ -74,15 +92,15 @@ def test_choose_tree_takes_the_most_probable_paths():
 
 # ------------------------------------------------------------------------------ method
 @pytest.mark.parametrize("tree", ["auto", "dynamic", "chain", "small", "large"])
-def test_medusa_greedy_equals_autoregressive(target, tmp_path, tree):
-    heads = make_heads_file(tmp_path / "heads.safetensors")
+def test_medusa_greedy_equals_autoregressive(target, knowing_heads, tree):
+    answer, heads = knowing_heads
     gen = GenerationConfig(max_new_tokens=50, stop_at_eos=False, stand_down=False)
-    base = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), PROMPT, gen))
     method = build_method("medusa", MedusaConfig(heads=str(heads), tree=tree), target)
     res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
-    assert res.token_ids == base.token_ids
+    assert res.token_ids == answer
     assert target.model.cache_len == len(PROMPT) + 50 - 1
     assert any(e.tree for e in res.events)
+    assert_drafts_accepted(res, 1.5)
 
 
 def test_medusa_with_heads_that_know_the_answer_accepts_deep(target, tmp_path):

@@ -252,3 +252,22 @@ def write_tiny_gguf(model, path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def greedy_continuations(target, prompts, n: int) -> list[list[int]]:
+    """Each prompt followed by ``n`` tokens of the target's greedy decoding: the answers that heads
+    trained on them learn, so that a greedy-identity test of their method accepts drafts."""
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.methods import build_method
+
+    gen = GenerationConfig(max_new_tokens=n, stop_at_eos=False, stand_down=False)
+    return [list(p) + drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target),
+                                     list(p), gen)).token_ids for p in prompts]
+
+
+def assert_drafts_accepted(res, tau: float) -> None:
+    """A greedy-identity run proves exactness only where drafts were accepted (identity holds
+    trivially when every draft is rejected): some were, and its mean tokens per step τ is above ``tau``."""
+    m = res.metrics
+    assert m.accepted > 0 and m.mean_accepted > tau, f"{m.accepted} of {m.drafted} accepted, τ {m.mean_accepted:.2f}"
