@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QLabel, QTableWidgetItem, QWidget
 
 from specplay.app.compare_view import page_layout, place_labels, results_table, split_of
 from specplay.app.palette import method_colour
-from specplay.core.decoding.costmodel import SIZES, CostCurve
+from specplay.core.decoding.costmodel import SIZES, CorrectedCurve, CostCurve
 from specplay.core.methods import METHODS, method_title
 from specplay.core.measure.whyspeed import SpeedExplanation, break_even_cost, explain
 from specplay.core.records.runlog import RunRecord
@@ -42,7 +42,7 @@ class WhySpeedView(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.order = list(METHODS)
-        self.curve: CostCurve | None = None
+        self.curve: CorrectedCurve | CostCurve | None = None
         self.records: list[RunRecord] = []
         self.rows: list[SpeedExplanation] = []
         self.summary = QLabel("")
@@ -60,6 +60,12 @@ class WhySpeedView(QWidget):
         self.cost_line = self.cost_plot.plot([], [], pen=pg.mkPen("#0072B2", width=2), symbol="o", symbolSize=6,
                                              symbolBrush="#0072B2")
         self.cost_plot.addItem(pg.InfiniteLine(pos=1.0, angle=0, pen=pg.mkPen("#888888", style=Qt.PenStyle.DashLine)))
+        # The curve kept from its one measurement, beside the one the runs' own passes corrected.
+        self.cost_plot.addLegend(offset=(8, 8))
+        self.kept_line = self.cost_plot.plot([], [], pen=pg.mkPen("#999999", width=1, style=Qt.PenStyle.DashLine),
+                                             name="kept (measured once)")
+        self.cost_line.opts["name"] = "corrected by the runs' passes"
+        self.cost_plot.plotItem.legend.addItem(self.cost_line, self.cost_line.opts["name"])
 
         self.even_plot = pg.PlotWidget()
         self.even_plot.setTitle("Where a γ-token draft pays: below the line", size="10pt")
@@ -82,7 +88,7 @@ class WhySpeedView(QWidget):
         page_layout(self, [self.summary, (split, 1)])
         self._refresh()
 
-    def set_curve(self, curve: CostCurve | None) -> None:
+    def set_curve(self, curve: CorrectedCurve | CostCurve | None) -> None:
         self.curve = curve
         self._refresh()
 
@@ -97,6 +103,8 @@ class WhySpeedView(QWidget):
             self.summary.setText("Load a target and run a method: the first run measures this machine's verification "
                                  "cost once, and the curve appears here.")
         self.cost_line.setData(list(curve.sizes) if curve else [], list(curve.relative) if curve else [])
+        kept = getattr(curve, "kept", None)
+        self.kept_line.setData(list(kept.sizes) if kept else [], list(kept.relative) if kept else [])
         self._size_ticks(curve.sizes if curve else SIZES)
         alphas = np.linspace(0.0, 0.99, 100)
         for g, line in self.even_lines.items():

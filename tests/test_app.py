@@ -763,6 +763,9 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
     curve = cost_curve(window.session.models.target.model)
     xs, ys = window.why.cost_line.getOriginalDataset()
     assert list(xs) == list(curve.sizes) and list(ys) == pytest.approx(curve.relative)
+    kept_xs, kept_ys = window.why.kept_line.getOriginalDataset()  # the kept curve beside the corrected one
+    assert list(kept_xs) == list(curve.kept.sizes) and list(kept_ys) == pytest.approx(curve.kept.relative)
+    assert curve.observed, "the comparison's passes correct the curve"
     _, even = window.why.even_lines[5].getData()
     assert even[50] == pytest.approx(break_even_cost(0.5, 5, curve), rel=0.05)
     want = explain([RunRecord.from_dict(r) for r in records], curve)

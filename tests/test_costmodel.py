@@ -77,7 +77,91 @@ def test_a_curve_is_measured_once_per_machine_and_model_and_read_back_in_a_later
     measured = cost_curve(first)
     monkeypatch.setattr(costmodel, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32))  # another process's load, as it were
-    assert cost_curve(again) == measured
+    assert cost_curve(again).kept == measured.kept
     other = native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32, hidden=64))
     with pytest.raises(pytest.fail.Exception, match="measured again"):
         cost_curve(other)
+
+
+def test_a_corrected_curve_follows_the_passes_timed_since():
+    from specplay.core.decoding.costmodel import CorrectedCurve
+
+    true = CostCurve.linear(0.25)
+    steep = CorrectedCurve(CostCurve.linear(0.5))  # kept 2x too steep
+    for _ in range(3):
+        steep.observe(6, 0.010 * true(6))
+    assert steep(6) == pytest.approx(3.5)  # without a timed one-token pass the kept ratio stands
+    assert steep.step_seconds() == pytest.approx(0.010 * true(6) / 3.5)
+    for _ in range(3):
+        steep.observe(1, 0.010)
+    assert steep(6) == pytest.approx(true(6))
+    assert steep(3) == pytest.approx(true(3))  # elsewhere too: the extra cost a row, corrected
+    assert steep(12) == pytest.approx(true(12))
+    assert steep.step_seconds() == pytest.approx(0.010)
+    assert steep.relative[0] == 1.0 and steep.to_dict()["2"] == pytest.approx(true(2))
+    # A machine that slows down at every size: the ratio stays, the step's seconds move within a few passes.
+    for _ in range(6):
+        steep.observe(1, 0.020)
+        steep.observe(6, 0.020 * true(6))
+    assert steep.step_seconds() == pytest.approx(0.020, rel=0.05)
+    assert steep(6) == pytest.approx(true(6), rel=0.01)
+
+
+def _clocked_speculative_run(curve, monkeypatch):
+    """A cost-sized speculative run of a tiny pair on a clock that only the passes advance: the target's
+    pass of n rows takes 10 ms x (1 + 0.25 (n - 1)), a draft pass 1 ms. Returns (the run, its rate on
+    that clock over the second half of its steps, the curve held after it)."""
+    from types import SimpleNamespace
+
+    from specplay.core.decoding import costmodel, engine
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.methods import build_method, speculative
+    from specplay.core.methods.speculative import SpeculativeConfig
+    from tiny import loaded, perturbed_copy
+
+    base = tiny_hf_model(seed=0, dtype=torch.float64)
+    target, draft = loaded(native_from_hf(base)), loaded(native_from_hf(perturbed_copy(base, 0.01)))
+    clock = [0.0]
+
+    def clocked(model, seconds_for):
+        forward = model.forward
+
+        def timed(tokens, *args, **kwargs):
+            clock[0] += seconds_for(len(tokens))
+            return forward(tokens, *args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", timed)
+
+    clocked(target.model, lambda n: 0.010 * (1 + 0.25 * (n - 1)))
+    clocked(draft.model, lambda n: 0.001)
+    fake = SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(engine, "time", fake)
+    monkeypatch.setattr(speculative, "time", fake)
+    monkeypatch.setitem(costmodel._CURVES, target.model, curve)
+    method = build_method("speculative", SpeculativeConfig(gamma=4, cost_sized=True, max_gamma=8), target, draft)
+    gen = GenerationConfig(max_new_tokens=160, stop_at_eos=False)
+    res = drain(generate(target.model, target.tokenizer, method, [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7], gen))
+    late = res.events[len(res.events) // 2:]
+    seconds = late[-1].elapsed_s - res.events[len(res.events) // 2 - 1].elapsed_s
+    return res, sum(len(e.committed) for e in late) / seconds, costmodel._CURVES[target.model]
+
+
+def test_a_run_whose_kept_curve_is_twice_too_steep_recovers_its_speed_within_the_run(monkeypatch):
+    from specplay.core.decoding.costmodel import CorrectedCurve
+
+    true, steep = CostCurve.linear(0.25), CostCurve.linear(0.5)
+    right, right_rate, _ = _clocked_speculative_run(CostCurve.linear(0.25), monkeypatch)
+    stuck, stuck_rate, _ = _clocked_speculative_run(steep, monkeypatch)  # held as kept: never corrected
+    fixed, fixed_rate, held = _clocked_speculative_run(CorrectedCurve(steep), monkeypatch)
+    assert right.token_ids == stuck.token_ids == fixed.token_ids
+    assert stuck_rate < 0.97 * right_rate, "the steep curve must cost speed, or this test shows nothing"
+    assert fixed_rate >= 0.98 * right_rate
+
+    def late_gamma(run):  # the γ the second half's drafting steps chose most
+        gammas = [e.internals["gamma"] for e in run.events[len(run.events) // 2:] if e.num_drafted]
+        return max(set(gammas), key=gammas.count)
+
+    assert late_gamma(fixed) == late_gamma(right) > late_gamma(stuck)
+    seen = [n for n in held.observed if n > 1]
+    assert seen and all(held(n) == pytest.approx(true(n), rel=0.02) for n in seen)

@@ -6,6 +6,11 @@ int8 kernels become compute-bound and the cost climbs faster (docs/benchmarks.md
 methods that can choose how much to draft (prompt lookup's proposal length, Medusa's tree,
 EAGLE's dynamic tree) measure the curve once per model and pick the size that maximises
 expected tokens per unit of time.
+
+The curve kept for a model is a prior: measured once, it may have been timed beside a compiler
+or on a machine that has since slowed. :class:`CorrectedCurve` holds it with every verification
+pass the runs have timed since, newer passes weighing more, and answers with the corrected ratio:
+a curve kept 2x too steep sizes the drafts by the run's own timings within a few steps.
 """
 
 from __future__ import annotations
@@ -44,6 +49,80 @@ class CostCurve:
 
     def to_dict(self) -> dict:
         return {str(n): round(r, 3) for n, r in zip(self.sizes, self.relative)}
+
+
+class CorrectedCurve:
+    """A kept :class:`CostCurve` corrected by the passes timed since (:meth:`observe`).
+
+    Each block size seen keeps a decayed mean of its passes' seconds (the newest pass weighs
+    :data:`NEWEST`, so a machine that slows, or a context that grows, moves it within a few
+    passes). Where one-token passes were timed too, the ratio at a seen size is its time over
+    theirs: what each row past the first costs beyond the kept ratio is read there, interpolated
+    between seen sizes and held past them (a curve kept twice too steep is then right at every
+    size). Without a timed one-token pass the passes say how fast the machine runs, not how the
+    curve bends: the ratio stays the kept one.
+    Called like a :class:`CostCurve`; ``sizes``/``relative`` give the corrected ratio at the kept sizes.
+    """
+
+    #: The newest pass's weight in its block size's mean.
+    NEWEST = 0.4
+
+    def __init__(self, kept: CostCurve):
+        self.kept = kept
+        self._seconds: dict[int, float] = {}  # block size -> decayed mean seconds of its passes
+        self._newest: int | None = None  # the size timed last
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """One verification (or plain) pass of ``rows`` rows took ``seconds``."""
+        if rows < 1 or not seconds > 0:
+            return
+        before = self._seconds.get(rows)
+        self._seconds[rows] = seconds if before is None else before + self.NEWEST * (seconds - before)
+        self._newest = rows
+
+    @property
+    def observed(self) -> dict[int, float]:
+        """Seconds of a pass by block size, as timed in the runs (decayed means)."""
+        return dict(self._seconds)
+
+    def _per_row(self, n: int) -> float:
+        """What each row past the first costs more (or less) than the kept ratio says, at ``n`` rows."""
+        timed = dict(self._seconds)  # one copy: the engine's thread may time a pass meanwhile
+        one = timed.get(1)
+        seen = sorted(k for k in timed if k > 1)
+        if one is None or not seen:
+            return 0.0
+        slope = {k: (timed[k] / one - self.kept(k)) / (k - 1) for k in seen}
+        below = [k for k in seen if k <= n]
+        above = [k for k in seen if k >= n]
+        if not below or not above:
+            return slope[seen[0] if not below else seen[-1]]
+        lo, hi = below[-1], above[0]
+        if lo == hi:
+            return slope[lo]
+        return slope[lo] + (slope[hi] - slope[lo]) * (n - lo) / (hi - lo)
+
+    def __call__(self, n: int) -> float:
+        return max(1.0, self.kept(n) + (n - 1) * self._per_row(n))
+
+    def step_seconds(self) -> float | None:
+        """What a one-token pass takes now: timed, or implied by the newest pass and the ratio."""
+        if 1 in self._seconds:
+            return self._seconds[1]
+        if self._newest is None:
+            return None
+        return self._seconds[self._newest] / self(self._newest)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.kept.sizes
+
+    @property
+    def relative(self) -> tuple[float, ...]:
+        return tuple(self(n) for n in self.kept.sizes)
+
+    def to_dict(self) -> dict:
+        return {str(n): round(self(n), 3) for n in self.kept.sizes}
 
 
 _CURVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -93,14 +172,24 @@ def is_measured(model) -> bool:
     return model in _CURVES
 
 
-def cost_curve(model) -> CostCurve:
+def cost_curve(model) -> CorrectedCurve:
     """The model's cost curve: measured once per machine, model and storage (several seconds on a
     CPU: a later start of a one-shot command should not pay them again), kept with the machine's
-    other measurements, and held per loaded model."""
+    other measurements, and held per loaded model, corrected by every pass its runs time
+    (:func:`observe`)."""
     curve = _CURVES.get(model)
     if curve is None:
-        curve = _CURVES[model] = _kept_curve(model)
+        curve = _CURVES[model] = CorrectedCurve(_kept_curve(model))
     return curve
+
+
+def observe(model, rows: int, seconds: float) -> None:
+    """A timed pass of ``rows`` rows of ``model``, for its curve's correction. Nothing before the
+    curve is held (timing a pass never triggers the measurement), nor where a plain
+    :class:`CostCurve` is held (a curve pinned by a test stays as pinned)."""
+    curve = _CURVES.get(model)
+    if isinstance(curve, CorrectedCurve):
+        curve.observe(rows, seconds)
 
 
 def _kept_curve(model) -> CostCurve:

@@ -24,7 +24,8 @@ from typing import Callable, Generator
 
 import torch
 
-from specplay.core.decoding.costmodel import CostCurve, cost_curve
+from specplay.core.decoding import costmodel
+from specplay.core.decoding.costmodel import CorrectedCurve, CostCurve, cost_curve
 from specplay.core.errors import ConfigError, is_out_of_memory
 from specplay.core.decoding.method import Method, RunContext, StepOutcome
 from specplay.core.decoding.metrics import MetricsRecorder
@@ -164,7 +165,7 @@ class RunState:
     detok: Detokenizer
     gate: StandDownGate
     #: What a plain step costs against a drafting step's verification pass (None: the gate is off).
-    curve: CostCurve | None
+    curve: "CorrectedCurve | CostCurve | None"
     metrics: MetricsRecorder = field(default_factory=MetricsRecorder)
     events: list[StepEvent] = field(default_factory=list)
     text: str = ""
@@ -280,6 +281,7 @@ def decode_step(target_lm: CausalLM, method: Method, state: RunState) -> StepEve
     timing = StepTiming(draft_s=(t1 - t0) + (t4 - t3), verify_s=t2 - t1, other_s=t3 - t2)
     accepted_len = min(len(verdict.accepted), len(new))
     rows = 1 + len(draft) + len(draft.aux_tokens)
+    costmodel.observe(target_lm, rows, t2 - t1)  # the kept curve, corrected by what this pass took
     curve = state.curve
     state.gate.record(len(draft) > 0 or bool(draft.aux_tokens), len(new), t4 - t0,
                       plain_estimate=lambda: (t2 - t1) / curve(rows) if curve else None)
