@@ -114,6 +114,11 @@ class KQuantWeight(_Matrix):
 
     def __post_init__(self):
         self.width = self.width or self.cols
+        # What the kernel is told of the blocks (rows, a row's blocks) must be what ``data`` holds.
+        if (self.type not in TYPES or self.cols % QK or not 0 < self.width <= self.cols
+                or self.data.numel() != self.rows * (self.cols // QK) * _lib().sp_sizeof_block(self.type)):
+            raise ValueError(f"{self.data.numel():,} bytes are not a {self.rows} x {self.cols} matrix of "
+                             f"{TYPES.get(self.type, f'GGML type {self.type}')} blocks (rows of {self.width} values)")
 
     @staticmethod
     def from_raw(type_: int, raw: np.ndarray, cols: int) -> "KQuantWeight":
@@ -166,8 +171,10 @@ class KQuantWeight(_Matrix):
         return KQuantWeight(Q4_K, data, rows, cols, width)
 
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
-        """Float32 rows ``ids`` (an embedding lookup), by GGUF's own dequantization."""
+        """Float32 rows ``ids`` (an embedding lookup), by GGUF's own dequantization. An id outside the
+        matrix's rows raises ``IndexError``."""
         ids = ids.reshape(-1).to(torch.int64).contiguous()
+        _check_ids(ids, self.rows)
         out = torch.empty(ids.numel(), self.cols)
         _checked(_lib().sp_dequantize_rows(self.type, self.data.data_ptr(), self.rows, self.cols // QK, ids.data_ptr(),
                                            ids.numel(), out.data_ptr()), f"read {ids.numel()} embedding rows")
@@ -175,6 +182,12 @@ class KQuantWeight(_Matrix):
 
     def dequantize(self) -> torch.Tensor:
         return self.rows_float(torch.arange(self.rows))
+
+
+def _check_ids(ids: torch.Tensor, rows: int) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        bad = ids[(ids < 0) | (ids >= rows)]
+        raise IndexError(f"token id {int(bad[0])} is outside the embedding's {rows} rows")
 
 
 class MappedRows(_Matrix):
@@ -190,6 +203,7 @@ class MappedRows(_Matrix):
 
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1).to(torch.int64).cpu()
+        _check_ids(ids, self.rows)
         picked = KQuantWeight.from_raw(self.type, np.asarray(self.raw[ids.numpy()]), self.cols)
         return picked.rows_float(torch.arange(ids.numel()))
 
@@ -209,6 +223,8 @@ class KQuantLinear:
         self.in_features, self._cols = sizes.pop()
         self._out = sum(p.rows for p in self.parts)
         self.bias = None if bias is None else bias.detach().to(torch.float32)
+        if self.bias is not None and self.bias.numel() != self._out:
+            raise ValueError(f"a bias of {self.bias.numel()} values for a layer of {self._out} outputs")
         self._isa = isa()
         n = len(self.parts)  # the kernel's arguments for the parts, made once
         self._types = (ctypes.c_int * n)(*[p.type for p in self.parts])
@@ -268,6 +284,43 @@ def _projection(layer: KQuantLinear) -> _Projection:
                        layer.out_features, None if layer.bias is None else layer.bias.data_ptr())
 
 
+_PROJECTIONS = {"qkv": "q/k/v projection", "o": "attention output", "gate_up": "gate/up projection",
+                "down": "down projection"}
+
+
+def check_shapes(cfg, layers: list, head: KQuantLinear, name: str) -> None:
+    """Raise :class:`ModelError` naming ``name`` and the disagreement where a k-quant model's matrices
+    disagree with its config (the head counts and sizes a file's metadata states) or with each other.
+    Checked at load, before any layer runs: the C layer would refuse such sizes at the first decode
+    (``sp_layer`` checks them again), torch's layers fail on them with a shape error."""
+    heads, kv, d, hidden, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+
+    def disagree(what: str) -> ModelError:
+        return ModelError(f"{name}: its metadata disagrees with its tensors: {what}")
+
+    if heads < 1 or kv < 1 or heads % kv:
+        raise disagree(f"{heads} attention heads cannot share {kv} key/value heads evenly")
+    if min(d, hidden, inter) < 1:
+        raise disagree(f"a head size of {d}, a hidden size of {hidden}, an intermediate size of {inter}")
+    want = {"qkv": ((heads * d, kv * d, kv * d), hidden, f"{heads} heads and {kv} key/value heads of {d} values"),
+            "o": ((hidden,), heads * d, f"{heads} heads of {d} values"),
+            "gate_up": ((inter, inter), hidden, f"an intermediate size of {inter}"),
+            "down": ((hidden,), inter, f"an intermediate size of {inter}")}
+    for i, layer in enumerate(layers):
+        for part, (rows, width, why) in want.items():
+            got = getattr(layer, part)
+            have = tuple(p.rows for p in got.parts)
+            if have != rows or got.in_features != width:
+                raise disagree(f"layer {i}'s {_PROJECTIONS[part]} is {'+'.join(map(str, have))} x {got.in_features} "
+                               f"(rows x inputs), where {why} and a hidden size of {hidden} make it "
+                               f"{'+'.join(map(str, rows))} x {width}")
+        for norm in (layer.ln_in, layer.ln_post):
+            if norm.numel() != hidden:
+                raise disagree(f"layer {i}'s norm has {norm.numel()} values for a hidden size of {hidden}")
+    if head.in_features != hidden:
+        raise disagree(f"the output head takes {head.in_features} inputs for a hidden size of {hidden}")
+
+
 class FusedLayers:
     """A decoder's layers on the kernel as one C call each (``kquant_layer.c``): norm, projections,
     RoPE, cache write, attention and MLP without torch's per-operation cost (a third of a small
@@ -283,8 +336,9 @@ class FusedLayers:
 
     @staticmethod
     def fits(cfg, layers: list) -> bool:
-        """Whether the C layer runs this model: every projection on the kernel in at most three
-        matrices, heads of at most 256 values, sizes in multiples of 8."""
+        """Whether the C layer runs this model, whose shapes :func:`check_shapes` found consistent: every
+        projection on the kernel in at most three matrices, heads of at most 256 values, sizes in
+        multiples of 8 (the torch layers run the others)."""
         projections = [p for l in layers for p in (l.qkv, l.o, l.gate_up, l.down)]
         return (cfg.head_dim <= 256 and cfg.head_dim % 8 == 0 and cfg.hidden_size % 8 == 0
                 and all(isinstance(p, KQuantLinear) and len(p.parts) <= 3 for p in projections))

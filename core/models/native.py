@@ -26,9 +26,10 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from specplay.core.errors import ModelError
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
 from specplay.core.models.layers import FUSED, DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
-from specplay.core.models.kquant import FusedLayers, KQuantLinear, KQuantWeight, MappedRows
+from specplay.core.models.kquant import FusedLayers, KQuantLinear, KQuantWeight, MappedRows, check_shapes
 from specplay.core.models.linear import EXACT_QUANTIZED, Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,11 @@ class NativeDecoder(CausalLM):
         self.device = torch.device(device)
         self.dtype = dtype
         self.storage = storage
-        separate_head = self._read_weights(get_tensor)
+        try:
+            separate_head = self._read_weights(get_tensor)
+        except ValueError as exc:  # a matrix whose blocks or sizes disagree with each other (a damaged file)
+            raise ModelError(f"{name}: {exc}") from None
+        self._check_shapes(name)
         # On the k-quant kernel a layer is one C call (decoding and verification alike; a prompt's
         # prefill keeps torch's attention, which is faster over many rows).
         self._fused = (FusedLayers(cfg, self.layers)
@@ -187,6 +192,22 @@ class NativeDecoder(CausalLM):
         # Layers by their (fused) weight names, as a cache of prepared layers stores them.
         self.linears = {name: f.result() for name, f in weights.linears.items()}
         return head
+
+    def _check_shapes(self, name: str) -> None:
+        """Raise :class:`ModelError` naming ``name`` where the weights disagree with the config: the token
+        embedding (every id of the vocabulary must be one of its rows), the final norm and, on the
+        k-quant kernel, every layer's matrices (:func:`check_shapes`)."""
+        cfg = self.cfg
+        rows, width = self._embedding.shape
+        if width != cfg.hidden_size or rows < cfg.vocab_size:
+            raise ModelError(f"{name}: its metadata disagrees with its tensors: the token embedding is {rows} rows "
+                             f"of {width} values, where a vocabulary of {cfg.vocab_size} tokens and a hidden size of "
+                             f"{cfg.hidden_size} need {cfg.vocab_size} or more rows of {cfg.hidden_size}")
+        if self.norm_weight.numel() != cfg.hidden_size:
+            raise ModelError(f"{name}: its metadata disagrees with its tensors: the final norm has "
+                             f"{self.norm_weight.numel()} values for a hidden size of {cfg.hidden_size}")
+        if self.storage in KQUANT_STORAGES:
+            check_shapes(cfg, self.layers, self._head, name)
 
     def _count_parameters(self, separate_head) -> int:
         cfg = self.cfg
