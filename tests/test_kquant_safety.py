@@ -3,6 +3,9 @@ entry's status is raised, nothing of a failed call is kept, and a file changed u
 is an error, not a signal. (The C entries' own checks: tests/test_kquant_sanitized.py.)"""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -199,3 +202,35 @@ def _write_embedding_gguf(path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+CUT_WHILE_IN_USE = """
+import os, sys
+from pathlib import Path
+import torch
+from specplay.core.errors import ModelError
+from specplay.core.models.gguf_index import GGUFIndex
+from specplay.core.models.kquant import GGUFBlocksReader
+
+path = Path(sys.argv[1])
+start = GGUFIndex(path).tensors["token_embd.weight"].offset
+embedding = GGUFBlocksReader(path).get("model.embed_tokens.weight")
+before = embedding.rows_float(torch.tensor([60]))
+os.truncate(path, start + 10 * 144)  # cut in place inside the embedding, as a copy over it starts
+try:
+    embedding.rows_float(torch.tensor([60]))
+except ModelError as exc:
+    print(exc)
+"""
+
+
+def test_a_file_cut_under_a_loaded_embedding_is_an_error_not_a_signal(tmp_path):
+    """The embedding's rows come from the file as the model runs; a .gguf overwritten or cut in place
+    (a re-download, ``cp``) then gives a clear error at the next token (a mapping of it killed the
+    process by SIGBUS). In a child process, so that a signal fails this test, not the test run."""
+    path = tmp_path / "model.gguf"
+    _write_embedding_gguf(path)
+    done = subprocess.run([sys.executable, "-c", CUT_WHILE_IN_USE, str(path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.startswith(f"{path} changed on disk while in use: row 60 of its token embedding is cut short")

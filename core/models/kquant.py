@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,20 +193,34 @@ def _check_ids(ids: torch.Tensor, rows: int) -> None:
 
 
 class MappedRows(_Matrix):
-    """A GGUF matrix read a few rows at a time from the file's mapping: an embedding, of which a step
-    needs only its tokens' rows. Only the rows used come into memory (as the file's reclaimable
-    pages) instead of the whole matrix repacked: 131 MB of the 1.5B target's 1.16 GB. The rows are
-    repacked and dequantized as :class:`KQuantWeight` does, so their values are the same."""
+    """A GGUF matrix read a few rows at a time from its file: an embedding, of which a step needs only
+    its tokens' rows. Only the rows used are read (through the file's reclaimable page cache) instead
+    of the whole matrix repacked: 131 MB of the 1.5B target's 1.16 GB. The rows are repacked and
+    dequantized as :class:`KQuantWeight` does, so their values are the same.
 
-    def __init__(self, type_: int, raw: np.ndarray, cols: int):
+    They are read with ``os.preadv`` on a descriptor held open, never through a mapping kept for the
+    app's lifetime: a file overwritten or cut while the app runs (a re-download, ``cp``) then ends in a
+    short read, an error, where a mapping's vanished page kills the process (SIGBUS)."""
+
+    def __init__(self, type_: int, path: Path, offset: int, rows: int, cols: int):
         if type_ not in TYPES:
             raise ValueError(f"the exact kernel reads Q4_K and Q6_K blocks, not GGML type {type_}")
-        self.type, self.raw, self.rows, self.cols, self.width = type_, raw, int(raw.shape[0]), cols, cols
+        if cols % QK:
+            raise ValueError(f"k-quant rows hold multiples of {QK} values, not {cols}")
+        self.type, self.path, self.rows, self.cols, self.width = type_, path, rows, cols, cols
+        self._offset, self._row_bytes = offset, cols // QK * _RAW_BYTES[type_]
+        self._fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
 
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1).to(torch.int64).cpu()
         _check_ids(ids, self.rows)
-        picked = KQuantWeight.from_raw(self.type, np.asarray(self.raw[ids.numpy()]), self.cols)
+        raw = np.empty((ids.numel(), self._row_bytes), dtype=np.uint8)
+        for i, row in enumerate(ids.tolist()):
+            if os.preadv(self._fd, [raw[i]], self._offset + row * self._row_bytes) != self._row_bytes:
+                raise ModelError(f"{self.path} changed on disk while in use: row {row} of its token embedding "
+                                 "is cut short (was it overwritten? load it again)")
+        picked = KQuantWeight.from_raw(self.type, raw, self.cols)
         return picked.rows_float(torch.arange(ids.numel()))
 
 
@@ -374,17 +390,28 @@ def adversarial_rows(k: int, rows: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
+def kernel_threads() -> int:
+    """The threads the kernel's parallel regions run in this thread: its OpenMP runtime's count, asked
+    through the kernel's library (where torch loaded its OpenMP first, as here, the library binds to
+    that one, and ``torch.set_num_threads`` sets it; a thread torch has not yet run a parallel
+    operation in keeps OpenMP's default)."""
+    return _lib().omp_get_max_threads()
+
+
+def use_threads(n: int) -> bool:
+    """Torch's threads set to ``n``; whether the kernel runs ``n`` too (else a proof at ``n`` is none)."""
+    torch.set_num_threads(n)
+    return kernel_threads() == n
+
+
 def row_exact(layer: KQuantLinear, x: torch.Tensor, threads=(1, 2)) -> bool:
-    """Every block of the first 1 .. len(x) rows bit-identical to the rows computed one at a time."""
+    """Every block of the first 1 .. len(x) rows bit-identical to the rows computed one at a time, at
+    each of ``threads``."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = rows_one_at_a_time(layer, x)
-        for n in threads:
-            torch.set_num_threads(n)
-            if not blocks_match(layer, x, alone):
-                return False
-        return True
+        return all(use_threads(n) and blocks_match(layer, x, alone) for n in threads)
     finally:
         torch.set_num_threads(before)
 
@@ -438,6 +465,7 @@ class GGUFBlocksReader:
         except Exception as exc:  # a damaged file: ValueError, struct.error, KeyError of an unknown type
             raise ModelError(f"cannot read the GGUF file {path}: {exc}") from None
         self.architecture = index.architecture
+        self.metadata = index.metadata
         self.tensors = index.tensors
         self.path = path
 
@@ -460,9 +488,9 @@ class GGUFBlocksReader:
             return torch.from_numpy(np.array(tensor.data, dtype=np.float32))
         if (self.map_embedding and hf_name == "model.embed_tokens.weight"
                 and gguf_name("lm_head.weight") in self.tensors):  # not tied: it is never a head
-            # A mapping of its own bytes: the file's whole mapping (every page repacking read) can then go.
-            rows = np.memmap(self.path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=tensor.data.shape)
-            return MappedRows(int(tensor.tensor_type), rows, int(tensor.shape[0]))
+            # Read from the file by rows: the file's whole mapping (every page repacking read) can then go.
+            return MappedRows(int(tensor.tensor_type), self.path, tensor.offset, int(tensor.data.shape[0]),
+                              int(tensor.shape[0]))
         return KQuantWeight.from_raw(int(tensor.tensor_type), tensor.data, int(tensor.shape[0]))
 
     def matrices(self, count: int) -> list[KQuantWeight]:
