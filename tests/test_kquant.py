@@ -305,6 +305,7 @@ def test_the_gguf_index_reads_what_gguf_reader_reads_and_refuses_a_cut_file(tmp_
     tokenizer; a file cut inside its header or its tensors is refused with a reason."""
     from gguf import GGUFReader
 
+    from specplay.core.errors import ModelError
     from specplay.core.models.gguf_index import GGUFIndex
     from tiny import tiny_hf_model, write_tiny_gguf
 
@@ -323,7 +324,7 @@ def test_the_gguf_index_reads_what_gguf_reader_reads_and_refuses_a_cut_file(tmp_
     for size in (100, len(data) - 1000):
         cut = tmp_path / f"cut-{size}.gguf"
         cut.write_bytes(data[:size])
-        with pytest.raises(ValueError, match="ends inside its header|runs past the end"):
+        with pytest.raises(ModelError, match="ends inside its header|runs past the end"):
             GGUFIndex(cut)
 
 

@@ -21,6 +21,7 @@ from specplay.core.models import kquant
 from specplay.core.models.base import CausalLM
 from specplay.core.models.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, CachedWeightsReader,
                                         check_weights)
+from specplay.core.models.gguf_check import check_gguf
 from specplay.core.models.linear import has_bf16_units, int8_supported
 from specplay.core.models.prepare import (float_weights_dir, has_gguf_source, resolve, store_int4_layers,
                                           store_kquant_blocks)
@@ -170,6 +171,8 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     (:mod:`specplay.core.models.llamacpp_draft`; ``backend="native"`` keeps it in SpecPlay's layers).
     A k-quant draft runs without trying llama.cpp unless llama.cpp was timed faster here before,
     or ``compare`` asks to time it now (:func:`compare_draft_engines`).
+    A ``.gguf`` file is checked first, whatever it is loaded as (:func:`check_gguf`): a malformed
+    header, or metadata that disagrees with the tensors, is refused before any weight is read.
     """
     if role not in ROLES:
         raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
@@ -182,6 +185,8 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
                          "so it cannot verify exactly")
     dev = pick_device(device)
     compute_dtype, storage = pick_dtype(dtype, dev)
+    if model_id.lower().endswith(".gguf"):  # a catalog model's file is the catalog's, checked by its sha256
+        check_gguf(Path(model_id).expanduser())
     if role == "draft" and storage in ("int8", "gguf"):
         storage = draft_storage(model_id)  # a draft's numerics never decide a token: its fastest layers
     notes: list[str] = []
