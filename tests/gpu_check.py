@@ -181,7 +181,7 @@ def first_difference(tokens: list[int], baseline: list[int]) -> int | None:
 def run_methods(target: LoadedModel, draft: LoadedModel, heads: tuple[Path, Path], prompt: list[int],
                 max_new_tokens: int) -> list[dict]:
     medusa_path, eagle_path = heads
-    methods = [("autoregressive", None), ("speculative", SpeculativeConfig(gamma=5)), ("prompt_lookup", None),
+    methods = [("autoregressive", None), ("speculative", SpeculativeConfig(cost_sized=False, gamma=5)), ("prompt_lookup", None),
                ("lookahead", LookaheadConfig()), ("medusa", MedusaConfig(heads=str(medusa_path), tree="small")),
                ("eagle", EagleConfig(head=str(eagle_path)))]
     # Every method drafts in every step: the check is about its accepted paths, not about when drafting pays.

@@ -180,7 +180,7 @@ def test_exact_methods_pass(target, target_model):
     assert plain.joint.df >= 8, "too few bins for the audit to mean anything here"
     assert (plain.deepest_draft, plain.deepest_verified) == (0, 0)
     draft = loaded(native_from_hf(perturbed_copy(target_model, 0.3)))
-    spec = audited(target, "speculative", SpeculativeConfig(gamma=4), draft)
+    spec = audited(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), draft)
     assert spec.verdict == "consistent", [spec.joint.p_value] + spec.p_values
     assert spec.drafted > 0 and 0 < spec.accepted < spec.drafted  # drafts were verified, some rejected
     # every sample's first step drafts γ deep, and the verifier was tested down to the last tested token
@@ -224,7 +224,7 @@ def test_a_verifier_biased_only_at_the_last_tested_depth_fails(target, target_mo
     verifier passed)."""
     biased_from(monkeypatch, depth)
     draft = loaded(native_from_hf(sharpened(target_model, 2.0)))  # the target's own likeliest tokens, over-drawn
-    result = audited(target, "speculative", SpeculativeConfig(gamma=5), draft, depth=depth)
+    result = audited(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=5), draft, depth=depth)
     assert result.verdict == "differs" and min([result.joint.p_value] + result.p_values) < 1e-3, \
         [result.joint.p_value] + result.p_values
     assert result.deepest_verified == depth
@@ -238,7 +238,7 @@ def test_each_sample_is_the_run_it_would_be_without_reading_the_prompt_once(targ
     from specplay.core.decoding.types import GenerationConfig
 
     draft = loaded(native_from_hf(perturbed_copy(target_model, 0.3)))
-    config = SpeculativeConfig(gamma=3)
+    config = SpeculativeConfig(cost_sized=False, gamma=3)
     # Three tokens: at most two steps draft, so a sample never depends on how long a step took.
     result = audited(target, "speculative", config, draft, samples=30, depth=3)
     plain = []
@@ -253,7 +253,7 @@ def test_a_biased_verifier_fails(target, monkeypatch):
     """Accepting every drafted token with min(1, 2p/q) instead of min(1, p/q) leans the output towards the draft."""
     biased_from(monkeypatch, 1)
     draft = loaded(native_from_hf(tiny_hf_model(seed=99, vocab=VOCAB, layers=1, dtype=torch.float64)))
-    result = audited(target, "speculative", SpeculativeConfig(gamma=3), draft)
+    result = audited(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), draft)
     assert result.verdict == "differs" and min([result.joint.p_value] + result.p_values) < 1e-3
 
 
@@ -342,7 +342,7 @@ def test_the_audit_view_says_how_deep_the_verifier_was_judged(target, target_mod
     from specplay.app.audit_view import AuditView
 
     draft = loaded(native_from_hf(sharpened(target_model, 2.0)))
-    result = audited(target, "speculative", SpeculativeConfig(gamma=4), draft, samples=100)
+    result = audited(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), draft, samples=100)
     record = audit_record(result, target=target, draft=draft, prompt="ab")
     assert record["deepest_verified"] == 3 and record["deepest_draft"] == 4
     view = AuditView()

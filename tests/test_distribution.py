@@ -82,17 +82,17 @@ def assert_samples_the_target(target, method, native, min_depth: int = 3) -> Non
 
 @pytest.mark.parametrize("name,draft_kind,config", [
     ("autoregressive", None, None),
-    ("speculative", "near", SpeculativeConfig(gamma=3)),
-    ("speculative", "bad", SpeculativeConfig(gamma=3)),
-    ("speculative", "bad", SpeculativeConfig(gamma=3, confidence=0.5)),
+    ("speculative", "near", SpeculativeConfig(cost_sized=False, gamma=3)),
+    ("speculative", "bad", SpeculativeConfig(cost_sized=False, gamma=3)),
+    ("speculative", "bad", SpeculativeConfig(cost_sized=False, gamma=3, confidence=0.5)),
     ("speculative", "near", SpeculativeConfig(gamma=3, adaptive=True, max_gamma=6)),
-    ("speculative", "smaller vocabulary", SpeculativeConfig(gamma=3)),
-    ("speculative", "near", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
-    ("speculative", "near", SpeculativeConfig(gamma=3, lookup_ngram=2)),
-    ("speculative", "near", SpeculativeConfig(gamma=3, draft_window=2)),
+    ("speculative", "smaller vocabulary", SpeculativeConfig(cost_sized=False, gamma=3)),
+    ("speculative", "near", SpeculativeConfig(cost_sized=False, gamma=3, draft_vocab=VOCAB - 2)),
+    ("speculative", "near", SpeculativeConfig(cost_sized=False, gamma=3, lookup_ngram=2)),
+    ("speculative", "near", SpeculativeConfig(cost_sized=False, gamma=3, draft_window=2)),
     ("speculative", "near", SpeculativeConfig(gamma=3, cost_sized=True, max_gamma=6)),
-    ("speculative", "near int4", SpeculativeConfig(gamma=3, draft_vocab=VOCAB - 2)),
-    ("speculative", "near llama.cpp", SpeculativeConfig(gamma=3)),
+    ("speculative", "near int4", SpeculativeConfig(cost_sized=False, gamma=3, draft_vocab=VOCAB - 2)),
+    ("speculative", "near llama.cpp", SpeculativeConfig(cost_sized=False, gamma=3)),
     ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3, adaptive=False)),
     ("lookahead", None, LookaheadConfig(window=3, ngram=4, guesses=3)),
 ])
@@ -132,7 +132,7 @@ def test_a_confidence_stop_keeps_a_confident_draft_lossless():
 
     target = loaded(ConstantLM([0.5, 0.5, 0.0, 0.0]), tokenizer=tiny_tokenizer(4))
     draft = loaded(ConstantLM([0.6, 0.4, 0.0, 0.0], name="draft"), tokenizer=tiny_tokenizer(4))
-    method = build_method("speculative", SpeculativeConfig(gamma=3, confidence=0.5), target, draft)
+    method = build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=3, confidence=0.5), target, draft)
     samples = []
     for seed in range(TRIALS):
         gen = GenerationConfig(max_new_tokens=LENGTH, stop_at_eos=False, stand_down=False, sampling=SamplingConfig(temperature=1.0, seed=seed))

@@ -67,7 +67,7 @@ def _clone(model):
 def test_speculative_greedy_equals_autoregressive(models, gamma):
     target, near, *_ = models
     base = run(target, "autoregressive")
-    res = run(target, "speculative", SpeculativeConfig(gamma=gamma), near)
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=gamma), near)
     assert res.token_ids == base.token_ids
     assert 1.0 < res.metrics.mean_accepted <= gamma + 1
     check_target_cache(target, res)
@@ -76,7 +76,7 @@ def test_speculative_greedy_equals_autoregressive(models, gamma):
 def test_copies_and_draft_model_proposals_mix_and_stay_exact(models):
     target, near, *_ = models
     base = run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False, stand_down=False))
-    res = run(target, "speculative", SpeculativeConfig(gamma=4, lookup_ngram=2), near,
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4, lookup_ngram=2), near,
               gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False, stand_down=False))
     assert res.token_ids == base.token_ids
     sources = {e.internals.get("source") for e in res.events if e.num_drafted}
@@ -85,7 +85,7 @@ def test_copies_and_draft_model_proposals_mix_and_stay_exact(models):
 
 
 @pytest.mark.parametrize("cfg", [SpeculativeConfig(gamma=2, adaptive=True, max_gamma=8),
-                                 SpeculativeConfig(gamma=6, confidence=0.5),
+                                 SpeculativeConfig(cost_sized=False, gamma=6, confidence=0.5),
                                  SpeculativeConfig(gamma=2, cost_sized=True, max_gamma=8)])
 def test_adaptive_confidence_and_cost_sized_drafts_stay_exact(models, cfg):
     target, near, *_ = models
@@ -105,19 +105,34 @@ def test_the_cost_sized_gamma_follows_acceptance_draft_cost_and_the_verification
     from specplay.core.methods.speculative import best_gamma
 
     flat = CostCurve.linear(0.0)
-    assert best_gamma(0.9, 0.0, flat, 16) == 16  # free, well-accepted drafts: as long as allowed
-    assert best_gamma(0.3, 0.5, flat, 16) == 1  # costly, poorly accepted drafts: one at a time
-    assert best_gamma(0.8, 0.2, flat, 16) < best_gamma(0.9, 0.2, flat, 16)
+    assert best_gamma([0.9] * 16, 0.0, flat) == 16  # free, well-accepted drafts: as long as allowed
+    assert best_gamma([0.3] * 16, 0.5, flat) == 1  # costly, poorly accepted drafts: one at a time
+    assert best_gamma([0.8] * 16, 0.2, flat) < best_gamma([0.9] * 16, 0.2, flat)
     steep = CostCurve((1, 4, 8), (1.0, 1.05, 2.0))  # verification turns compute-bound past 4 rows
-    assert best_gamma(0.85, 0.19, steep, 16) <= 3 < best_gamma(0.85, 0.19, flat, 16)
-    with pytest.raises(ConfigError, match="not both"):
-        SpeculativeConfig(adaptive=True, cost_sized=True)
+    assert best_gamma([0.85] * 16, 0.19, steep) <= 3 < best_gamma([0.85] * 16, 0.19, flat)
+    # The issue's AMD EPYC: 87% acceptance, a draft token 0.35 of a step, T(2) 1.18, T(4) 1.90, T(8) 3.41.
+    epyc = CostCurve((1, 2, 4, 8), (1.0, 1.18, 1.90, 3.41))
+    assert best_gamma([0.87] * 16, 0.35, epyc) == 1
+    assert SpeculativeConfig(adaptive=True).sized is False  # adaptive γ, where chosen, is used instead
+    assert SpeculativeConfig().sized and not SpeculativeConfig(cost_sized=False).sized
+
+
+def test_the_cost_sized_gamma_reads_acceptance_at_each_draft_position():
+    from specplay.core.methods.speculative import ChainAcceptance
+
+    acc = ChainAcceptance()
+    for _ in range(40):  # the first token almost always right, the second seldom
+        acc.add(drafted=3, accepted=1)
+    first, second, third = acc.alphas(3)
+    assert first > 0.9 and second < 0.15
+    assert third == pytest.approx((40 + 0.7 * 4) / (80 + 4))  # never judged: the chain's pooled α
+    assert acc.best_gamma(0.1, CostCurve.linear(0.1), 8) == 1  # a pooled α of 0.5 would not say so
 
 
 def test_full_acceptance_and_zero_acceptance_keep_both_caches_consistent(models):
     target, _, same, unrelated = models
     base = run(target, "autoregressive")
-    full = run(target, "speculative", SpeculativeConfig(gamma=4), same)
+    full = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), same)
     assert full.token_ids == base.token_ids
     assert full.metrics.mean_accepted == pytest.approx(40 / 8)  # 4 accepted + bonus every step
     assert all(e.tokens[-1].fate is Fate.BONUS for e in full.events)
@@ -130,7 +145,7 @@ def test_full_acceptance_and_zero_acceptance_keep_both_caches_consistent(models)
     want = _clone(d).forward(torch.tensor(seq[:cached + 1])).logits[-1:]
     assert torch.allclose(got, want, atol=1e-9)
 
-    zero = run(target, "speculative", SpeculativeConfig(gamma=3), unrelated)
+    zero = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), unrelated)
     assert zero.token_ids == base.token_ids
     assert zero.metrics.accepted < zero.metrics.drafted / 4
     check_target_cache(target, zero)
@@ -160,7 +175,7 @@ def started(target, name, config=None, draft=None, max_new_tokens=20):
 
 def test_prefill_fills_the_cache_with_the_prompt_but_its_last_token(models):
     target, near, *_ = models
-    method, state = started(target, "speculative", SpeculativeConfig(gamma=3), near)
+    method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near)
     assert target.model.cache_len == len(PROMPT) - 1 and state.ctx.prefill is not None
     assert near.model.cache_len == len(PROMPT) - 1  # the method was started on the prompt too
     assert state.stop is None and state.ctx.tokens == PROMPT and state.prefill_s > 0
@@ -170,7 +185,7 @@ def test_prefill_fills_the_cache_with_the_prompt_but_its_last_token(models):
 def test_one_step_commits_exactly_the_tokens_the_verifier_accepted(models, draft_index, accepted):
     """The target's own weights as the draft: all four accepted; an unrelated draft: none."""
     target = models[0]
-    method, state = started(target, "speculative", SpeculativeConfig(gamma=4), models[draft_index])
+    method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), models[draft_index])
     draft = method.propose(state.ctx, state.remaining - 1)
     out, verdict = verify_draft(target.model, method, draft, state)
     new, pieces, text = commit(target.model, draft, verdict, state)
@@ -183,7 +198,7 @@ def test_one_step_commits_exactly_the_tokens_the_verifier_accepted(models, draft
 def test_decode_step_adds_one_event_and_the_loop_ends_where_a_step_says(models):
     target, near, *_ = models
     base = run(target, "autoregressive")
-    method, state = started(target, "speculative", SpeculativeConfig(gamma=3), near, max_new_tokens=6)
+    method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near, max_new_tokens=6)
     while not should_end(state, lambda: False):
         event = decode_step(target.model, method, state)
         assert state.events[-1] is event and event.total_new_tokens == state.ctx.new_tokens
@@ -202,7 +217,7 @@ def test_eos_inside_an_accepted_draft_stops_there(models):
     target.model.info = target.model.info.__class__(**{**target.model.info.__dict__, "eos_token_ids": (eos_token,)})
     try:
         gen = GenerationConfig(max_new_tokens=40, stop_at_eos=True)
-        for name, cfg, draft in [("autoregressive", None, None), ("speculative", SpeculativeConfig(gamma=8), same),
+        for name, cfg, draft in [("autoregressive", None, None), ("speculative", SpeculativeConfig(cost_sized=False, gamma=8), same),
                                  ("prompt_lookup", None, None)]:
             res = run(target, name, cfg, draft, gen=gen)
             assert res.token_ids == base.token_ids[: first + 1]
@@ -214,7 +229,7 @@ def test_eos_inside_an_accepted_draft_stops_there(models):
 def test_max_new_tokens_is_exact_even_when_a_step_overshoots(models):
     target, _, same, _ = models
     for n in (1, 2, 7, 9):
-        res = run(target, "speculative", SpeculativeConfig(gamma=4), same,
+        res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), same,
                   gen=GenerationConfig(max_new_tokens=n, stop_at_eos=False, stand_down=False))
         assert len(res.token_ids) == n and res.stop_reason is StopReason.MAX_TOKENS
 
@@ -229,7 +244,7 @@ def test_stop_string_truncates_text(models):
 
 
 @pytest.mark.parametrize("name,config,draft_index", [
-    ("speculative", SpeculativeConfig(gamma=6), 2),
+    ("speculative", SpeculativeConfig(cost_sized=False, gamma=6), 2),
     ("prompt_lookup", PromptLookupConfig(max_ngram=3, num_tokens=8, adaptive=False), None),
     ("lookahead", LookaheadConfig(window=3, ngram=3, guesses=3), None),
 ])
@@ -258,7 +273,7 @@ def test_a_stop_string_cuts_the_tokens_of_every_method_alike(models, name, confi
 def test_cancel_returns_what_was_produced(models):
     target, near, *_ = models
     calls = itertools.count()
-    res = run(target, "speculative", SpeculativeConfig(gamma=3), near, should_stop=lambda: next(calls) >= 3)
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near, should_stop=lambda: next(calls) >= 3)
     assert res.cancelled and res.stop_reason is StopReason.CANCELLED
     assert len(res.events) == 3 and 0 < len(res.token_ids) < 40
     base = run(target, "autoregressive")
@@ -268,7 +283,7 @@ def test_cancel_returns_what_was_produced(models):
 def test_events_carry_fates_and_text_in_reading_order(models):
     target, near, *_ = models
     events = []
-    res = run(target, "speculative", SpeculativeConfig(gamma=4), near, on_event=events.append)
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), near, on_event=events.append)
     assert [t for e in events for t in e.committed] == res.token_ids
     assert "".join(e.text for e in events) == res.text
     for e in events:
@@ -293,7 +308,7 @@ def test_bad_generation_settings_are_rejected():
     with pytest.raises(ConfigError, match="max new tokens"):
         GenerationConfig(max_new_tokens=0)
     with pytest.raises(ConfigError, match="γ"):
-        SpeculativeConfig(gamma=0)
+        SpeculativeConfig(cost_sized=False, gamma=0)
     with pytest.raises(ConfigError, match="min n"):
         PromptLookupConfig(min_ngram=3, max_ngram=2)
 
@@ -378,10 +393,10 @@ def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
     warnings = check_draft_compatible(target, draft)
     assert any(f"{draft_rows:,} vocabulary rows" in w for w in warnings)
     base = run(target, "autoregressive")
-    res = run(target, "speculative", SpeculativeConfig(gamma=4), draft)
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), draft)
     assert res.token_ids == base.token_ids
     # γ = 1 over two new tokens: the first is the draft's token accepted, or the target's resampled in its place.
-    firsts = first_token_samples(target, build_method("speculative", SpeculativeConfig(gamma=1), target, draft), 1500)
+    firsts = first_token_samples(target, build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=1), target, draft), 1500)
     pvalue = chi_square_pvalue(firsts, next_token_probabilities(target.model, PROMPT))
     assert pvalue > 1e-3, f"p = {pvalue:.2e}"
 
@@ -403,7 +418,7 @@ def test_a_draft_with_more_vocabulary_rows_samples_the_target_and_never_its_own_
     extra = sum(p for t, p in next_token_probabilities(draft.model, prompt).items() if t >= vocab)
     assert extra > 0.3, "the draft's own extra tokens must be likely, or dropping them would go untested"
 
-    method = build_method("speculative", SpeculativeConfig(gamma=3), target, draft)
+    method = build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=3), target, draft)
     samples, drafted, fates = [], set(), set()
     for seed in range(trials):
         gen = GenerationConfig(max_new_tokens=length, stop_at_eos=False, stand_down=False,
@@ -436,7 +451,7 @@ def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(
         forward = model.forward
         model.forward = lambda *a, _f=forward, **kw: asked.append(kw.get("logit_rows")) or _f(*a, **kw)
     try:
-        res = run(target, "speculative", SpeculativeConfig(gamma=3), near)
+        res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near)
     finally:
         del target.model.forward, near.model.forward
     assert asked[0] == [] and asked[1] == []  # the target's prefill, then the draft's
@@ -450,7 +465,7 @@ def test_a_run_record_is_written_back_as_it_was_read(models):
     from specplay.core.records.runlog import RunRecord, run_record
 
     target, near, *_ = models
-    res = run(target, "speculative", SpeculativeConfig(gamma=3), near)
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near)
     for include_events in (False, True):
         written = json.loads(json.dumps(run_record(res, target=target, draft=near, prompt="p",
                                                    include_events=include_events, extra={"chat_template": True})))
@@ -474,7 +489,7 @@ def test_token_events_and_run_logs_carry_the_rule_per_draft_token(models):
     target, near, *_ = models
     sampled = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False, sampling=SamplingConfig(temperature=0.9))
     cases = [("prompt_lookup", PromptLookupConfig(adaptive=False), None, Rule.ONE_HOT),
-             ("speculative", SpeculativeConfig(gamma=3), near, Rule.SAMPLED)]
+             ("speculative", SpeculativeConfig(cost_sized=False, gamma=3), near, Rule.SAMPLED)]
     for name, config, draft, rule in cases:
         res = run(target, name, config, draft, gen=sampled)
         drafted = [t for e in res.events for t in e.tokens if t.node >= 0 and t.accept_prob is not None]
@@ -489,9 +504,9 @@ def sampled(seed: int) -> GenerationConfig:
 
 @pytest.mark.parametrize("name,config,draft_index", [
     ("autoregressive", None, None),
-    ("speculative", SpeculativeConfig(gamma=4), 1),
+    ("speculative", SpeculativeConfig(cost_sized=False, gamma=4), 1),
     ("speculative", SpeculativeConfig(gamma=2, adaptive=True, max_gamma=8), 1),  # γ from acceptance, not time
-    ("speculative", SpeculativeConfig(gamma=6, confidence=0.5), 1),
+    ("speculative", SpeculativeConfig(cost_sized=False, gamma=6, confidence=0.5), 1),
     ("prompt_lookup", PromptLookupConfig(adaptive=False), None),
     ("lookahead", LookaheadConfig(window=3, ngram=3, guesses=3), None),
 ])
@@ -510,7 +525,7 @@ def test_the_same_seed_with_other_draft_sizes_samples_another_output(models):
     accepting or rejecting the token drafted there, or, past the draft's end, by a plain draw from
     the target, so which output a seed gives depends on where the drafts end (docs/seeds.md)."""
     target, near, *_ = models
-    outputs = {gamma: run(target, "speculative", SpeculativeConfig(gamma=gamma), near, gen=sampled(7)).token_ids
+    outputs = {gamma: run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=gamma), near, gen=sampled(7)).token_ids
                for gamma in (2, 4)}
     assert outputs[2] != outputs[4]
 
@@ -526,14 +541,14 @@ def test_a_draft_that_is_never_accepted_stands_down_and_stays_exact(models, monk
     monkeypatch.setattr(core.decoding.engine, "cost_curve", lambda model: CostCurve.linear(0.0))
     gen = GenerationConfig(max_new_tokens=60, stop_at_eos=False)
     base = run(target, "autoregressive", gen=gen)
-    res = run(target, "speculative", SpeculativeConfig(gamma=4), draft, gen=gen)
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), draft, gen=gen)
     assert res.token_ids == base.token_ids
     if res.metrics.accepted * 4 > res.metrics.drafted:
         pytest.skip("this tiny draft agrees with the target too often to test standing down")
     stood = [e for e in res.events if e.stood_down]
     assert res.metrics.stood_down_steps == len(stood) > 0
     assert all(e.num_drafted == 0 and "stood down" in e.stood_down for e in stood)
-    off = run(target, "speculative", SpeculativeConfig(gamma=4), draft,
+    off = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), draft,
               gen=GenerationConfig(max_new_tokens=60, stop_at_eos=False, stand_down=False))
     assert off.metrics.stood_down_steps == 0 and off.token_ids == base.token_ids
 
@@ -541,7 +556,7 @@ def test_a_draft_that_is_never_accepted_stands_down_and_stays_exact(models, monk
 def test_every_token_names_who_offered_it(models):
     target, draft = models[0], models[1]
     gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
-    res = run(target, "speculative", SpeculativeConfig(gamma=4, lookup_ngram=2), draft, gen=gen)
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4, lookup_ngram=2), draft, gen=gen)
     sources = {t.source for e in res.events for t in e.tokens}
     assert None not in sources and sources <= {"draft model", "copy", "bonus", "target"}
     for e in res.events:
@@ -562,9 +577,9 @@ def test_the_record_says_when_a_seed_would_not_repeat_a_sampled_run(models):
                                sampling=SamplingConfig(temperature=temperature, seed=3))
         return run_record(run(target, "speculative", config, draft, gen=gen), target=target, draft=draft)
 
-    assert record(SpeculativeConfig(gamma=3), 0.0, True)["repeatable"] is True  # greedy: always
-    fixed = record(SpeculativeConfig(gamma=3), 1.0, False)
+    assert record(SpeculativeConfig(cost_sized=False, gamma=3), 0.0, True)["repeatable"] is True  # greedy: always
+    fixed = record(SpeculativeConfig(cost_sized=False, gamma=3), 1.0, False)
     assert fixed["repeatable"] is True and fixed["unrepeatable_because"] is None
-    assert "stands down" in record(SpeculativeConfig(gamma=3), 1.0, True)["unrepeatable_because"]
+    assert "stands down" in record(SpeculativeConfig(cost_sized=False, gamma=3), 1.0, True)["unrepeatable_because"]
     sized = record(SpeculativeConfig(gamma=3, cost_sized=True), 1.0, False)
     assert sized["repeatable"] is False and "timings" in sized["unrepeatable_because"]

@@ -199,7 +199,7 @@ def test_speculation_on_a_gguf_target_emits_greedy_decodings_tokens():
     gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
     prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
     want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
-    method = build_method("speculative", SpeculativeConfig(gamma=5), target, draft)
+    method = build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=5), target, draft)
     res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
     assert res.token_ids == want.token_ids
     assert res.metrics.accepted > 0
@@ -272,7 +272,7 @@ def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly
     gen = GenerationConfig(max_new_tokens=24, stop_at_eos=False, stand_down=False)
     prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6]
     want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
-    method = build_method("speculative", SpeculativeConfig(gamma=4), target, again)
+    method = build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=4), target, again)
     res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
     assert res.token_ids == want.token_ids and res.metrics.accepted > 0
 

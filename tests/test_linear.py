@@ -69,7 +69,7 @@ def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact(storage)
     gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
     prompt = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
     want = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
-    method = build_method("speculative", SpeculativeConfig(gamma=4, draft_vocab=40), target, draft)
+    method = build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=4, draft_vocab=40), target, draft)
     res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
     assert res.token_ids == want.token_ids
     assert res.metrics.accepted > 0

@@ -81,7 +81,7 @@ def test_speculation_with_the_llama_cpp_draft_emits_greedy_decodings_tokens(mode
     prompt = [5, 9, 13, 4]
     plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
     spec = drain(generate(target.model, target.tokenizer,
-                          build_method("speculative", SpeculativeConfig(gamma=4), target, draft), prompt, gen))
+                          build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=4), target, draft), prompt, gen))
     assert spec.token_ids == plain.token_ids
     assert spec.metrics.mean_accepted > 1.5  # a near copy drafts tokens the target accepts
 
@@ -92,7 +92,7 @@ def test_a_draft_window_lets_the_draft_read_only_the_prompts_tail(model, gguf):
     gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False)
     prompt = [5, 9, 13, 4, 22, 7, 30, 11, 40, 41]
     plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
-    method = build_method("speculative", SpeculativeConfig(gamma=4, draft_window=3), target, loaded(draft))
+    method = build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=4, draft_window=3), target, loaded(draft))
     fed = []
     forward = draft.forward
     draft.forward = lambda tokens, **kw: fed.append(torch.as_tensor(tokens).tolist()) or forward(tokens, **kw)

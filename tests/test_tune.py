@@ -41,16 +41,49 @@ def _answer(target):
     return _run(target, None, "autoregressive", None).token_ids
 
 
-@pytest.mark.parametrize("gamma,adaptive,lookup", [(1, False, 0), (3, False, 0), (7, False, 0), (2, True, 0),
-                                                   (4, False, 3), (3, True, 2)])
-def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, lookup, monkeypatch):
+def _on_a_clock(monkeypatch, target, draft, curve):
+    """The target's pass of n rows takes 10 ms x ``curve(n)``, a draft pass 1 ms, on a clock only they
+    advance; ``curve`` is held as the target's (uncorrected): cost-sized γ then sees c = 0.1 exactly."""
+    from specplay.core.decoding import engine
+    from specplay.core.methods import speculative
+
+    clock = [0.0]
+
+    def timed(model, seconds):
+        forward = model.forward
+
+        def run(tokens, *args, **kw):
+            clock[0] += seconds(len(tokens))
+            return forward(tokens, *args, **kw)
+
+        monkeypatch.setattr(model, "forward", run)
+
+    timed(target.model, lambda n: 0.010 * curve(n))
+    timed(draft.model, lambda n: 0.001)
+    fake = SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(engine, "time", fake)
+    monkeypatch.setattr(speculative, "time", fake)
+    monkeypatch.setitem(costmodel._CURVES, target.model, curve)
+
+
+@pytest.mark.parametrize("gamma,adaptive,sized,lookup", [(1, False, False, 0), (3, False, False, 0),
+                                                         (7, False, False, 0), (2, True, False, 0),
+                                                         (4, False, False, 3), (3, True, False, 2),
+                                                         (3, False, True, 0), (6, False, True, 2)])
+def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, sized, lookup, monkeypatch):
     target, draft = pair
     answer = _answer(target)
-    config = SpeculativeConfig(gamma=gamma, adaptive=adaptive, max_gamma=16, lookup_ngram=lookup)
+    config = SpeculativeConfig(gamma=gamma, adaptive=adaptive, cost_sized=sized, max_gamma=16, lookup_ngram=lookup)
+    curve = CostCurve((1, 2, 4, 8, 16), (1.0, 1.2, 1.7, 2.8, 5.0))  # a CPU's: compute-bound past a few rows
+    if sized:
+        _on_a_clock(monkeypatch, target, draft, curve)
     fed, forward = [], draft.model.forward_chain
     monkeypatch.setattr(draft.model, "forward_chain", lambda tokens, **kw: fed.append(len(tokens)) or forward(tokens, **kw))
+    # Copy lengths are sized by the verify curve too: pinned, or the run's own passes would correct it.
+    monkeypatch.setitem(costmodel._CURVES, target.model, curve)
     run = _run(target, draft, "speculative", config)
     monkeypatch.undo()
+    monkeypatch.setitem(costmodel._CURVES, target.model, curve)
     del fed[0]  # the prompt
     first_passes = []  # each drafting step's first pass: what the draft's cache lacked
     for event in run.events:
@@ -66,8 +99,10 @@ def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, l
                                   PROMPT)
     lacked = []
     replay = tuning.replay_speculative(runs, answer, PROMPT, gamma, adaptive, 16, look,
-                                       lambda n: lacked.append(n) or 1.0)
+                                       lambda n: lacked.append(n) or 1.0, (0.1, curve) if sized else None)
     assert lacked == first_passes
+    if sized:  # γ was chosen: not the first step's everywhere
+        assert len({e.internals["gamma"] for e in run.events if e.internals.get("source") == "draft"}) > 1
     assert run.token_ids == answer
     assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
     assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
@@ -75,8 +110,10 @@ def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, l
 
 
 @pytest.mark.parametrize("adaptive,num_tokens,max_ngram", [(True, 10, 3), (False, 4, 2), (False, 10, 1)])
-def test_prompt_lookup_replay_takes_the_steps_a_run_takes(pair, adaptive, num_tokens, max_ngram):
+def test_prompt_lookup_replay_takes_the_steps_a_run_takes(pair, adaptive, num_tokens, max_ngram, monkeypatch):
     target, _ = pair
+    # Adaptive lengths are sized by the verify curve: pinned, or the run's own passes would correct it.
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.4, 2.2)))
     answer = _answer(target)
     config = PromptLookupConfig(adaptive=adaptive, num_tokens=num_tokens, max_ngram=max_ngram)
     run = _run(target, None, "prompt_lookup", config)
@@ -159,10 +196,10 @@ def test_tune_predicts_every_setting_and_proves_the_default_and_the_best(pair):
         for field in ("params", "predicted_tokens_per_s", "measured_tokens_per_s", "identical"):
             assert field in doc[key]
         assert doc[key]["identical"] is True
-    assert doc["default"]["params"] == {"gamma": 5, "adaptive": False, "lookup_ngram": 0}
+    assert doc["default"]["params"] == {"gamma": 3, "adaptive": False, "cost_sized": True, "lookup_ngram": 0}
     runs = result.default.measured_runs
     assert len(runs) == tuning.PROOF_ROUNDS and result.default.measured_tokens_per_s == pytest.approx(sum(runs) / len(runs))
-    assert len(doc["settings"]) == 48 and all(s["predicted_tokens_per_s"] > 0 for s in doc["settings"])
+    assert len(doc["settings"]) == 72 and all(s["predicted_tokens_per_s"] > 0 for s in doc["settings"])
     best = max(s["predicted_tokens_per_s"] for s in doc["settings"])
     assert doc["best"]["predicted_tokens_per_s"] >= best / (1 + tuning.MARGIN)
     assert stages[0] == 0.0 and stages[-1] == 1.0

@@ -44,6 +44,7 @@ from specplay.core.errors import Cancelled, ConfigError
 from specplay.core.methods import build_method, get_spec
 from specplay.core.decoding.method import MethodConfig
 from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
+from specplay.core.methods.speculative import ChainAcceptance
 from specplay.core.records.runlog import RunRecord
 from specplay.core.decoding.types import GenerationConfig
 
@@ -70,7 +71,7 @@ _METHOD_ASSUMPTIONS = {
 
 #: The knobs each method is tuned over (the first is the one the chart runs along).
 KNOBS = {
-    "speculative": ("gamma", "adaptive", "lookup_ngram"),
+    "speculative": ("gamma", "adaptive", "cost_sized", "lookup_ngram"),
     "prompt_lookup": ("num_tokens", "max_ngram", "adaptive"),
     "eagle": ("total_tokens", "depth", "auto_size"),
 }
@@ -317,11 +318,14 @@ def time_handover(method, target_model, context_ids: list[int], vocab: int, repe
 
 def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int], gamma: int, adaptive: bool,
                        max_gamma: int, lookup: PromptLookup | None,
-                       catch_up: Callable[[int], float] = lambda n: 1.0) -> Replay:
+                       catch_up: Callable[[int], float] = lambda n: 1.0,
+                       sizing: tuple[float, Callable[[int], float]] | None = None) -> Replay:
     """Speculative decoding's steps along the answer. Units: one-token draft passes; a step's first
     pass feeds what the draft's cache lacks (the last step's bonus token, or everything copies
-    added), which costs ``catch_up(tokens)`` of them."""
+    added), which costs ``catch_up(tokens)`` of them. ``sizing`` (c, the verify ratio): γ cost-sized
+    as the method sizes it, from the replay's acceptance by position after its first drafting step."""
     out, pos, g, n = Replay(), 0, gamma, len(answer)
+    acceptance = ChainAcceptance()
     lacks = 1  # tokens the draft's cache lacks: the root at first
     while pos < n:
         budget = n - pos - 1
@@ -342,6 +346,9 @@ def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int]
             lacks += 1
         if adaptive and k:
             g = min(g + 2, max_gamma) if accepted == k else max(g - 1, 1)
+        elif sizing is not None and k:
+            acceptance.add(k, accepted)
+            g = acceptance.best_gamma(sizing[0], sizing[1], max_gamma)
     return out
 
 
@@ -465,8 +472,9 @@ def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_
 # ----------------------------------------------------------------------------- settings
 def _speculative_settings(base) -> list[dict]:
     lookups = sorted({0, base.lookup_ngram or 3})
-    return [{"gamma": g, "adaptive": a, "lookup_ngram": n} for n in lookups for a in (False, True)
-            for g in range(1, 13)]
+    sizings = ({"adaptive": False, "cost_sized": False}, {"adaptive": True, "cost_sized": False},
+               {"adaptive": False, "cost_sized": True})
+    return [{"gamma": g, **sized, "lookup_ngram": n} for n in lookups for sized in sizings for g in range(1, 13)]
 
 
 def _lookup_settings(base) -> list[dict]:
@@ -493,8 +501,8 @@ def _default_params(method: str, base) -> dict:
 def _config_with(method: str, base, params: dict):
     if method == "prompt_lookup":
         params = {**params, "min_ngram": min(base.min_ngram, params["max_ngram"])}
-    if method == "speculative" and params.get("adaptive"):
-        params = {**params, "max_gamma": max(base.max_gamma, params["gamma"]), "cost_sized": False}
+    if method == "speculative" and (params.get("adaptive") or params.get("cost_sized")):
+        params = {**params, "max_gamma": max(base.max_gamma, params["gamma"])}
     if method == "eagle":
         params = {**params, "tree": "dynamic"}
     return replace(base, **params)
@@ -553,8 +561,10 @@ class _Predictor:
                 n = c.lookup_ngram
                 lookup = _new_lookup(PromptLookupConfig(min_ngram=n, max_ngram=max(n, 3)), self.target.model,
                                      self.prompt_ids)
+            one = self.verify(1)
+            sizing = (self.unit / one, lambda n: self.verify(n) / one) if c.sized else None
             return replay_speculative(self.runs, self.answer, self.prompt_ids, c.gamma, c.adaptive, c.max_gamma,
-                                      lookup, self.catch_up)
+                                      lookup, self.catch_up, sizing)
         if self.name == "prompt_lookup":
             return replay_lookup(c, self.target.model, self.prompt_ids, self.answer)
         trees = self.trees[c.total_tokens if c.auto_size else None]

@@ -2,9 +2,17 @@
 
 The draft model proposes γ tokens autoregressively with its own KV cache; the target checks
 them in one pass. At temperature > 0 the draft *samples* each token from its distribution
-q, so the verifier can accept with min(1, p/q) and resample from the residual. With
-adaptive γ, a fully accepted draft grows γ by 2 and a rejection shrinks it by 1 (the
-schedule transformers calls "heuristic"); a confidence threshold stops a draft early when
+q, so the verifier can accept with min(1, p/q) and resample from the residual.
+
+How many tokens a step drafts is priced by default (cost-sized γ): on a CPU the verifier is
+compute-bound, so every drafted token costs a share of a target step, and a draft that is right
+87% of the time still loses at γ = 5 where verifying 6 tokens costs 2.5 steps. Each step takes
+the γ with the most expected tokens per unit of time, from this run's acceptance at each draft
+position, the draft's measured cost per token and the target's verify curve, corrected by the
+run's own passes (:class:`~specplay.core.decoding.costmodel.CorrectedCurve`); whether drafting
+pays at all is the stand-down gate's to judge. A fixed γ (``cost_sized=False``) and
+transformers' "heuristic" schedule (adaptive γ: a fully accepted draft grows γ by 2 and a
+rejection shrinks it by 1) remain selectable. A confidence threshold stops a draft early when
 the draft model's highest next-token probability drops below it. That stop is decided from
 the draft distribution q alone, *before* a token is drawn from it: a token that was drawn is
 always proposed, so every proposed token is distributed exactly as q and min(1, p/q) stays
@@ -41,12 +49,14 @@ from specplay.core.decoding.types import Draft
 
 @dataclass(frozen=True)
 class SpeculativeConfig(MethodConfig):
-    gamma: int = param(5, "Draft tokens per step (the starting value when adaptive)", label="γ", minimum=1, maximum=32)
+    gamma: int = param(3, "Draft tokens per step (the first step's when cost-sized or adaptive)", label="γ",
+                       minimum=1, maximum=32)
     adaptive: bool = param(False, "Grow γ by 2 after a fully accepted draft, shrink it by 1 after a rejection",
                            label="adaptive γ", cli="--adaptive-gamma")
-    cost_sized: bool = param(False, "Choose γ each step by the cost model: the most expected tokens per unit of time "
-                             "from the acceptance, the draft's cost per token and the verification cost measured in "
-                             "this run (γ is the starting value, max γ the bound)", label="cost-sized γ",
+    cost_sized: bool = param(True, "Choose γ each step by the cost model: the most expected tokens per unit of time "
+                             "from this run's acceptance at each draft position, the draft's cost per token and the "
+                             "verification cost corrected by this run's passes (γ is the first step's, max γ the "
+                             "bound; adaptive γ, where on, is used instead)", label="cost-sized γ",
                              cli="--cost-sized-gamma")
     max_gamma: int = param(16, "Upper bound for adaptive γ", label="max γ", minimum=1, maximum=64,
                           cli="--max-gamma")
@@ -67,8 +77,11 @@ class SpeculativeConfig(MethodConfig):
         super().__post_init__()
         if (self.adaptive or self.cost_sized) and self.max_gamma < self.gamma:
             raise ConfigError(f"max γ ({self.max_gamma}) must be >= γ ({self.gamma})")
-        if self.adaptive and self.cost_sized:
-            raise ConfigError("choose adaptive γ or cost-sized γ, not both")
+
+    @property
+    def sized(self) -> bool:
+        """Whether γ is chosen each step by the cost model (cost-sized, and adaptive γ not chosen instead)."""
+        return self.cost_sized and not self.adaptive
 
 
 class Speculative(Method):
@@ -80,8 +93,8 @@ class Speculative(Method):
         self.draft_model = draft_model
         self.gamma = config.gamma
         self._offset = 0
-        self.max_draft_nodes = config.max_gamma if (config.adaptive or config.cost_sized) else config.gamma
-        self.cost = cost_curve(target_lm) if (config.cost_sized and target_lm is not None) else None
+        self.max_draft_nodes = config.max_gamma if (config.adaptive or config.sized) else config.gamma
+        self.cost = cost_curve(target_lm) if (config.sized and target_lm is not None) else None
         self._sizing = _SizingStats()
         self.head = self._reduced_head(draft_model, config.draft_vocab)
         # Copies of earlier text, proposed with prompt lookup's learnt, cost-sized lengths.
@@ -195,27 +208,57 @@ class Speculative(Method):
             else:
                 self.gamma = max(self.gamma - 1, 1)
         if self.cost is not None and drafted:
-            self._sizing.verified(self.cost(1 + drafted), accepted, rejected=accepted < drafted)
+            self._sizing.verified(self.cost(1 + drafted), drafted, accepted)
             self.gamma = self._sizing.best_gamma(self.cost, self.config.max_gamma) or self.gamma
 
 
-class _SizingStats:
-    """What a cost-sized γ is chosen from, measured during the run.
+class ChainAcceptance:
+    """A chain's acceptance at each draft position, counted in the run: α_j, the chance that draft
+    token j is accepted once the ones before it were.
 
-    A chain of γ drafts, each accepted with probability α given the ones before, yields
-    (1 − α^(γ+1)) / (1 − α) tokens a step and costs γ·c + T(1 + γ)/T(1) plain steps, with c the
-    draft's cost per token. α is counted per verified draft (accepted ones, plus the first
-    rejected one: those after it were never judged), from a prior of 0.7 worth four drafts; c is
-    the measured drafting time per draft forward over T(1), and T(1) the measured time from
-    proposal to observation over the cost curve's T(1 + γ)/T(1) at each step's size.
+    A position counts the drafts verified there (accepted ones, plus the first rejected one: those
+    after it were never judged). Each position's α leans on the chain's pooled α with the weight of
+    :data:`PRIOR_WEIGHT` drafts, and the pooled α on a prior of :data:`PRIOR_ALPHA`, so a position
+    seldom reached takes the chain's figure until it has its own.
     """
 
     PRIOR_ALPHA, PRIOR_WEIGHT = 0.7, 4.0
 
     def __init__(self):
+        self.accepted: list[int] = []
+        self.judged: list[int] = []
+
+    def add(self, drafted: int, accepted: int) -> None:
+        """A verified chain of ``drafted`` tokens of which the first ``accepted`` were accepted."""
+        while len(self.judged) < drafted:
+            self.accepted.append(0)
+            self.judged.append(0)
+        for j in range(min(accepted + 1, drafted)):
+            self.judged[j] += 1
+            self.accepted[j] += int(j < accepted)
+
+    def alphas(self, n: int) -> list[float]:
+        """α_1 .. α_n."""
+        w = self.PRIOR_WEIGHT
+        pooled = (sum(self.accepted) + self.PRIOR_ALPHA * w) / (sum(self.judged) + w)
+        return [(self.accepted[j] + pooled * w) / (self.judged[j] + w) if j < len(self.judged) else pooled
+                for j in range(n)]
+
+    def best_gamma(self, c: float, curve, max_gamma: int) -> int:
+        """:func:`best_gamma` at this run's acceptance by position."""
+        return best_gamma(self.alphas(max_gamma), c, curve)
+
+
+class _SizingStats:
+    """What a cost-sized γ is chosen from, measured during the run: the acceptance at each draft
+    position (:class:`ChainAcceptance`) and c, the measured drafting time per draft forward over
+    T(1), T(1) being the measured time from proposal to observation over the cost curve's
+    T(1 + γ)/T(1) at each step's size."""
+
+    def __init__(self):
         self.draft_s = self.verify_s = self.verify_units = 0.0
         self.forwards = 0
-        self.accepted = self.judged = 0
+        self.acceptance = ChainAcceptance()
         self.proposed_at: float | None = None
 
     def drafted(self, seconds: float, forwards: int) -> None:
@@ -223,23 +266,27 @@ class _SizingStats:
         self.forwards += forwards
         self.proposed_at = time.perf_counter()
 
-    def verified(self, relative_cost: float, accepted: int, rejected: bool) -> None:
+    def verified(self, relative_cost: float, drafted: int, accepted: int) -> None:
         if self.proposed_at is not None:
             self.verify_s += time.perf_counter() - self.proposed_at
             self.verify_units += relative_cost
             self.proposed_at = None
-        self.accepted += accepted
-        self.judged += accepted + int(rejected)
+        self.acceptance.add(drafted, accepted)
 
     def best_gamma(self, curve, max_gamma: int) -> int | None:
         """The γ with the most expected tokens per unit of time, or None before anything was timed."""
         if not (self.forwards and self.verify_units and self.verify_s > 0):
             return None
-        alpha = (self.accepted + self.PRIOR_ALPHA * self.PRIOR_WEIGHT) / (self.judged + self.PRIOR_WEIGHT)
         c = (self.draft_s / self.forwards) / (self.verify_s / self.verify_units)
-        return best_gamma(alpha, c, curve, max_gamma)
+        return self.acceptance.best_gamma(c, curve, max_gamma)
 
 
-def best_gamma(alpha: float, c: float, curve, max_gamma: int) -> int:
-    """The chain length γ ≥ 1 that maximises expected tokens per unit of time (see :class:`_SizingStats`)."""
-    return max(1, best_size([alpha ** i for i in range(1, max_gamma + 1)], lambda n: curve(n) + (n - 1) * c))
+def best_gamma(alphas: list[float], c: float, curve) -> int:
+    """The chain length γ ≥ 1, up to ``len(alphas)``, with the most expected tokens per unit of time: a
+    step of γ drafts yields 1 plus the chance each is reached and accepted (α_1 ⋯ α_j for draft j)
+    and costs γ·c + T(1 + γ)/T(1) plain steps, c being the draft's cost per token."""
+    values, reach = [], 1.0
+    for alpha in alphas:
+        reach *= alpha
+        values.append(reach)
+    return max(1, best_size(values, lambda n: curve(n) + (n - 1) * c))
