@@ -492,18 +492,21 @@ def _free_port() -> int:
 
 
 class LlamaCppServer:
-    """``python -m llama_cpp.server`` on the default GGUF, on 127.0.0.1, two threads."""
+    """``python -m llama_cpp.server`` on the default GGUF, on 127.0.0.1, two threads; verbose, its
+    log (llama.cpp's counts of each request's target passes among it) written to ``log``."""
 
-    def __init__(self, gguf: Path, draft: bool):
+    def __init__(self, gguf: Path, draft: bool, log: Path):
         import subprocess
         import sys
 
         self.port = _free_port()
+        self.log = log
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-               "--port", str(self.port), "--n_threads", "2", "--n_ctx", "1024", "--verbose", "False"]
+               "--port", str(self.port), "--n_threads", "2", "--n_ctx", "1024", "--verbose", "True"]
         if draft:
             cmd += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "8"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with open(log, "wb") as out:  # a file, not a pipe: nobody reads the log until the server ends
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
 
     @property
     def url(self) -> str:
@@ -516,7 +519,7 @@ class LlamaCppServer:
         deadline = time.time() + 180
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the llama.cpp server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"the llama.cpp server exited: {self.log.read_text(errors='replace')[-2000:]}")
             try:
                 if list_models(Endpoint(self.url, timeout_s=5)):
                     return self
@@ -527,6 +530,17 @@ class LlamaCppServer:
     def __exit__(self, *exc):
         self.proc.terminate()
         self.proc.wait(timeout=30)
+
+    def last_request_passes(self) -> tuple[int, int]:
+        """What llama.cpp logged for the last request: (the tokens it counts as prompt evaluation, the
+        prompt's and every batch a draft made; its passes of one token)."""
+        import re
+
+        text = self.log.read_text(errors="replace")
+        batched = re.findall(r"prompt eval time =.*?/\s*(\d+) tokens", text)
+        single = re.findall(r"\beval time =.*?/\s*(\d+) runs", text)
+        assert batched and single, f"no llama.cpp timings in the server's log {self.log}"
+        return int(batched[-1]), int(single[-1])
 
 
 @pytest.mark.real_model
@@ -553,15 +567,24 @@ def test_llamacpp_server_with_and_without_its_draft(tmp_path):
     if why:
         pytest.skip(f"llama-cpp-python's server would die on this CPU ({why}): see docs/remote.md")
     prompt = "Repeat this line exactly three times: the quick brown fox jumps over the lazy dog."
-    records = []
+    records, passes = [], []
     for draft in (False, True):
-        with LlamaCppServer(gguf, draft) as server:
+        with LlamaCppServer(gguf, draft, tmp_path / f"server-{draft}.log") as server:
             records += compare_endpoints([Endpoint(server.url, name="draft" if draft else "plain")], prompt,
                                          max_tokens=32, warmup_tokens=2)
+        passes.append(server.last_request_passes())
     for r in records:
         assert r["error"] is None and r["new_tokens"] > 0 and r["text"].strip()
         assert r["time_to_first_token"] > 0 and r["tokens_per_s"] > 0
         assert r["spec_source"] is None  # llama-cpp-python's server reports no draft counts
+    # llama.cpp's log counts each request's passes. For the same 32 tokens, what the drafting server
+    # evaluated in batches beyond the plain one's (the prompt) are drafted tokens and the token each
+    # draft followed: drafts were verified, in at most half that many passes. Fewer passes in all
+    # than the plain server's: drafted tokens were accepted.
+    (plain_batched, plain_single), (draft_batched, draft_single) = passes
+    drafted = draft_batched - plain_batched
+    assert drafted > 0, passes
+    assert draft_single + drafted / 2 < plain_single, passes
     print(format_remote_table(records))
 
 
