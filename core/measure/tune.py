@@ -386,8 +386,7 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
     one teacher-forced pass with the method's own drafter and growth: ``trees[None]`` unsized, and
     ``trees[t]`` for each of ``totals`` as auto size grows them for a budget of t nodes (levels no node
     of which can pay are not grown); the seconds a level took; and what a step's work before its
-    tree (its accepted features, the drafter's run over them) costs, in levels. ``check`` runs before
-    each pass and each tree."""
+    tree (its accepted features, the drafter's run over them) costs, in levels; ``check`` before each tree."""
     from specplay.core.methods.eagle import grow_tree
 
     tokens = list(prompt_ids) + list(answer)
@@ -412,7 +411,6 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
         wanted = tokens[root + 1:root + 1 + depth]
         # What a step does before its tree: the accepted rows' features, then the drafter's run over
         # them (two pairs: about what a step accepts), as the method's observe and propose do.
-        check()
         started = time.perf_counter()
         since = max(root - 2, 0)
         method._features_of(out, list(range(since, root)))

@@ -269,8 +269,10 @@ def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str
 
 def _exact_gguf_reader(model_id: str, progress):
     """(the reader, None) of the GGUF file whose own blocks a target runs on, once the exact k-quant
-    kernel is built here, reads every matrix of the file and was proved exact on its real layers;
+    kernel is built here, reads every matrix of the file and was proved exact on its real matrices
+    and, as the C layer runs them, its real decoder layers (:mod:`specplay.core.models.layer_proof`);
     else (None, why not)."""
+    from specplay.core.models import layer_proof
     from specplay.core.models.engines import measured
     from specplay.core.models.kernel_build import library_digest
     from specplay.core.models.prepare import source_gguf
@@ -286,9 +288,11 @@ def _exact_gguf_reader(model_id: str, progress):
     if why is None:
         def measure() -> dict:
             progress("Proving the exact k-quant kernel on real layers (once)", None)
-            return {"exact": kquant.prove(reader.matrices(1))}
+            return {"exact": kquant.prove(reader.matrices(1))
+                    and layer_proof.prove_layers(*layer_proof.proof_layers(reader))}
 
-        if not measured(f"kquant exact {library_digest()} {reader.path.name}", measure).get("exact"):
+        # "and its layers": a verdict kept before the C layer was proved is proved again.
+        if not measured(f"kquant exact {library_digest()} {reader.path.name} and its layers", measure).get("exact"):
             why = f"the k-quant kernel was not bit-exact across 1-{kquant.PROVED_ROWS} rows on this machine"
     return (None, why) if why else (reader, None)
 
