@@ -14,6 +14,15 @@ ALL_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 
 
+def require_or_skip(flag: str, reason: str) -> None:
+    """Skip a test (or, at its top level, a whole module) for something this machine lacks, or fail
+    it where ``flag`` is set: CI sets a ``SPECPLAY_REQUIRE_*`` flag for each thing it installs
+    (.ci/run), so that a broken install fails there instead of passing with its tests skipped."""
+    if os.environ.get(flag):
+        pytest.fail(f"{reason} ({flag} is set)", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
 @pytest.fixture(scope="session")
 def _measurements(tmp_path_factory):
     return tmp_path_factory.mktemp("measurements")

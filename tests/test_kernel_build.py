@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_or_skip
 from specplay.core import atomic
 from specplay.core.models import kernel_build
 
@@ -24,7 +25,7 @@ _CC = shutil.which("cc") or shutil.which("gcc")
 def tiny(tmp_path, monkeypatch):
     """The library's path, with a kernel whose ``sp_answer`` returns 42, in a cache of the test's own."""
     if _CC is None:
-        pytest.skip("no C compiler on this machine")
+        require_or_skip("SPECPLAY_REQUIRE_KERNEL", "no C compiler on this machine")
     source = tmp_path / "tiny.c"
     source.write_text("int sp_answer(void) { return 42; }\n")
     monkeypatch.setattr(kernel_build, "_SOURCES", (source,))

@@ -24,14 +24,16 @@ def test_a_target_that_is_not_a_gguf_file_is_refused_clearly():
 
 @pytest.mark.real_model
 def test_llamacpp_decodes_the_default_target_in_the_bench(tmp_path):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e \".[peers]\")")
+    from conftest import require_or_skip
     from specplay.core.measure.bench import BenchSpec, run_bench
     from specplay.core.measure.prompts import Question
     from specplay.core.models import load_model
     from specplay.core.models.catalog import DEFAULT_TARGET, get_entry
+    from tiny import need_llama_cpp
 
+    need_llama_cpp()
     if not get_entry(DEFAULT_TARGET).installed():
-        pytest.skip("the default target is not installed")
+        require_or_skip("SPECPLAY_REQUIRE_REAL_MODELS", "the default target is not installed")
     target = load_model(DEFAULT_TARGET, "cpu")
     spec = BenchSpec(methods=["autoregressive", "llamacpp_generate", "llamacpp_prompt_lookup"], max_new_tokens=12)
     result = run_bench(target, None, [Question(1, "code", ("Write a Python function that adds two numbers.",))], spec,

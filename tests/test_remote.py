@@ -546,20 +546,19 @@ class LlamaCppServer:
 @pytest.mark.real_model
 def test_llamacpp_server_with_and_without_its_draft(tmp_path):
     import importlib.util
-    import os
+
+    from conftest import require_or_skip
 
     missing = [m for m in ("llama_cpp", "fastapi", "uvicorn", "sse_starlette", "starlette_context", "pydantic_settings")
                if importlib.util.find_spec(m) is None]
     if missing:
-        message = f"llama-cpp-python's server is not installed ({', '.join(missing)} missing): pip install -e \".[peers]\""
-        if os.environ.get("SPECPLAY_REQUIRE_PEERS"):
-            pytest.fail(message)
-        pytest.skip(message)
+        require_or_skip("SPECPLAY_REQUIRE_PEERS", f"llama-cpp-python's server is not installed ({', '.join(missing)} "
+                        "missing): pip install -e \".[peers]\"")
     from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
     from specplay.core.models.prepare import catalog_gguf
 
     if not CATALOG[DEFAULT_TARGET].installed():
-        pytest.skip("the default target is not installed")
+        require_or_skip("SPECPLAY_REQUIRE_REAL_MODELS", "the default target is not installed")
     gguf = catalog_gguf(CATALOG[DEFAULT_TARGET])
     from specplay.core.models.llamacpp import defaults_unsafe
 
