@@ -92,7 +92,7 @@ def test_adaptive_confidence_and_cost_sized_drafts_stay_exact(models, cfg):
     base = run(target, "autoregressive")
     res = run(target, "speculative", cfg, near)
     assert res.token_ids == base.token_ids
-    gammas = {e.internals["gamma"] for e in res.events if e.internals}
+    gammas = {e.internals["gamma"] for e in res.events if e.num_drafted}
     if cfg.adaptive:
         assert len(gammas) > 1  # it did adapt
     elif cfg.cost_sized:
@@ -132,7 +132,7 @@ def test_the_cost_sized_gamma_reads_acceptance_at_each_draft_position():
 def test_full_acceptance_and_zero_acceptance_keep_both_caches_consistent(models):
     target, _, same, unrelated = models
     base = run(target, "autoregressive")
-    full = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), same)
+    full = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4, target_first_token=False), same)
     assert full.token_ids == base.token_ids
     assert full.metrics.mean_accepted == pytest.approx(40 / 8)  # 4 accepted + bonus every step
     assert all(e.tokens[-1].fate is Fate.BONUS for e in full.events)
@@ -177,15 +177,28 @@ def test_prefill_fills_the_cache_with_the_prompt_but_its_last_token(models):
     target, near, *_ = models
     method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near)
     assert target.model.cache_len == len(PROMPT) - 1 and state.ctx.prefill is not None
-    assert near.model.cache_len == len(PROMPT) - 1  # the method was started on the prompt too
     assert state.stop is None and state.ctx.tokens == PROMPT and state.prefill_s > 0
+    # The first token is the target's alone: the draft reads the prompt only at the next step, so its
+    # prefill never delays the first token.
+    assert near.model.cache_len == 0
+    first = decode_step(target.model, method, state)
+    assert first.num_drafted == 0 and near.model.cache_len == 0
+    second = decode_step(target.model, method, state)
+    assert second.num_drafted == 3 and near.model.cache_len >= len(PROMPT)
+    # Without it the first step drafts, after the draft has read the prompt but its last token.
+    method, state = started(target, "speculative",
+                            SpeculativeConfig(cost_sized=False, gamma=3, target_first_token=False), near)
+    assert near.model.cache_len == 0
+    draft = method.propose(state.ctx, state.remaining - 1)
+    assert len(draft) == 3 and near.model.cache_len == len(PROMPT) + 2  # the prompt, then two drafts fed
 
 
 @pytest.mark.parametrize("draft_index,accepted", [(2, [0, 1, 2, 3]), (3, [])])
 def test_one_step_commits_exactly_the_tokens_the_verifier_accepted(models, draft_index, accepted):
     """The target's own weights as the draft: all four accepted; an unrelated draft: none."""
     target = models[0]
-    method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), models[draft_index])
+    method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4, target_first_token=False),
+                            models[draft_index])
     draft = method.propose(state.ctx, state.remaining - 1)
     out, verdict = verify_draft(target.model, method, draft, state)
     new, pieces, text = commit(target.model, draft, verdict, state)
@@ -396,7 +409,8 @@ def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
     res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), draft)
     assert res.token_ids == base.token_ids
     # γ = 1 over two new tokens: the first is the draft's token accepted, or the target's resampled in its place.
-    firsts = first_token_samples(target, build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=1), target, draft), 1500)
+    first_drafted = SpeculativeConfig(cost_sized=False, gamma=1, target_first_token=False)
+    firsts = first_token_samples(target, build_method("speculative", first_drafted, target, draft), 1500)
     pvalue = chi_square_pvalue(firsts, next_token_probabilities(target.model, PROMPT))
     assert pvalue > 1e-3, f"p = {pvalue:.2e}"
 
@@ -446,17 +460,18 @@ def test_a_draft_with_more_vocabulary_rows_samples_the_target_and_never_its_own_
 
 def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(models):
     target, near, *_ = models
-    asked = []
-    for model in (target.model, near.model):
+    asked = {"target": [], "draft": []}
+    for name, model in (("target", target.model), ("draft", near.model)):
         forward = model.forward
-        model.forward = lambda *a, _f=forward, **kw: asked.append(kw.get("logit_rows")) or _f(*a, **kw)
+        model.forward = lambda *a, _f=forward, _n=name, **kw: asked[_n].append(kw.get("logit_rows")) or _f(*a, **kw)
     try:
         res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near)
     finally:
         del target.model.forward, near.model.forward
-    assert asked[0] == [] and asked[1] == []  # the target's prefill, then the draft's
+    assert asked["target"][0] == [] and asked["draft"][0] == []  # each model's prefill
     m = res.metrics
     assert m.prefill_time < m.time_to_first_token == res.events[0].elapsed_s < m.wall_time
+    assert res.events[0].num_drafted == 0 and res.events[1].num_drafted > 0  # the draft read the prompt after
 
 
 def test_a_run_record_is_written_back_as_it_was_read(models):

@@ -455,11 +455,16 @@ def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[i
 
     ``target`` and ``draft`` are loaded models (:class:`~specplay.core.models.loader.LoadedModel`); the
     method is built here, over models that read the prompt once (:class:`ReusedPrompt`).
-    Cancelled (``should_stop``), the samples drawn so far are tested.
+    Cancelled (``should_stop``), the samples drawn so far are tested. A speculative method drafts from
+    its first token on here, whatever ``target_first_token`` says (see below).
     """
     from specplay.core.methods import build_method
 
     stop = should_stop or (lambda: False)
+    if getattr(method_config, "target_first_token", False):
+        # A first token from the target alone is a plain step, autoregressive's own; the audit judges
+        # the drafts at every depth, so its samples draft from the first token on.
+        method_config = replace(method_config, target_first_token=False)
     reused_draft = None if draft is None else replace(draft, model=ReusedPrompt(draft.model))
     method = build_method(method_name, method_config, target, reused_draft)
     model = ReusedPrompt(target.model)

@@ -69,6 +69,10 @@ class SpeculativeConfig(MethodConfig):
     draft_window: int = param(0, "Let the draft model read only the last N tokens of the prompt (0 = all of it): a "
                               "long prompt's draft prefill then costs little, the draft sees less context",
                               label="draft reads last", minimum=0, maximum=1_000_000, cli="--draft-window")
+    target_first_token: bool = param(True, "The first token is the target's alone: the draft reads the prompt "
+                                     "after it, so the draft's prefill never delays the first token (off: the first "
+                                     "step drafts too, after the draft has read the prompt)",
+                                     label="first token from the target alone", cli="--target-first-token")
     draft_vocab: int = param(0, "Draft only the first N token ids, the most frequent in byte-level BPE's merge "
                              "order (0 = all); the target still emits any token", label="draft vocabulary",
                              minimum=0, maximum=1_000_000, cli="--draft-vocab")
@@ -133,12 +137,18 @@ class Speculative(Method):
         if self.lookup is not None:
             self.lookup.start(ctx)
         self.draft_model.reset()
-        prefix = ctx.tokens[:-1]
-        # The draft's cache holds ctx.tokens from this offset on.
+        # The draft's cache holds ctx.tokens from this offset on. It reads the prompt at the first step
+        # that drafts (read_prompt), after the first token: that one is the target's alone, so the
+        # draft's prefill never delays it.
         window = self.config.draft_window
-        self._offset = max(0, len(prefix) - window) if window else 0
-        if len(prefix) > self._offset:
-            self.draft_model.forward_chain(self._readable(prefix[self._offset:]), logit_rows=[], prefill=True)
+        self._offset = max(0, len(ctx.tokens) - 1 - window) if window else 0
+
+    def read_prompt(self, tokens: list[int]) -> None:
+        """Into an empty draft cache, ``tokens`` from the window's start on, all but the last (the next
+        pass feeds that one), as one prefill."""
+        lacking = tokens[self._offset:-1]
+        if lacking and self.draft_model.cache_len == 0:
+            self.draft_model.forward_chain(self._readable(lacking), logit_rows=[], prefill=True)
 
     def _readable(self, tokens: list[int]) -> list[int]:
         """Tokens as the draft can embed them (ids past its rows become 0; see the module doc)."""
@@ -155,9 +165,14 @@ class Speculative(Method):
                 copy.shown["source"] = copy.source = "copy"
                 copy.memo["copied"] = True
                 return copy
+        if ctx.new_tokens == 0 and self.config.target_first_token:  # as without a draft: prefill, one plain pass
+            return Draft(shown={"source": "target", "drafted": 0,
+                                "first_token": "the target's alone; the draft reads the prompt at the next step"})
         dm = self.draft_model
         sampling = ctx.config.sampling
         vocab = ctx.target_lm.info.vocab_size
+        if dm.cache_len == 0:
+            self.read_prompt(ctx.tokens)
         started = time.perf_counter()
         # Feed what the draft cache lacks: the root, and any token the target added last step.
         logits = self._next_logits(self._readable(ctx.tokens[self._offset + dm.cache_len:]), vocab)
