@@ -371,3 +371,9 @@ def test_an_embedding_beside_a_head_of_its_own_is_read_row_by_row_from_the_files
     assert read[True].shape == read[False].shape == (64, 256) and read[True].numel() == 64 * 256
     ids = torch.tensor([5, 0, 63, 5, 17])
     assert torch.equal(read[True].rows_float(ids), read[False].rows_float(ids))
+    # A lookup keeps the ids' shape, as an embedding does (Hydra's heads look up [roots, nodes] at once).
+    grid = torch.tensor([[5, 0, 63], [5, 17, 2]])
+    for weight in read.values():
+        looked_up = weight.rows_float(grid)
+        assert looked_up.shape == (2, 3, 256)
+        assert torch.equal(looked_up.reshape(6, 256), weight.rows_float(grid.reshape(-1)))

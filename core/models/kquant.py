@@ -173,14 +173,15 @@ class KQuantWeight(_Matrix):
         return KQuantWeight(Q4_K, data, rows, cols, width)
 
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
-        """Float32 rows ``ids`` (an embedding lookup), by GGUF's own dequantization. An id outside the
-        matrix's rows raises ``IndexError``."""
+        """Float32 rows ``ids`` (an embedding lookup: ``ids``' shape plus the width), by GGUF's own
+        dequantization. An id outside the matrix's rows raises ``IndexError``."""
+        shape = ids.shape
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         _check_ids(ids, self.rows)
         out = torch.empty(ids.numel(), self.cols)
         _checked(_lib().sp_dequantize_rows(self.type, self.data.data_ptr(), self.rows, self.cols // QK, ids.data_ptr(),
                                            ids.numel(), out.data_ptr()), f"read {ids.numel()} embedding rows")
-        return out if self.width == self.cols else out[:, :self.width]
+        return (out if self.width == self.cols else out[:, :self.width]).reshape(*shape, self.width)
 
     def dequantize(self) -> torch.Tensor:
         return self.rows_float(torch.arange(self.rows))
@@ -213,6 +214,8 @@ class MappedRows(_Matrix):
         weakref.finalize(self, os.close, self._fd)
 
     def rows_float(self, ids: torch.Tensor) -> torch.Tensor:
+        """As :meth:`KQuantWeight.rows_float`."""
+        shape = ids.shape
         ids = ids.reshape(-1).to(torch.int64).cpu()
         _check_ids(ids, self.rows)
         raw = np.empty((ids.numel(), self._row_bytes), dtype=np.uint8)
@@ -221,7 +224,7 @@ class MappedRows(_Matrix):
                 raise ModelError(f"{self.path} changed on disk while in use: row {row} of its token embedding "
                                  "is cut short (was it overwritten? load it again)")
         picked = KQuantWeight.from_raw(self.type, raw, self.cols)
-        return picked.rows_float(torch.arange(ids.numel()))
+        return picked.rows_float(torch.arange(ids.numel()).reshape(shape))
 
 
 class KQuantLinear:
