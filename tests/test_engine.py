@@ -193,6 +193,40 @@ def test_prefill_fills_the_cache_with_the_prompt_but_its_last_token(models):
     assert len(draft) == 3 and near.model.cache_len == len(PROMPT) + 2  # the prompt, then two drafts fed
 
 
+def test_the_drafts_read_of_the_prompt_is_not_held_against_drafting(models, monkeypatch):
+    """The draft reads the prompt once, inside the first step that drafts. On a clock only the passes
+    advance, where that read costs 40 plain steps and every later draft pass a tenth of one, the
+    stand-down gate never stands down: it judges drafting without the read (it had stood down after
+    two drafting steps and backed off further at each probe)."""
+    from types import SimpleNamespace
+
+    from specplay.core.decoding import costmodel, engine
+    from specplay.core.methods import speculative
+
+    target, _, same, _ = models
+    clock = [0.0]
+
+    def clocked(model, seconds_for):
+        forward = model.forward
+
+        def timed(tokens, *args, **kwargs):
+            clock[0] += seconds_for(len(tokens))
+            return forward(tokens, *args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", timed)
+
+    clocked(target.model, lambda n: 0.010 * (1 + 0.25 * (n - 1)))
+    clocked(same.model, lambda n: 0.4 if n > 2 else 0.001)  # more than two tokens: the prompt's read
+    fake = SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(engine, "time", fake)
+    monkeypatch.setattr(speculative, "time", fake)
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.25))
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), same,
+              gen=GenerationConfig(max_new_tokens=40, stop_at_eos=False))  # the gate on, as by default
+    assert res.events[1].num_drafted == 3 and res.metrics.wall_time > 0.4  # the read happened, in step 2
+    assert res.metrics.stood_down_steps == 0 and all(e.num_drafted for e in res.events[1:-1])
+
+
 @pytest.mark.parametrize("draft_index,accepted", [(2, [0, 1, 2, 3]), (3, [])])
 def test_one_step_commits_exactly_the_tokens_the_verifier_accepted(models, draft_index, accepted):
     """The target's own weights as the draft: all four accepted; an unrelated draft: none."""

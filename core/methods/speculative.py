@@ -171,6 +171,7 @@ class Speculative(Method):
         dm = self.draft_model
         sampling = ctx.config.sampling
         vocab = ctx.target_lm.info.vocab_size
+        reading = time.perf_counter()
         if dm.cache_len == 0:
             self.read_prompt(ctx.tokens)
         started = time.perf_counter()
@@ -204,7 +205,7 @@ class Speculative(Method):
         self._sizing.drafted(time.perf_counter() - started, forwards)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
                            q_token=q_token, shown={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
-                                                   "stopped_early": stopped_early})
+                                                   "stopped_early": stopped_early}, setup_s=started - reading)
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
         if outcome.draft.memo.get("copied"):
