@@ -239,15 +239,13 @@ def test_each_sample_is_the_run_it_would_be_without_reading_the_prompt_once(targ
 
     draft = loaded(native_from_hf(perturbed_copy(target_model, 0.3)))
     config = SpeculativeConfig(cost_sized=False, gamma=3)
-    # Three tokens: at most two steps draft, so a sample never depends on how long a step took.
+    # Every step drafts (no stand-down gate): a sample never depends on how long a step took.
     result = audited(target, "speculative", config, draft, samples=30, depth=3)
-    # The audit drafts from the first token on: its first token from the target alone would be a plain step.
-    assert config.target_first_token and result.method_params["target_first_token"] is False
-    drafting_first = SpeculativeConfig(cost_sized=False, gamma=3, target_first_token=False)
     plain = []
     for i in range(30):
-        gen = GenerationConfig(max_new_tokens=3 + 3, stop_at_eos=False, sampling=SamplingConfig(1.0, seed=2 * i))
-        method = build_method("speculative", drafting_first, target, draft)
+        gen = GenerationConfig(max_new_tokens=3 + 3, stop_at_eos=False, stand_down=False,
+                               sampling=SamplingConfig(1.0, seed=2 * i))
+        method = build_method("speculative", config, target, draft)
         plain.append(tuple(drain(generate(target.model, target.tokenizer, method, PROMPT, gen)).token_ids[:3]))
     assert result.sequences == plain and len(set(plain)) > 10 and result.deepest_verified == 3
 

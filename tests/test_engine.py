@@ -132,7 +132,7 @@ def test_the_cost_sized_gamma_reads_acceptance_at_each_draft_position():
 def test_full_acceptance_and_zero_acceptance_keep_both_caches_consistent(models):
     target, _, same, unrelated = models
     base = run(target, "autoregressive")
-    full = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4, target_first_token=False), same)
+    full = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), same)
     assert full.token_ids == base.token_ids
     assert full.metrics.mean_accepted == pytest.approx(40 / 8)  # 4 accepted + bonus every step
     assert all(e.tokens[-1].fate is Fate.BONUS for e in full.events)
@@ -178,19 +178,29 @@ def test_prefill_fills_the_cache_with_the_prompt_but_its_last_token(models):
     method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near)
     assert target.model.cache_len == len(PROMPT) - 1 and state.ctx.prefill is not None
     assert state.stop is None and state.ctx.tokens == PROMPT and state.prefill_s > 0
-    # The first token is the target's alone: the draft reads the prompt only at the next step, so its
-    # prefill never delays the first token.
-    assert near.model.cache_len == 0
-    first = decode_step(target.model, method, state)
-    assert first.num_drafted == 0 and near.model.cache_len == 0
-    second = decode_step(target.model, method, state)
-    assert second.num_drafted == 3 and near.model.cache_len >= len(PROMPT)
-    # Without it the first step drafts, after the draft has read the prompt but its last token.
-    method, state = started(target, "speculative",
-                            SpeculativeConfig(cost_sized=False, gamma=3, target_first_token=False), near)
+    # The draft reads the prompt at its first proposal, not at the start: where the first step is plain
+    # (the gate's first step) its read never delays the first token.
     assert near.model.cache_len == 0
     draft = method.propose(state.ctx, state.remaining - 1)
     assert len(draft) == 3 and near.model.cache_len == len(PROMPT) + 2  # the prompt, then two drafts fed
+
+
+def test_with_the_gate_on_the_first_token_is_the_targets_alone(models):
+    """The stand-down gate's first step is plain: the first token comes as plain decoding's would (the
+    draft reads the prompt at the second step), and the X-ray says why; without the gate every step drafts."""
+    target, near, *_ = models
+    gen = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
+    method = build_method("speculative", SpeculativeConfig(cost_sized=False, gamma=3), target, near)
+    state = start_run(target.model, target.tokenizer, method, PROMPT, gen)
+    prefill(target.model, method, state)
+    first = decode_step(target.model, method, state)
+    assert first.num_drafted == 0 and near.model.cache_len == 0 and "first token" in first.stood_down
+    second = decode_step(target.model, method, state)
+    assert second.num_drafted == 3 and near.model.cache_len >= len(PROMPT) and second.stood_down is None
+    res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near, gen=gen)
+    assert res.token_ids == run(target, "autoregressive", gen=gen).token_ids
+    assert [e.num_drafted > 0 for e in res.events[:2]] == [False, True]
+    assert run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), near).events[0].num_drafted == 3
 
 
 def test_the_drafts_read_of_the_prompt_is_not_held_against_drafting(models, monkeypatch):
@@ -231,7 +241,7 @@ def test_the_drafts_read_of_the_prompt_is_not_held_against_drafting(models, monk
 def test_one_step_commits_exactly_the_tokens_the_verifier_accepted(models, draft_index, accepted):
     """The target's own weights as the draft: all four accepted; an unrelated draft: none."""
     target = models[0]
-    method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4, target_first_token=False),
+    method, state = started(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4),
                             models[draft_index])
     draft = method.propose(state.ctx, state.remaining - 1)
     out, verdict = verify_draft(target.model, method, draft, state)
@@ -443,7 +453,7 @@ def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
     res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), draft)
     assert res.token_ids == base.token_ids
     # γ = 1 over two new tokens: the first is the draft's token accepted, or the target's resampled in its place.
-    first_drafted = SpeculativeConfig(cost_sized=False, gamma=1, target_first_token=False)
+    first_drafted = SpeculativeConfig(cost_sized=False, gamma=1)
     firsts = first_token_samples(target, build_method("speculative", first_drafted, target, draft), 1500)
     pvalue = chi_square_pvalue(firsts, next_token_probabilities(target.model, PROMPT))
     assert pvalue > 1e-3, f"p = {pvalue:.2e}"
@@ -505,7 +515,6 @@ def test_the_prefill_asks_for_no_logits_and_the_time_to_first_token_is_recorded(
     assert asked["target"][0] == [] and asked["draft"][0] == []  # each model's prefill
     m = res.metrics
     assert m.prefill_time < m.time_to_first_token == res.events[0].elapsed_s < m.wall_time
-    assert res.events[0].num_drafted == 0 and res.events[1].num_drafted > 0  # the draft read the prompt after
 
 
 def test_a_run_record_is_written_back_as_it_was_read(models):
@@ -594,7 +603,8 @@ def test_a_draft_that_is_never_accepted_stands_down_and_stays_exact(models, monk
     assert res.token_ids == base.token_ids
     if res.metrics.accepted * 4 > res.metrics.drafted:
         pytest.skip("this tiny draft agrees with the target too often to test standing down")
-    stood = [e for e in res.events if e.stood_down]
+    assert "first token" in res.events[0].stood_down  # the gate's first step, plain but not standing down
+    stood = [e for e in res.events[1:] if e.stood_down]
     assert res.metrics.stood_down_steps == len(stood) > 0
     assert all(e.num_drafted == 0 and "stood down" in e.stood_down for e in stood)
     off = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=4), draft,

@@ -146,6 +146,8 @@ def _unrepeatable(method: Method, config: GenerationConfig) -> str | None:
 
 def _stood_down_note(state: GateState) -> str:
     """Why this step was plain: the drafting rate it fell below, for the X-ray and the run log."""
+    if state.first_step:
+        return "the first token is the target's alone: it comes as soon as plain decoding's would"
     fmt = lambda r: "?" if r is None else f"{r:.1f}"  # noqa: E731
     return (f"drafting stood down: {fmt(state.draft_rate)} tokens/s drafting against {fmt(state.plain_rate)} "
             f"plain; {state.standing_down_for} plain steps before the next probe")

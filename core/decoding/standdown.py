@@ -10,6 +10,10 @@ drafting step probe again; each stand-down that the probe confirms lasts twice a
 last, so a run that never gains from drafting spends a vanishing share of its steps probing, and
 a run that drafts well never stands down. Pure arithmetic on measured durations: the engine
 feeds it, a test can feed it a deterministic cost model.
+
+A run's first step is always plain where the gate is on: its token then comes as soon as plain
+decoding's would (a draft model's read of the prompt, a tree's wider pass, wait for the second
+step), and the gate has a plain step of the run's own, timed, to judge drafting against.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class GateState:
     """What the X-ray and the run log show of the gate at one step."""
 
     drafting: bool
+    first_step: bool  # the run's first step, plain so its token comes as plain decoding's would
     draft_rate: float | None  # tokens/s of recent drafting steps
     plain_rate: float | None  # tokens/s of a plain step
     standing_down_for: int  # plain steps left before the next probe
@@ -47,17 +52,19 @@ class StandDownGate:
         self._plain_measured = False
         self._left = 0  # plain steps still to take
         self._backoff = FIRST_BACKOFF
+        self._first = enabled  # the run's first step is still to come
         self.stood_down_steps = 0
 
     def drafting(self) -> bool:
         """Whether this step drafts (False: the method is asked for nothing, a plain step runs)."""
-        return self._left <= 0
+        return self._left <= 0 and not self._first
 
     def record(self, drafted: bool, new_tokens: int, seconds: float,
                plain_estimate: Callable[[], float | None] | None = None) -> None:
         """One finished step: whether it drafted, the tokens it added and its time. For a drafting
         step, ``plain_estimate()`` says what a plain step would have cost (its verification pass over
         the cost curve), used until the run has timed a plain step of its own."""
+        self._first = False
         if not drafted:
             self._plain_step(seconds)
             return
@@ -87,7 +94,7 @@ class StandDownGate:
         self._plain_measured = True
 
     def state(self) -> GateState:
-        return GateState(drafting=self.drafting(),
+        return GateState(drafting=self.drafting(), first_step=self._first,
                          draft_rate=self._tokens / self._seconds if self._seconds else None,
                          plain_rate=1.0 / self._plain_s if self._plain_s else None,
                          standing_down_for=self._left)

@@ -455,16 +455,13 @@ def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[i
 
     ``target`` and ``draft`` are loaded models (:class:`~specplay.core.models.loader.LoadedModel`); the
     method is built here, over models that read the prompt once (:class:`ReusedPrompt`).
-    Cancelled (``should_stop``), the samples drawn so far are tested. A speculative method drafts from
-    its first token on here, whatever ``target_first_token`` says (see below).
+    Cancelled (``should_stop``), the samples drawn so far are tested. Every step of a sample drafts
+    (no stand-down gate, so no plain first step either): the audit judges the drafts at every depth,
+    and a sample never depends on how long a step took.
     """
     from specplay.core.methods import build_method
 
     stop = should_stop or (lambda: False)
-    if getattr(method_config, "target_first_token", False):
-        # A first token from the target alone is a plain step, autoregressive's own; the audit judges
-        # the drafts at every depth, so its samples draft from the first token on.
-        method_config = replace(method_config, target_first_token=False)
     reused_draft = None if draft is None else replace(draft, model=ReusedPrompt(draft.model))
     method = build_method(method_name, method_config, target, reused_draft)
     model = ReusedPrompt(target.model)
@@ -478,7 +475,7 @@ def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[i
         if stop():
             result.cancelled = True
             break
-        gen = GenerationConfig(max_new_tokens=config.depth + result.deepest_draft, stop_at_eos=False,
+        gen = GenerationConfig(max_new_tokens=config.depth + result.deepest_draft, stop_at_eos=False, stand_down=False,
                                sampling=SamplingConfig(sampling.temperature, sampling.top_p, sampling.seed + 2 * i))
         run, deepest = _sample(model, target.tokenizer, method, prompt_ids, gen, config.depth, stop)
         if len(run.token_ids) < config.depth:  # cancelled, or ended in error, before its K tokens

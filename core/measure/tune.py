@@ -321,17 +321,16 @@ def time_handover(method, target_model, context_ids: list[int], vocab: int, repe
 def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int], gamma: int, adaptive: bool,
                        max_gamma: int, lookup: PromptLookup | None,
                        catch_up: Callable[[int], float] = lambda n: 1.0,
-                       sizing: tuple[float, Callable[[int], float]] | None = None,
-                       first_plain: bool = True) -> Replay:
+                       sizing: tuple[float, Callable[[int], float]] | None = None) -> Replay:
     """Speculative decoding's steps along the answer. Units: one-token draft passes; a step's first
     pass feeds what the draft's cache lacks (the last step's bonus token, or everything copies
     added), which costs ``catch_up(tokens)`` of them. ``sizing`` (c, the verify ratio): γ cost-sized
     as the method sizes it, from the replay's acceptance by position after its first drafting step.
-    With ``first_plain`` the first token is a plain step's (or a copy's); the draft's first run reads all
-    it lacks but one token as a prefill (the method's start, timed apart)."""
+    The draft's first run reads all it lacks but one token as a prefill (timed apart, as the method's
+    start), copies before it included."""
     out, pos, g, n = Replay(), 0, gamma, len(answer)
     acceptance = ChainAcceptance()
-    lacks, ran = 1, False  # tokens the draft's cache lacks; whether it ran yet (then it lacks one past its prefill)
+    lacks, ran = 1, False  # tokens the draft's cache lacks; whether the draft ran yet
     while pos < n:
         budget = n - pos - 1
         if lookup is not None and budget > 0:
@@ -341,10 +340,6 @@ def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int]
                 pos += copied[1] + 1
                 lacks += copied[1] + 1
                 continue
-        if pos == 0 and first_plain:
-            out.add(1, 0, 0.0)
-            pos += 1
-            continue
         k = min(g, budget)
         accepted = min(runs[pos], k)
         out.add(accepted + 1, k, catch_up(lacks if ran else 1) + k - 1 if k else 0.0)
@@ -572,7 +567,7 @@ class _Predictor:
             one = self.verify(1)
             sizing = (self.unit / one, lambda n: self.verify(n) / one) if c.sized else None
             return replay_speculative(self.runs, self.answer, self.prompt_ids, c.gamma, c.adaptive, c.max_gamma,
-                                      lookup, self.catch_up, sizing, c.target_first_token)
+                                      lookup, self.catch_up, sizing)
         if self.name == "prompt_lookup":
             return replay_lookup(c, self.target.model, self.prompt_ids, self.answer)
         trees = self.trees[c.total_tokens if c.auto_size else None]

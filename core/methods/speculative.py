@@ -69,10 +69,6 @@ class SpeculativeConfig(MethodConfig):
     draft_window: int = param(0, "Let the draft model read only the last N tokens of the prompt (0 = all of it): a "
                               "long prompt's draft prefill then costs little, the draft sees less context",
                               label="draft reads last", minimum=0, maximum=1_000_000, cli="--draft-window")
-    target_first_token: bool = param(True, "The first token is the target's alone: the draft reads the prompt "
-                                     "after it, so the draft's prefill never delays the first token (off: the first "
-                                     "step drafts too, after the draft has read the prompt)",
-                                     label="first token from the target alone", cli="--target-first-token")
     draft_vocab: int = param(0, "Draft only the first N token ids, the most frequent in byte-level BPE's merge "
                              "order (0 = all); the target still emits any token", label="draft vocabulary",
                              minimum=0, maximum=1_000_000, cli="--draft-vocab")
@@ -138,8 +134,8 @@ class Speculative(Method):
             self.lookup.start(ctx)
         self.draft_model.reset()
         # The draft's cache holds ctx.tokens from this offset on. It reads the prompt at the first step
-        # that drafts (read_prompt), after the first token: that one is the target's alone, so the
-        # draft's prefill never delays it.
+        # that drafts (read_prompt): where the stand-down gate makes the first step plain, its read
+        # never delays the first token.
         window = self.config.draft_window
         self._offset = max(0, len(ctx.tokens) - 1 - window) if window else 0
 
@@ -165,9 +161,6 @@ class Speculative(Method):
                 copy.shown["source"] = copy.source = "copy"
                 copy.memo["copied"] = True
                 return copy
-        if ctx.new_tokens == 0 and self.config.target_first_token:  # as without a draft: prefill, one plain pass
-            return Draft(shown={"source": "target", "drafted": 0,
-                                "first_token": "the target's alone; the draft reads the prompt at the next step"})
         dm = self.draft_model
         sampling = ctx.config.sampling
         vocab = ctx.target_lm.info.vocab_size
