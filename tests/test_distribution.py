@@ -94,7 +94,7 @@ def assert_samples_the_target(target, method, native, min_depth: int = 3) -> Non
     ("speculative", "near int4", SpeculativeConfig(cost_sized=False, gamma=3, draft_vocab=VOCAB - 2)),
     ("speculative", "near llama.cpp", SpeculativeConfig(cost_sized=False, gamma=3)),
     ("prompt_lookup", None, PromptLookupConfig(max_ngram=2, num_tokens=3, adaptive=False)),
-    ("lookahead", None, LookaheadConfig(window=3, ngram=4, guesses=3)),
+    ("lookahead", None, LookaheadConfig(window=3, ngram=4, guesses=3, cost_sized=False)),
 ])
 def test_method_samples_the_target_distribution(target_model, name, draft_kind, config, tmp_path):
     target = loaded(native_from_hf(target_model))

@@ -303,7 +303,7 @@ def test_stop_string_truncates_text(models):
 @pytest.mark.parametrize("name,config,draft_index", [
     ("speculative", SpeculativeConfig(cost_sized=False, gamma=6), 2),
     ("prompt_lookup", PromptLookupConfig(max_ngram=3, num_tokens=8, adaptive=False), None),
-    ("lookahead", LookaheadConfig(window=3, ngram=3, guesses=3), None),
+    ("lookahead", LookaheadConfig(window=3, ngram=3, guesses=3, cost_sized=False), None),
 ])
 def test_a_stop_string_cuts_the_tokens_of_every_method_alike(models, name, config, draft_index):
     """Tokens drafted past the stop string are not output: ids, counts and τ follow the cut."""
@@ -401,7 +401,7 @@ def test_runs_past_the_first_cache_allocation_commit_tree_paths():
     base = run(target, "autoregressive", gen=gen)
     target.model._kv, target.model._capacity = torch.empty(0), 0  # start from the first allocation again
     target.model.reset()
-    res = run(target, "lookahead", gen=gen)
+    res = run(target, "lookahead", LookaheadConfig(cost_sized=False), gen=gen)
     assert res.token_ids == base.token_ids and res.metrics.mean_accepted > 1
     check_target_cache(target, res)
 
@@ -566,7 +566,7 @@ def sampled(seed: int) -> GenerationConfig:
     ("speculative", SpeculativeConfig(gamma=2, adaptive=True, max_gamma=8), 1),  # γ from acceptance, not time
     ("speculative", SpeculativeConfig(cost_sized=False, gamma=6, confidence=0.5), 1),
     ("prompt_lookup", PromptLookupConfig(adaptive=False), None),
-    ("lookahead", LookaheadConfig(window=3, ngram=3, guesses=3), None),
+    ("lookahead", LookaheadConfig(window=3, ngram=3, guesses=3, cost_sized=False), None),
 ])
 def test_a_seed_reproduces_a_sampled_run_whose_draft_sizes_do_not_come_from_timings(models, name, config, draft_index):
     target = models[0]

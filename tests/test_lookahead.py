@@ -35,7 +35,7 @@ def test_greedy_lookahead_equals_autoregressive(target, w, n, g):
 
 
 def test_lookahead_accepts_guesses_and_reports_internals(target):
-    res = run(target, LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False))
+    res = run(target, LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False, cost_sized=False))
     assert res.metrics.mean_accepted > 1.2
     # The run's last token is a plain step (nothing left to draft for): the last step with a window.
     last = next(e.internals for e in reversed(res.events) if e.internals)
@@ -112,7 +112,8 @@ def test_out_of_range_parameters_are_clear_errors(kwargs, message):
 def test_observing_a_step_leaves_the_proposed_draft_as_it_was(target):
     """What observe learns (the winning candidate) reaches the step's internals without being
     written into what the draft itself shows, which the method proposed and may share."""
-    method = build_method("lookahead", LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False), target)
+    method = build_method("lookahead", LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False,
+                                                       cost_sized=False), target)
     drafts = []
     propose = method.propose
 
@@ -125,3 +126,28 @@ def test_observing_a_step_leaves_the_proposed_draft_as_it_was(target):
     res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
     assert any(e.internals.get("won") is not None for e in res.events)
     assert all(d.shown.get("won") is None for d in drafts)
+
+
+def test_cost_sized_lookahead_runs_everything_where_rows_are_free_and_waits_where_they_are_dear(target, monkeypatch):
+    """On a pinned flat curve (a GPU's) every drafting step verifies all guesses and runs the whole window,
+    as unsized lookahead does, step for step; where each row costs 15% of a step, the window's 15 rows
+    cost more than its prior yield pays, and with no pool from the prompt nothing is ever worth
+    verifying: every step is plain. Greedy decoding's tokens either way."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CostCurve
+
+    base = run(target, LookaheadConfig(window=5, ngram=4, guesses=5, cost_sized=False))
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.0))
+    flat = run(target, LookaheadConfig(window=5, ngram=4, guesses=5))
+    assert flat.token_ids == base.token_ids
+    assert [e.num_drafted for e in flat.events] == [e.num_drafted for e in base.events]
+    assert all(e.internals["sized"]["window"] for e in flat.events[:-1])
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.15))
+    dear = run(target, LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False))
+    assert dear.token_ids == base.token_ids and dear.metrics.drafted == 0
+    assert all(not e.internals["sized"]["window"] for e in dear.events[:-1])
+    # With the prompt's n-grams in the pool, guesses are verified at first (their prior pays for a row);
+    # this tiny model never follows them, and once the run has seen that it verifies none.
+    guessing = run(target, LookaheadConfig(window=5, ngram=4, guesses=5))
+    assert guessing.token_ids == base.token_ids and guessing.metrics.drafted > 0 == guessing.metrics.accepted
+    assert all(e.num_drafted == 0 for e in guessing.events[len(guessing.events) // 2:])

@@ -42,7 +42,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("prompt_lookup", "Prompt lookup", PromptLookupConfig, False,
                    lambda c, t, d: PromptLookup(c, t.model),
                    "Copies what followed an earlier occurrence of the last n tokens; no extra model."),
-        MethodSpec("lookahead", "Lookahead", LookaheadConfig, False, lambda c, t, d: Lookahead(c),
+        MethodSpec("lookahead", "Lookahead", LookaheadConfig, False, lambda c, t, d: Lookahead(c, t.model),
                    "Jacobi iteration over a window collects n-grams; matching ones are verified in the same pass."),
         MethodSpec("medusa", "Medusa", MedusaConfig, False, lambda c, t, d: Medusa(c, t.model, t.model_id),
                    "Extra heads on the target's last hidden state propose a tree of candidates (the shipped ones, "

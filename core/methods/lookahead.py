@@ -14,6 +14,16 @@ share the committed prefix and one attention mask:
   which enters the pool keyed by its first token. The oldest level is dropped.
 
 The window tokens are never committed; their logits are computed only for the last level.
+
+How much of that pass to run is priced by default (``cost_sized``): on a CPU every row of a
+verification costs a share of a step, and the window's rows pay only later, through the pool.
+Each step takes the number of pool guesses and whether to run the window that give the most
+expected tokens per unit of time, from the target's verify curve (corrected by the run's passes)
+and two rates this run measures: the tokens accepted per guessed node verified, and the tokens
+accepted from the pool per window column run, each leaning on a prior until it has its own
+counts. Where rows are cheap (a GPU's flat curve) the whole window and every guess run; where a
+row costs a tenth of a step and the pool seldom hits, the window waits and only guesses that pay
+are verified.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specplay.core.decoding.costmodel import cost_curve
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.decoding.tree import build_trie
 from specplay.core.decoding.types import Draft
@@ -41,6 +52,10 @@ class LookaheadConfig(MethodConfig):
                                    cli="--pool-from-prompt")
     max_pool: int = param(20000, "Most n-grams kept in the pool (oldest keys evicted first)", label="pool size",
                           minimum=1, maximum=10_000_000, cli="--max-pool")
+    cost_sized: bool = param(True, "Each step verifies the guesses and runs the window only as far as they pay: "
+                             "this run's acceptance per guessed token and the pool's yield per window column "
+                             "against the measured verification cost (off: G guesses and the whole window "
+                             "every step)", label="cost-sized", cli="--sized-lookahead")
 
 
 class NgramPool:
@@ -85,8 +100,15 @@ class Lookahead(Method):
     def max_draft_depth(self) -> int:
         return self.config.ngram - 1  # its candidates are pool n-grams past the root; the window is never checked
 
-    def __init__(self, config: LookaheadConfig):
+    #: Priors, as (rate, weight): tokens accepted per guessed node verified, and tokens accepted from
+    #: the pool per window column run (the pool's every hit counted to the window that fills it).
+    GUESS_PRIOR, WINDOW_PRIOR = (0.3, 10.0), (0.1, 20.0)
+
+    def __init__(self, config: LookaheadConfig, target_lm=None):
         super().__init__(config)
+        self.cost = cost_curve(target_lm) if (config.cost_sized and target_lm is not None) else None
+        if self.cost is not None:
+            self.timing_sized = "guesses and window follow the measured verification cost"
         c = config
         self.levels_needed = c.ngram - 1
         self.max_draft_nodes = c.guesses * (c.ngram - 1) + c.window * (c.ngram - 1)
@@ -94,11 +116,13 @@ class Lookahead(Method):
         self.levels: list[list[int]] = []
         self.hits = 0
         self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
+        self._counts = [0, 0, 0]  # guessed nodes verified, tokens accepted, window columns run
 
     def start(self, ctx: RunContext) -> None:
         c = self.config
         self.pool = NgramPool(per_key=c.guesses, max_total=c.max_pool)
         self.hits = 0
+        self._counts = [0, 0, 0]
         prompt = ctx.tokens
         if c.pool_from_prompt:
             for i in range(len(prompt) - c.ngram + 1):
@@ -134,7 +158,16 @@ class Lookahead(Method):
         root = ctx.tokens[-1]
         depth = min(c.ngram - 1, budget)
         cands = [g[:depth] for g in self.pool.candidates(root, c.guesses)] if depth > 0 else []
+        window = True
+        shown = {}
+        if self.cost is not None:
+            cands, window, gain = self._sized(cands)
+            shown["sized"] = {"guesses": len(cands), "window": window, "gain": round(gain, 3)}
         tokens, parents, _ = build_trie(cands)
+        shown.update({"window": [list(l) for l in self.levels], "pool_size": self.pool.size,
+                      "candidates": [list(g) for g in cands], "won": None, "hits": self.hits})
+        if not window:  # the window waits where it is; only the guesses are verified
+            return Draft(tokens=tokens, parents=parents, shown=shown, memo={"candidates": cands})
         base = len(ctx.tokens) - 1
         w = c.window
         aux = [t for level in self.levels for t in level]
@@ -143,16 +176,48 @@ class Lookahead(Method):
         return Draft(
             tokens=tokens, parents=parents, aux_tokens=aux, aux_positions=positions,
             aux_mask=self._window_mask(len(tokens) + 1), aux_logit_rows=[last * w + i for i in range(w)],
-            shown={"window": [list(l) for l in self.levels], "pool_size": self.pool.size,
-                   "candidates": [list(g) for g in cands], "won": None, "hits": self.hits},
-            memo={"candidates": cands},
+            shown=shown, memo={"candidates": cands},
         )
+
+    def _rate(self, prior: tuple[float, float], over: int) -> float:
+        """The run's tokens accepted over ``over`` (nodes verified or columns run), leaning on ``prior``."""
+        rate, weight = prior
+        return (self._counts[1] + rate * weight) / (over + weight)
+
+    def _sized(self, cands: list) -> tuple[list, bool, float]:
+        """The first guesses to verify and whether to run the window: the most expected tokens per unit of
+        time (the step's 1 + guessed nodes x their acceptance + window columns x the pool's yield, over the
+        verify curve at the pass's rows), and that gain over a plain step."""
+        nodes_verified, _, columns_run = self._counts
+        per_node = self._rate(self.GUESS_PRIOR, nodes_verified)
+        per_column = self._rate(self.WINDOW_PRIOR, columns_run)
+        window_rows = len(self.levels) * self.config.window
+        best = (1.0 / self.cost(1), 0, False)
+        for window in (False, True):
+            for g in range(len(cands) + 1):
+                nodes = len(build_trie(cands[:g])[0])
+                rows = 1 + nodes + (window_rows if window else 0)
+                expected = 1 + nodes * per_node + (self.config.window * per_column if window else 0)
+                rate = expected / self.cost(rows)
+                if rate > best[0]:
+                    best = (rate, g, window)
+        rate, g, window = best
+        return cands[:g], window, rate * self.cost(1)
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> dict | None:
         c = self.config
         draft = outcome.draft
-        if not draft.aux_tokens:  # a plain step: the window waits where it was
-            return None
+        accepted = outcome.verdict.accepted
+        self._counts[0] += len(draft)
+        self._counts[1] += len(accepted)
+        won = None
+        if accepted:
+            self.hits += 1
+            path = [draft.tokens[i] for i in accepted]
+            won = next(k for k, g in enumerate(draft.memo["candidates"]) if list(g[:len(path)]) == path)
+        if not draft.aux_tokens:  # a plain step, or the window not run: it waits where it was
+            return {"won": won, "hits": self.hits} if len(draft) else None
+        self._counts[2] += c.window
         n_verify = len(draft) + 1
         new_level = outcome.target_out.logits[n_verify:n_verify + c.window].argmax(-1).tolist()
         if len(self.levels) == self.levels_needed:
@@ -160,10 +225,4 @@ class Lookahead(Method):
                 self.pool.add(tuple(level[i] for level in self.levels) + (new_level[i],))
             self.levels = self.levels[1:]
         self.levels.append(new_level)
-        accepted = outcome.verdict.accepted
-        won = None
-        if accepted:
-            self.hits += 1
-            path = [draft.tokens[i] for i in accepted]
-            won = next(k for k, g in enumerate(draft.memo["candidates"]) if list(g[:len(path)]) == path)
         return {"won": won, "hits": self.hits}
