@@ -31,3 +31,9 @@ def assets_dir() -> Path:
     """The shipped assets (trained heads, the answers they were trained on, prompt sets, icons)."""
     from specplay import assets
     return Path(assets.__file__).resolve().parent
+
+
+def shipped_corpus(target_spec: str) -> Path:
+    """Where the project keeps the token ids of the target's answers made so far (the training's
+    ``save_corpus``; the speculative draft ranks its vocabulary by them)."""
+    return assets_dir() / "training" / f"answers-{Path(target_spec).name}.safetensors"

@@ -459,6 +459,30 @@ def test_a_draft_padded_to_another_vocabulary_size_stays_exact(draft_rows):
     assert pvalue > 1e-3, f"p = {pvalue:.2e}"
 
 
+def test_a_ranked_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(models):
+    """A draft vocabulary ranked by use (the ids of a ranking first, not the first ids): every drafted
+    token is one of them, greedy stays greedy, and sampling draws the first token from the target's own
+    distribution (q = 0 outside the vocabulary, which the verifier's rule handles as any q)."""
+    from specplay.core.methods.speculative import Speculative
+
+    target, near, *_ = models
+    ranking = [40, 13, 36, 5, 3, 22, 7, 51, 9, 60, 2, 31]  # the tiny target's likely tokens come first
+    config = SpeculativeConfig(cost_sized=False, gamma=4, draft_vocab=8)
+    method = Speculative(config, near.model, target.model, ranking)
+    assert method.draft_ids.tolist() == ranking[:8]
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
+    res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
+    assert res.token_ids == run(target, "autoregressive").token_ids
+    drafted = {t.token_id for e in res.events for t in e.tokens if t.node >= 0}
+    assert drafted and drafted <= set(ranking[:8]) and res.metrics.accepted > 0
+    sampling = Speculative(SpeculativeConfig(cost_sized=False, gamma=1, draft_vocab=8), near.model, target.model, ranking)
+    firsts = first_token_samples(target, sampling, 1500)
+    pvalue = chi_square_pvalue(firsts, next_token_probabilities(target.model, PROMPT))
+    assert pvalue > 1e-3, f"p = {pvalue:.2e}"
+    # A ranking shorter than the vocabulary is filled up with the other ids in order.
+    assert Speculative(SpeculativeConfig(draft_vocab=4), near.model, target.model, [9, 2]).draft_ids.tolist() == [9, 2, 0, 1]
+
+
 def test_a_draft_with_more_vocabulary_rows_samples_the_target_and_never_its_own_extra_tokens():
     """A draft whose rows past the target's carry much of its mass: those ids are never drafted,
     and sampled continuations follow the target's distribution (chi-square; a continuation with

@@ -301,7 +301,7 @@ def test_the_committed_corpus_is_read_for_the_default_target_alone():
     default target as the catalog pins it, not for other weights that share its name."""
     from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
     from specplay.core.training.data import load_corpus
-    from specplay.core.training.data import shipped_corpus
+    from specplay.core.paths import shipped_corpus
 
     path = shipped_corpus(DEFAULT_TARGET)
     assert len(load_corpus(path, DEFAULT_TARGET, CATALOG[DEFAULT_TARGET].sha256)) > 2000

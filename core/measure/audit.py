@@ -415,7 +415,7 @@ class ReusedPrompt(CausalLM):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.lm_head_weight()
 
-    def head_rows(self, rows: int):
+    def head_rows(self, rows):
         return self.model.head_rows(rows)
 
 

@@ -18,7 +18,7 @@ from specplay.core.methods.eagle import Eagle, EagleConfig
 from specplay.core.methods.lookahead import Lookahead, LookaheadConfig
 from specplay.core.methods.medusa import Medusa, MedusaConfig
 from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
-from specplay.core.methods.speculative import Speculative, SpeculativeConfig
+from specplay.core.methods.speculative import Speculative, SpeculativeConfig, ranked_vocabulary
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("autoregressive", "Autoregressive", AutoregressiveConfig, False,
                    lambda c, t, d: Autoregressive(c), "Plain decoding, one target token per step (the baseline)."),
         MethodSpec("speculative", "Speculative (draft model)", SpeculativeConfig, True,
-                   lambda c, t, d: Speculative(c, d.model, t.model),
+                   lambda c, t, d: Speculative(c, d.model, t.model,
+                                               ranked_vocabulary(t.model_id) if c.draft_vocab else None),
                    "A small draft model proposes γ tokens; the target verifies them in one pass."),
         MethodSpec("prompt_lookup", "Prompt lookup", PromptLookupConfig, False,
                    lambda c, t, d: PromptLookup(c, t.model),

@@ -25,6 +25,12 @@ lookup, with its learnt, cost-sized lengths): free where text repeats, as in cod
 completions. The draft model runs only when there is no such match, and then catches up
 on the tokens it skipped in one pass.
 
+With a draft vocabulary (``draft_vocab``) the draft computes only those rows of its LM head, a
+quarter of a 0.5B draft's weights (FR-Spec; EAGLE-3's reduced vocabulary): the ids its target uses
+most, ranked by how often they occur in the target's own answers the project ships
+(:func:`ranked_vocabulary`), or, for a target without them, the first ids in merge order. Tokens
+outside it get q = 0, which the verifier's rule handles as any q: lossless, and the audit checks it.
+
 A draft whose vocabulary differs in size from the target's (same tokenizer, padded
 differently) is aligned to the target's: rows the draft lacks get q = 0, and draft rows the
 target lacks are never drafted. A token the target emits from rows the draft lacks is read
@@ -33,8 +39,11 @@ by the draft as token 0: that changes only q, which the verifier sees as it is.
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -45,6 +54,8 @@ from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
 from specplay.core.models.base import CausalLM
 from specplay.core.decoding.sampling import align_vocab, probabilities, sample
 from specplay.core.decoding.types import Draft
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,8 +80,9 @@ class SpeculativeConfig(MethodConfig):
     draft_window: int = param(0, "Let the draft model read only the last N tokens of the prompt (0 = all of it): a "
                               "long prompt's draft prefill then costs little, the draft sees less context",
                               label="draft reads last", minimum=0, maximum=1_000_000, cli="--draft-window")
-    draft_vocab: int = param(0, "Draft only the first N token ids, the most frequent in byte-level BPE's merge "
-                             "order (0 = all); the target still emits any token", label="draft vocabulary",
+    draft_vocab: int = param(0, "Draft only the N token ids the target uses most, ranked by their count in its "
+                             "shipped answers (the first N ids in merge order for a target without them; 0 = all); "
+                             "the target still emits any token", label="draft vocabulary",
                              minimum=0, maximum=1_000_000, cli="--draft-vocab")
 
     def __post_init__(self):
@@ -88,7 +100,8 @@ class Speculative(Method):
     name = "speculative"
     draft_source = "draft model"
 
-    def __init__(self, config: SpeculativeConfig, draft_model: CausalLM, target_lm: CausalLM | None = None):
+    def __init__(self, config: SpeculativeConfig, draft_model: CausalLM, target_lm: CausalLM | None = None,
+                 ranking: Sequence[int] | None = None):
         super().__init__(config)
         self.draft_model = draft_model
         self.gamma = config.gamma
@@ -96,7 +109,8 @@ class Speculative(Method):
         self.max_draft_nodes = config.max_gamma if (config.adaptive or config.sized) else config.gamma
         self.cost = cost_curve(target_lm) if (config.sized and target_lm is not None) else None
         self._sizing = _SizingStats()
-        self.head = self._reduced_head(draft_model, config.draft_vocab)
+        self.draft_ids = self._draft_ids(draft_model, target_lm, config.draft_vocab, ranking)
+        self.head = None if self.draft_ids is None else self._head_of(draft_model, self.draft_ids)
         # Copies of earlier text, proposed with prompt lookup's learnt, cost-sized lengths.
         self.lookup = None
         if config.lookup_ngram:
@@ -109,15 +123,34 @@ class Speculative(Method):
             self.timing_sized = "copy lengths follow the measured verification cost"
 
     @staticmethod
-    def _reduced_head(draft_model: CausalLM, size: int):
-        """The draft's LM head cut to its first ``size`` rows, or None to use the whole head.
-
-        The LM head is a quarter of a 0.5B draft's weights; a draft vocabulary makes it cheap
-        (FR-Spec, EAGLE-3). Tokens outside it get q = 0, which the verifier handles like any q.
-        """
-        if size == 0 or size >= draft_model.info.vocab_size:
+    def _draft_ids(draft_model: CausalLM, target_lm: CausalLM | None, size: int,
+                   ranking: Sequence[int] | None) -> torch.Tensor | None:
+        """The ``size`` ids the draft computes (``ranking``'s first, then the rest in id order), or None
+        for its whole head. Only ids both models have: a draft row the target lacks is never drafted."""
+        rows = draft_model.info.vocab_size
+        if target_lm is not None:
+            rows = min(rows, target_lm.info.vocab_size)
+        if size == 0 or size >= rows:
             return None
-        return draft_model.head_rows(size)
+        if not ranking:
+            return torch.arange(size)
+        ranked = list(dict.fromkeys(t for t in ranking if 0 <= t < rows))[:size]
+        taken = set(ranked)
+        ranked += [t for t in range(rows) if t not in taken][:size - len(ranked)]
+        return torch.tensor(ranked)
+
+    def _head_of(self, draft_model: CausalLM, ids: torch.Tensor):
+        """The draft's LM head over ``ids``; over the first ids where its storage can only cut a prefix
+        (int4 layers keep no rows to choose from)."""
+        size = int(ids.numel())
+        if torch.equal(ids, torch.arange(size)):
+            return draft_model.head_rows(size)
+        try:
+            return draft_model.head_rows(ids.tolist())
+        except NotImplementedError as e:
+            log.warning("draft vocabulary: the first %d ids in merge order, not the ranked ones (%s)", size, e)
+            self.draft_ids = torch.arange(size)
+            return draft_model.head_rows(size)
 
     def _next_logits(self, tokens: list[int], vocab: int) -> torch.Tensor:
         """Feed ``tokens`` to the draft; its logits for the next token over the target's ``vocab``."""
@@ -125,7 +158,9 @@ class Speculative(Method):
         if self.head is None:
             return align_vocab(dm.forward_chain(tokens, logit_rows=[len(tokens) - 1]).logits[-1], vocab)
         hidden = dm.forward_chain(tokens, hidden=True, logit_rows=[]).hidden[-1:]
-        return align_vocab(self.head(hidden.float())[0].float(), vocab)
+        logits = torch.full((vocab,), float("-inf"))
+        logits[self.draft_ids] = self.head(hidden.float())[0].float()
+        return logits
 
     def start(self, ctx: RunContext) -> None:
         self.gamma = self.config.gamma
@@ -299,3 +334,26 @@ def best_gamma(alphas: list[float], c: float, curve) -> int:
         reach *= alpha
         values.append(reach)
     return max(1, best_size(values, lambda n: curve(n) + (n - 1) * c))
+
+
+@functools.lru_cache(maxsize=4)
+def ranked_vocabulary(target_id: str) -> tuple[int, ...]:
+    """The target's token ids by how often they occur in its answers the project ships
+    (:func:`~specplay.core.paths.shipped_corpus`; prompts and answers alike), most frequent first;
+    empty for a target without them."""
+    from safetensors import SafetensorError, safe_open
+
+    from specplay.core.paths import shipped_corpus
+
+    path = shipped_corpus(target_id)
+    if not path.is_file():
+        return ()
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tokens = f.get_tensor("tokens").to(torch.int64)
+    except (OSError, SafetensorError, KeyError):
+        return ()
+    counts = torch.bincount(tokens[tokens >= 0])
+    order = torch.argsort(counts, descending=True, stable=True)
+    return tuple(order[counts[order] > 0].tolist())
+

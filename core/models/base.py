@@ -114,12 +114,14 @@ class CausalLM(ABC):
     def lm_head_weight(self) -> torch.Tensor:
         """The output embedding as a float32 ``[vocab, hidden]`` tensor (frozen; heads slice it)."""
 
-    def head_rows(self, rows: int):
-        """A linear layer for the LM head's first ``rows`` outputs (a draft vocabulary), in this model's storage."""
+    def head_rows(self, rows: "int | Sequence[int]"):
+        """A linear layer for the LM head's first ``rows`` outputs, or for the outputs of the ids ``rows`` in
+        that order (a draft vocabulary), in this model's storage."""
         from specplay.core.models.linear import make_linear
 
         storage = {"int8": "int8-draft", "int4": "int4-draft"}.get(self.info.dtype, "float")
-        return make_linear(self.lm_head_weight()[:rows], None, storage)
+        weight = self.lm_head_weight()
+        return make_linear(weight[:rows] if isinstance(rows, int) else weight[torch.as_tensor(rows)], None, storage)
 
     def forward_chain(self, tokens: Sequence[int] | torch.Tensor, **kwargs) -> ForwardOutput:
         """Convenience: run a causal chain of new tokens and commit all of them."""

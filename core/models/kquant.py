@@ -281,6 +281,17 @@ class KQuantLinear:
         cut = KQuantWeight(w.type, w.data[: rows * per_row], rows, w.cols, w.width)
         return KQuantLinear(cut, None if self.bias is None else self.bias[:rows])
 
+    def chosen_rows(self, ids) -> "KQuantLinear":
+        """The layer's outputs ``ids``, in that order (a ranked draft vocabulary): their blocks copied."""
+        if len(self.parts) != 1:
+            raise ValueError("only a single matrix's rows can be chosen")
+        w = self.parts[0]
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        _check_ids(ids, w.rows)
+        picked = w.data.view(w.rows, -1)[ids].reshape(-1).contiguous()
+        chosen = KQuantWeight(w.type, picked, int(ids.numel()), w.cols, w.width)
+        return KQuantLinear(chosen, None if self.bias is None else self.bias[ids])
+
 
 class _Projection(ctypes.Structure):  # kquant_layer.c's sp_linear_t
     _fields_ = [("parts", ctypes.c_int32), ("types", ctypes.c_int32 * 3), ("ws", ctypes.c_void_p * 3),

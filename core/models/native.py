@@ -298,9 +298,11 @@ class NativeDecoder(CausalLM):
             raise NotImplementedError("an int4 draft keeps no readable copy of its LM head; use head_rows")
         return self._head.dequantized_weight()
 
-    def head_rows(self, rows: int):
-        """A linear layer for the LM head's first ``rows`` outputs, in this model's storage."""
-        if isinstance(self._head, (Int4DraftLinear, KQuantLinear)):
+    def head_rows(self, rows):
+        """As :meth:`CausalLM.head_rows`, sharing this model's blocks where it can."""
+        if isinstance(self._head, KQuantLinear):
+            return self._head.first_rows(rows) if isinstance(rows, int) else self._head.chosen_rows(rows)
+        if isinstance(self._head, Int4DraftLinear) and isinstance(rows, int):
             return self._head.first_rows(rows)
         return super().head_rows(rows)
 

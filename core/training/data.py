@@ -32,7 +32,7 @@ from specplay.core.errors import Cancelled, ModelError, SpecPlayError
 from specplay.core.models.cache import read_marker
 from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
 from specplay.core.models.prepare import sha256_file
-from specplay.core.paths import assets_dir, cache_dir
+from specplay.core.paths import cache_dir
 from specplay.core.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -533,11 +533,6 @@ class DataSettings:
 
     def key(self) -> str:
         return f"c{self.code_tokens}-s{self.seed}"
-
-
-def shipped_corpus(target_spec: str) -> Path:
-    """Where the project keeps the token ids of the target's answers made so far (:func:`save_corpus`)."""
-    return assets_dir() / "training" / f"answers-{Path(target_spec).name}.safetensors"
 
 
 def answers_dir(workdir: Path, settings: DataSettings) -> Path:

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Callable
 
 from specplay.core.heads import heads_manifest, save_heads
-from specplay.core.paths import cache_dir, data_dir
+from specplay.core.paths import cache_dir, data_dir, shipped_corpus
 from specplay.core.progress import Progress
 from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings, held_out_vocabulary
 from specplay.core.training.data import (DataSettings, FeatureSet, answers_dir, chat_prompt_ids, code_sequences,
                                          extract_features, generate_answers, instruction_prompts, load_corpus,
-                                         shipped_corpus, target_key)
+                                         target_key)
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from specplay.core.heads import heads_manifest, save_heads
+from specplay.core.paths import shipped_corpus
 from specplay.core.progress import Progress
 from specplay.core.training.common import ProgressFn, TrainProgress, TrainSettings
 from specplay.core.training.data import FeatureSet
@@ -35,8 +36,7 @@ def teacher_data(target, data, workdir: Path, progress: Progress, should_cancel:
     generated as the classic recipes' are (and then read once more, for their layers). Returns
     (the data, what it holds, the key of the target's weights)."""
     from specplay.core.training.data import (answers_dir, chat_prompt_ids, code_sequences, generate_answers,
-                                             instruction_prompts, load_corpus, shipped_corpus, target_key,
-                                             usable_answer)
+                                             instruction_prompts, load_corpus, target_key, usable_answer)
 
     key = target_key(target.path, progress)
     code = code_sequences(target.tokenizer, data.code_tokens, data.seq_len, data.seed)
