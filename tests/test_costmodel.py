@@ -111,33 +111,16 @@ def _clocked_speculative_run(curve, monkeypatch):
     """A cost-sized speculative run of a tiny pair on a clock that only the passes advance: the target's
     pass of n rows takes 10 ms x (1 + 0.25 (n - 1)), a draft pass 1 ms. Returns (the run, its rate on
     that clock over the second half of its steps, the curve held after it)."""
-    from types import SimpleNamespace
-
-    from specplay.core.decoding import costmodel, engine
+    from specplay.core.decoding import costmodel
     from specplay.core.decoding.engine import drain, generate
     from specplay.core.decoding.types import GenerationConfig
-    from specplay.core.methods import build_method, speculative
+    from specplay.core.methods import build_method
     from specplay.core.methods.speculative import SpeculativeConfig
-    from tiny import loaded, perturbed_copy
+    from tiny import loaded, on_a_clock, perturbed_copy
 
     base = tiny_hf_model(seed=0, dtype=torch.float64)
     target, draft = loaded(native_from_hf(base)), loaded(native_from_hf(perturbed_copy(base, 0.01)))
-    clock = [0.0]
-
-    def clocked(model, seconds_for):
-        forward = model.forward
-
-        def timed(tokens, *args, **kwargs):
-            clock[0] += seconds_for(len(tokens))
-            return forward(tokens, *args, **kwargs)
-
-        monkeypatch.setattr(model, "forward", timed)
-
-    clocked(target.model, lambda n: 0.010 * (1 + 0.25 * (n - 1)))
-    clocked(draft.model, lambda n: 0.001)
-    fake = SimpleNamespace(perf_counter=lambda: clock[0])
-    monkeypatch.setattr(engine, "time", fake)
-    monkeypatch.setattr(speculative, "time", fake)
+    on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * (1 + 0.25 * (n - 1)), draft.model: lambda n: 0.001})
     monkeypatch.setitem(costmodel._CURVES, target.model, curve)
     method = build_method("speculative", SpeculativeConfig(gamma=4, cost_sized=True, max_gamma=8), target, draft)
     gen = GenerationConfig(max_new_tokens=160, stop_at_eos=False)

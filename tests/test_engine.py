@@ -208,28 +208,13 @@ def test_the_drafts_read_of_the_prompt_is_not_held_against_drafting(models, monk
     advance, where that read costs 40 plain steps and every later draft pass a tenth of one, the
     stand-down gate never stands down: it judges drafting without the read (it had stood down after
     two drafting steps and backed off further at each probe)."""
-    from types import SimpleNamespace
-
-    from specplay.core.decoding import costmodel, engine
-    from specplay.core.methods import speculative
+    from specplay.core.decoding import costmodel
+    from tiny import on_a_clock
 
     target, _, same, _ = models
-    clock = [0.0]
-
-    def clocked(model, seconds_for):
-        forward = model.forward
-
-        def timed(tokens, *args, **kwargs):
-            clock[0] += seconds_for(len(tokens))
-            return forward(tokens, *args, **kwargs)
-
-        monkeypatch.setattr(model, "forward", timed)
-
-    clocked(target.model, lambda n: 0.010 * (1 + 0.25 * (n - 1)))
-    clocked(same.model, lambda n: 0.4 if n > 2 else 0.001)  # more than two tokens: the prompt's read
-    fake = SimpleNamespace(perf_counter=lambda: clock[0])
-    monkeypatch.setattr(engine, "time", fake)
-    monkeypatch.setattr(speculative, "time", fake)
+    # More than two tokens of the draft at once: the prompt's read.
+    on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * (1 + 0.25 * (n - 1)),
+                             same.model: lambda n: 0.4 if n > 2 else 0.001})
     monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.25))
     res = run(target, "speculative", SpeculativeConfig(cost_sized=False, gamma=3), same,
               gen=GenerationConfig(max_new_tokens=40, stop_at_eos=False))  # the gate on, as by default

@@ -17,7 +17,7 @@ from specplay.core.methods.prompt_lookup import PromptLookupConfig
 from specplay.core.methods.speculative import SpeculativeConfig
 from specplay.core.decoding.types import GenerationConfig
 from test_eagle import make_head_file
-from tiny import loaded, native_from_hf, perturbed_copy, save_tiny_model, tiny_hf_model
+from tiny import loaded, native_from_hf, on_a_clock, perturbed_copy, save_tiny_model, tiny_hf_model
 
 PROMPT = [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7, 9, 10, 4, 5]
 N = 40
@@ -44,25 +44,7 @@ def _answer(target):
 def _on_a_clock(monkeypatch, target, draft, curve):
     """The target's pass of n rows takes 10 ms x ``curve(n)``, a draft pass 1 ms, on a clock only they
     advance; ``curve`` is held as the target's (uncorrected): cost-sized γ then sees c = 0.1 exactly."""
-    from specplay.core.decoding import engine
-    from specplay.core.methods import speculative
-
-    clock = [0.0]
-
-    def timed(model, seconds):
-        forward = model.forward
-
-        def run(tokens, *args, **kw):
-            clock[0] += seconds(len(tokens))
-            return forward(tokens, *args, **kw)
-
-        monkeypatch.setattr(model, "forward", run)
-
-    timed(target.model, lambda n: 0.010 * curve(n))
-    timed(draft.model, lambda n: 0.001)
-    fake = SimpleNamespace(perf_counter=lambda: clock[0])
-    monkeypatch.setattr(engine, "time", fake)
-    monkeypatch.setattr(speculative, "time", fake)
+    on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * curve(n), draft.model: lambda n: 0.001})
     monkeypatch.setitem(costmodel._CURVES, target.model, curve)
 
 

@@ -271,3 +271,25 @@ def assert_drafts_accepted(res, tau: float) -> None:
     trivially when every draft is rejected): some were, and its mean tokens per step τ is above ``tau``."""
     m = res.metrics
     assert m.accepted > 0 and m.mean_accepted > tau, f"{m.accepted} of {m.drafted} accepted, τ {m.mean_accepted:.2f}"
+
+
+def on_a_clock(monkeypatch, seconds_for: dict) -> list[float]:
+    """Passes that take the time given, not the time they take: a pass of n tokens of each model in
+    ``seconds_for`` (model -> n -> seconds) advances a clock by that much, and the decoding engine and
+    the speculative method read that clock. Returns the clock (``[seconds]``)."""
+    from types import SimpleNamespace
+
+    from specplay.core.decoding import engine
+    from specplay.core.methods import speculative
+
+    clock = [0.0]
+    for model, seconds in seconds_for.items():
+        def timed(tokens, *args, _forward=model.forward, _seconds=seconds, **kwargs):
+            clock[0] += _seconds(len(tokens))
+            return _forward(tokens, *args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", timed)
+    fake = SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(engine, "time", fake)
+    monkeypatch.setattr(speculative, "time", fake)
+    return clock
