@@ -325,12 +325,11 @@ def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int]
     """Speculative decoding's steps along the answer. Units: one-token draft passes; a step's first
     pass feeds what the draft's cache lacks (the last step's bonus token, or everything copies
     added), which costs ``catch_up(tokens)`` of them. ``sizing`` (c, the verify ratio): γ cost-sized
-    as the method sizes it, from the replay's acceptance by position after its first drafting step.
-    The draft's first run reads all it lacks but one token as a prefill (timed apart, as the method's
-    start), copies before it included."""
+    as the method sizes it, from the replay's acceptance by position after its first drafting step; the
+    draft's first run reads what it lacks as a prefill (timed apart), copies before it included."""
     out, pos, g, n = Replay(), 0, gamma, len(answer)
     acceptance = ChainAcceptance()
-    lacks, ran = 1, False  # tokens the draft's cache lacks; whether the draft ran yet
+    lacks = None  # tokens the draft's cache lacks (None: it has not run, its prefill reads them)
     while pos < n:
         budget = n - pos - 1
         if lookup is not None and budget > 0:
@@ -338,17 +337,14 @@ def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int]
             if copied is not None:
                 out.add(copied[1] + 1, copied[0], 0.0)
                 pos += copied[1] + 1
-                lacks += copied[1] + 1
+                lacks = lacks and lacks + copied[1] + 1
                 continue
         k = min(g, budget)
         accepted = min(runs[pos], k)
-        out.add(accepted + 1, k, catch_up(lacks if ran else 1) + k - 1 if k else 0.0)
-        ran = ran or k > 0
+        out.add(accepted + 1, k, catch_up(lacks or 1) + k - 1 if k else 0.0)
         pos += accepted + 1
-        if k:  # the cache keeps the accepted drafts but the last drafted, then lacks the step's own token
-            lacks = 2 if accepted == k else 1
-        else:
-            lacks += 1
+        # The cache keeps the accepted drafts but the last drafted, then lacks the step's own token.
+        lacks = (2 if accepted == k else 1) if k else lacks and lacks + 1
         if adaptive and k:
             g = min(g + 2, max_gamma) if accepted == k else max(g - 1, 1)
         elif sizing is not None and k:
