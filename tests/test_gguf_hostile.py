@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from specplay.core.errors import ModelError
+from tiny import add_tiny_vocabulary
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS, VOCAB = 32, 4, 2, 64, 2, 16
 HEAD = HIDDEN // HEADS
@@ -49,13 +50,7 @@ def tiny_gguf(path, meta: dict | None = None, shapes: dict | None = None, tokens
     w.add_context_length(64)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<unk>", "<s>", "</s>", "<0x0A>"] + [f"t{i}" for i in range(4, tokens)])
-    w.add_token_scores([0.0] * tokens)
-    w.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.BYTE]
-                      + [gguf.TokenType.NORMAL] * (tokens - 4))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_tiny_vocabulary(w, tokens)
     rng = np.random.default_rng(0)
     for name, shape in {**_shapes(), **(shapes or {})}.items():
         if shape is None:

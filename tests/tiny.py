@@ -213,6 +213,19 @@ _GGUF_LAYER_NAMES = {
 }
 
 
+def add_tiny_vocabulary(w, n: int) -> None:
+    """A GGUF writer's tokenizer: ``n`` tokens (unk, bos, eos, a byte, then plain ones), bos 1, eos 2."""
+    import gguf
+
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>", "<0x0A>"] + [f"t{i}" for i in range(4, n)])
+    w.add_token_scores([0.0] * n)
+    w.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.BYTE]
+                      + [gguf.TokenType.NORMAL] * (n - 4))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
 def write_tiny_gguf(model, path) -> None:
     """A tiny Qwen2 ``transformers`` model (untied) as a float32 GGUF file that llama.cpp loads.
 
@@ -233,14 +246,7 @@ def write_tiny_gguf(model, path) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    n = cfg.vocab_size
-    w.add_tokenizer_model("llama")
-    w.add_token_list(["<unk>", "<s>", "</s>", "<0x0A>"] + [f"t{i}" for i in range(4, n)])
-    w.add_token_scores([0.0] * n)
-    w.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL, gguf.TokenType.BYTE]
-                      + [gguf.TokenType.NORMAL] * (n - 4))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_tiny_vocabulary(w, cfg.vocab_size)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     for i in range(cfg.num_hidden_layers):
