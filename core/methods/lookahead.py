@@ -116,13 +116,13 @@ class Lookahead(Method):
         self.levels: list[list[int]] = []
         self.hits = 0
         self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
-        self._counts = [0, 0, 0]  # guessed nodes verified, tokens accepted, window columns run
+        self._nodes = self._accepted = self._columns = 0  # guessed nodes verified, tokens accepted, columns run
 
     def start(self, ctx: RunContext) -> None:
         c = self.config
         self.pool = NgramPool(per_key=c.guesses, max_total=c.max_pool)
         self.hits = 0
-        self._counts = [0, 0, 0]
+        self._nodes = self._accepted = self._columns = 0
         prompt = ctx.tokens
         if c.pool_from_prompt:
             for i in range(len(prompt) - c.ngram + 1):
@@ -182,20 +182,19 @@ class Lookahead(Method):
     def _rate(self, prior: tuple[float, float], over: int) -> float:
         """The run's tokens accepted over ``over`` (nodes verified or columns run), leaning on ``prior``."""
         rate, weight = prior
-        return (self._counts[1] + rate * weight) / (over + weight)
+        return (self._accepted + rate * weight) / (over + weight)
 
     def _sized(self, cands: list) -> tuple[list, bool, float]:
         """The first guesses to verify and whether to run the window: the most expected tokens per unit of
         time (the step's 1 + guessed nodes x their acceptance + window columns x the pool's yield, over the
         verify curve at the pass's rows), and that gain over a plain step."""
-        nodes_verified, _, columns_run = self._counts
-        per_node = self._rate(self.GUESS_PRIOR, nodes_verified)
-        per_column = self._rate(self.WINDOW_PRIOR, columns_run)
+        per_node = self._rate(self.GUESS_PRIOR, self._nodes)
+        per_column = self._rate(self.WINDOW_PRIOR, self._columns)
         window_rows = len(self.levels) * self.config.window
+        trie_nodes = [len(build_trie(cands[:g])[0]) for g in range(len(cands) + 1)]
         best = (1.0 / self.cost(1), 0, False)
         for window in (False, True):
-            for g in range(len(cands) + 1):
-                nodes = len(build_trie(cands[:g])[0])
+            for g, nodes in enumerate(trie_nodes):
                 rows = 1 + nodes + (window_rows if window else 0)
                 expected = 1 + nodes * per_node + (self.config.window * per_column if window else 0)
                 rate = expected / self.cost(rows)
@@ -208,8 +207,8 @@ class Lookahead(Method):
         c = self.config
         draft = outcome.draft
         accepted = outcome.verdict.accepted
-        self._counts[0] += len(draft)
-        self._counts[1] += len(accepted)
+        self._nodes += len(draft)
+        self._accepted += len(accepted)
         won = None
         if accepted:
             self.hits += 1
@@ -217,7 +216,7 @@ class Lookahead(Method):
             won = next(k for k, g in enumerate(draft.memo["candidates"]) if list(g[:len(path)]) == path)
         if not draft.aux_tokens:  # a plain step, or the window not run: it waits where it was
             return {"won": won, "hits": self.hits} if len(draft) else None
-        self._counts[2] += c.window
+        self._columns += c.window
         n_verify = len(draft) + 1
         new_level = outcome.target_out.logits[n_verify:n_verify + c.window].argmax(-1).tolist()
         if len(self.levels) == self.levels_needed:

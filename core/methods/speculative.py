@@ -109,8 +109,8 @@ class Speculative(Method):
         self.max_draft_nodes = config.max_gamma if (config.adaptive or config.sized) else config.gamma
         self.cost = cost_curve(target_lm) if (config.sized and target_lm is not None) else None
         self._sizing = _SizingStats()
-        self.draft_ids = self._draft_ids(draft_model, target_lm, config.draft_vocab, ranking)
-        self.head = None if self.draft_ids is None else self._head_of(draft_model, self.draft_ids)
+        ids = self._draft_ids(draft_model, target_lm, config.draft_vocab, ranking)
+        self.draft_ids, self.head = (None, None) if ids is None else self._head_of(draft_model, ids)
         # Copies of earlier text, proposed with prompt lookup's learnt, cost-sized lengths.
         self.lookup = None
         if config.lookup_ngram:
@@ -139,18 +139,17 @@ class Speculative(Method):
         ranked += [t for t in range(rows) if t not in taken][:size - len(ranked)]
         return torch.tensor(ranked)
 
-    def _head_of(self, draft_model: CausalLM, ids: torch.Tensor):
-        """The draft's LM head over ``ids``; over the first ids where its storage can only cut a prefix
-        (int4 layers keep no rows to choose from)."""
+    @staticmethod
+    def _head_of(draft_model: CausalLM, ids: torch.Tensor):
+        """(the ids drafted, the draft's LM head over them): ``ids``, or the first as many ids where the
+        draft's storage can only cut a prefix (int4 layers keep no rows to choose from)."""
         size = int(ids.numel())
-        if torch.equal(ids, torch.arange(size)):
-            return draft_model.head_rows(size)
-        try:
-            return draft_model.head_rows(ids.tolist())
-        except NotImplementedError as e:
-            log.warning("draft vocabulary: the first %d ids in merge order, not the ranked ones (%s)", size, e)
-            self.draft_ids = torch.arange(size)
-            return draft_model.head_rows(size)
+        if not torch.equal(ids, torch.arange(size)):
+            try:
+                return ids, draft_model.head_rows(ids.tolist())
+            except NotImplementedError as e:
+                log.warning("draft vocabulary: the first %d ids in merge order, not the ranked ones (%s)", size, e)
+        return torch.arange(size), draft_model.head_rows(size)
 
     def _next_logits(self, tokens: list[int], vocab: int) -> torch.Tensor:
         """Feed ``tokens`` to the draft; its logits for the next token over the target's ``vocab``."""
@@ -200,8 +199,7 @@ class Speculative(Method):
         sampling = ctx.config.sampling
         vocab = ctx.target_lm.info.vocab_size
         reading = time.perf_counter()
-        if dm.cache_len == 0:
-            self.read_prompt(ctx.tokens)
+        self.read_prompt(ctx.tokens)
         started = time.perf_counter()
         # Feed what the draft cache lacks: the root, and any token the target added last step.
         logits = self._next_logits(self._readable(ctx.tokens[self._offset + dm.cache_len:]), vocab)
@@ -356,4 +354,3 @@ def ranked_vocabulary(target_id: str) -> tuple[int, ...]:
     counts = torch.bincount(tokens[tokens >= 0])
     order = torch.argsort(counts, descending=True, stable=True)
     return tuple(order[counts[order] > 0].tolist())
-
