@@ -3,7 +3,8 @@
 Speculation pays only when the tokens a drafting step adds outrun its cost; where acceptance is
 low (a draft model off its home ground, an n-gram pool that never hits) a drafting method runs
 slower than plain decoding. The gate measures the run itself: the rate of its recent drafting
-steps (tokens per second, newer steps weighing more) against the time of a plain step (measured
+steps (tokens per second; every step of the run, drafting or plain, leaves what came before it
+:data:`DECAY` of its weight) against the time of a plain step (measured
 on the run's own plain steps, or estimated from the verification passes and the cost curve
 before there is one). When plain steps are faster it stands down for a while, then lets one
 drafting step probe again; each stand-down that the probe confirms lasts twice as long as the
@@ -25,8 +26,11 @@ from typing import Callable
 FIRST_DECISION = 2
 #: Plain steps of the first stand-down; each one a probe confirms lasts twice as long, up to the cap.
 FIRST_BACKOFF, MAX_BACKOFF = 8, 256
-#: Weight of a drafting step's measurement after each newer drafting step.
-DECAY = 0.5
+#: Weight of a drafting step's measurement after each newer step, drafting or plain: a memory of about
+#: ten steps. One fully rejected draft among good ones must not stand a paying draft down (at 0.5 a
+#: draft accepted 90% of the time per token lost a tenth of its speed to stand-downs after single
+#: misses, in a seeded simulation), and after a stand-down the probe is judged mostly on its own.
+DECAY = 0.9
 
 
 @dataclass
@@ -66,6 +70,8 @@ class StandDownGate:
         the cost curve), used until the run has timed a plain step of its own."""
         self._first = False
         if not drafted:
+            self._tokens *= DECAY
+            self._seconds *= DECAY
             self._plain_step(seconds)
             return
         self._tokens = self._tokens * DECAY + new_tokens
