@@ -154,3 +154,31 @@ def test_a_run_whose_kept_curve_is_twice_too_steep_recovers_its_speed_within_the
     assert late_gamma(fixed) == late_gamma(right) > late_gamma(stuck)
     seen = [n for n in held.observed if n > 1]
     assert seen and all(held(n) == pytest.approx(true(n), rel=0.02) for n in seen)
+
+
+@pytest.mark.parametrize("answer, reads_all", [(40, False), (400, True)])
+def test_the_draft_reads_as_much_of_a_long_prompt_as_the_answer_pays_for(monkeypatch, answer, reads_all):
+    """By default the draft reads the prompt's last tokens it reads in a tenth of the answer's plain
+    decoding time, on a clock the passes advance: a 90-token prompt, the target's 1-row pass 10 ms and its
+    89-row read 0.23 s (2.6 ms a token), a draft of the target's size. A 40-token answer (0.4 s of plain
+    steps) pays for 15 tokens of read, so the draft reads the fewest, 32; a 400-token one for 153, so all."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CorrectedCurve
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.methods import build_method
+    from specplay.core.methods.speculative import MIN_READ, SpeculativeConfig
+    from tiny import loaded, on_a_clock, perturbed_copy
+
+    base = tiny_hf_model(seed=0, dtype=torch.float64)
+    target, draft = loaded(native_from_hf(base)), loaded(native_from_hf(perturbed_copy(base, 0.01)))
+    on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * (1 + PER_ROW * (n - 1)), draft.model: lambda n: 0.001})
+    monkeypatch.setitem(costmodel._CURVES, target.model, CorrectedCurve(CostCurve.linear(PER_ROW)))
+    prompt = [4 + (7 * i) % 50 for i in range(90)]
+    gen = GenerationConfig(max_new_tokens=answer, stop_at_eos=False)
+    method = build_method("speculative", SpeculativeConfig(), target, draft)
+    res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+    first = next(e for e in res.events if e.num_drafted)
+    assert first.internals["read_prompt"] == (len(prompt) if reads_all else MIN_READ)
+    plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
+    assert res.token_ids == plain.token_ids

@@ -97,6 +97,10 @@ def test_adaptive_confidence_and_cost_sized_drafts_stay_exact(models, cfg):
         assert len(gammas) > 1  # it did adapt
     elif cfg.cost_sized:
         assert gammas <= set(range(1, 9)) and len(gammas) > 1  # chosen each step, within the bound
+        # Each chosen γ comes with the speed over plain steps it was chosen for (the first step's γ
+        # is the configured one, chosen for nothing yet).
+        gains = [e.internals["gain"] for e in res.events if e.num_drafted]
+        assert gains[0] is None and all(isinstance(g, float) and g > 0 for g in gains[1:])
     else:
         assert any(e.internals.get("stopped_early") for e in res.events)
 
@@ -126,7 +130,7 @@ def test_the_cost_sized_gamma_reads_acceptance_at_each_draft_position():
     first, second, third = acc.alphas(3)
     assert first > 0.9 and second < 0.15
     assert third == pytest.approx((40 + 0.7 * 4) / (80 + 4))  # never judged: the chain's pooled α
-    assert acc.best_gamma(0.1, CostCurve.linear(0.1), 8) == 1  # a pooled α of 0.5 would not say so
+    assert acc.best_gamma(0.1, CostCurve.linear(0.1), 8)[0] == 1  # a pooled α of 0.5 would not say so
 
 
 def test_full_acceptance_and_zero_acceptance_keep_both_caches_consistent(models):

@@ -37,6 +37,8 @@ class RunContext:
     #: The target's output over the prompt (all tokens but the last); hidden states included
     #: when the method ``needs_hidden``, and its ``feature_layers``. None for a one-token prompt.
     prefill: ForwardOutput | None = None
+    #: Seconds the target's read of the prompt took (None before it, or for a one-token prompt).
+    prefill_s: float | None = None
 
     @property
     def new_tokens(self) -> int:

@@ -349,7 +349,7 @@ def replay_speculative(runs: list[int], answer: list[int], prompt_ids: list[int]
             g = min(g + 2, max_gamma) if accepted == k else max(g - 1, 1)
         elif sizing is not None and k:
             acceptance.add(k, accepted)
-            g = acceptance.best_gamma(sizing[0], sizing[1], max_gamma)
+            g = acceptance.best_gamma(sizing[0], sizing[1], max_gamma)[0]
     return out
 
 

@@ -25,6 +25,11 @@ lookup, with its learnt, cost-sized lengths): free where text repeats, as in cod
 completions. The draft model runs only when there is no such match, and then catches up
 on the tokens it skipped in one pass.
 
+The draft reads the prompt at the first step that drafts, off the first token's path, and by default
+only its last tokens where the whole would cost more than it can earn back: as many as it reads in a
+tenth of the answer's plain decoding time (:meth:`Speculative.read_window`, from this run's timings).
+The draft then sees less context, which changes q only.
+
 With a draft vocabulary (``draft_vocab``) the draft computes only those rows of its LM head, a
 quarter of a 0.5B draft's weights (FR-Spec; EAGLE-3's reduced vocabulary): the ids its target uses
 most, ranked by how often they occur in the target's own answers the project ships
@@ -47,7 +52,7 @@ from typing import Sequence
 
 import torch
 
-from specplay.core.decoding.costmodel import best_size, cost_curve
+from specplay.core.decoding.costmodel import CorrectedCurve, best_size, cost_curve
 from specplay.core.errors import ConfigError
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
@@ -56,6 +61,14 @@ from specplay.core.decoding.sampling import align_vocab, probabilities, sample
 from specplay.core.decoding.types import Draft
 
 log = logging.getLogger(__name__)
+
+#: The share of the answer's plain decoding time the draft's read of the prompt may take by default:
+#: speculation on a CPU saves a quarter to a third of that time at best, and a read that ate more than a
+#: third of the saving would leave little (a 1,000-token RAG prompt read whole cost a 48-token answer
+#: 0.81x plain decoding on the Intel Xeon).
+READ_SHARE = 0.1
+#: The fewest prompt tokens the draft reads by default: the last lines before the answer.
+MIN_READ = 32
 
 
 @dataclass(frozen=True)
@@ -77,9 +90,11 @@ class SpeculativeConfig(MethodConfig):
                               "the prompt or output (free), and run the draft model only when there is no such "
                               "match (0 = always the draft)", label="copy matches of n ≥", minimum=0, maximum=16,
                               cli="--lookup-ngram")
-    draft_window: int = param(0, "Let the draft model read only the last N tokens of the prompt (0 = all of it): a "
-                              "long prompt's draft prefill then costs little, the draft sees less context",
-                              label="draft reads last", minimum=0, maximum=1_000_000, cli="--draft-window")
+    draft_window: int = param(0, "Let the draft model read only the last N tokens of the prompt (0 = as many as it "
+                              "reads in a tenth of the answer's plain decoding time, by this run's timings; a number "
+                              "past the prompt's length = all of it): a long prompt's draft read then costs little, "
+                              "the draft sees less context", label="draft reads last", minimum=0,
+                              maximum=1_000_000, cli="--draft-window")
     draft_vocab: int = param(0, "Draft only the N token ids the target uses most, ranked by their count in its "
                              "shipped answers (the first N ids in merge order for a target without them; 0 = all); "
                              "the target still emits any token", label="draft vocabulary",
@@ -108,7 +123,12 @@ class Speculative(Method):
         self._offset = 0
         self.max_draft_nodes = config.max_gamma if (config.adaptive or config.sized) else config.gamma
         self.cost = cost_curve(target_lm) if (config.sized and target_lm is not None) else None
+        # The draft's share of the target's multiply-adds: what its read of a token costs of the target's.
+        self._read_share = (draft_model.info.num_parameters / target_lm.info.num_parameters
+                            if target_lm is not None and target_lm.info.num_parameters else None)
+        self._read_plan: tuple[float, int, int] | None = None  # (target's prompt read s, its tokens, answer budget)
         self._sizing = _SizingStats()
+        self.gain: float | None = None  # what the cost-sized γ was chosen for: its expected speed over plain steps'
         ids = self._draft_ids(draft_model, target_lm, config.draft_vocab, ranking)
         self.draft_ids, self.head = (None, None) if ids is None else self._head_of(draft_model, ids)
         # Copies of earlier text, proposed with prompt lookup's learnt, cost-sized lengths.
@@ -164,6 +184,7 @@ class Speculative(Method):
     def start(self, ctx: RunContext) -> None:
         self.gamma = self.config.gamma
         self._sizing = _SizingStats()
+        self.gain = None
         if self.lookup is not None:
             self.lookup.start(ctx)
         self.draft_model.reset()
@@ -172,13 +193,34 @@ class Speculative(Method):
         # never delays the first token.
         window = self.config.draft_window
         self._offset = max(0, len(ctx.tokens) - 1 - window) if window else 0
+        prefill_s, config = getattr(ctx, "prefill_s", None), getattr(ctx, "config", None)
+        self._read_plan = (prefill_s, len(ctx.tokens) - 1, config.max_new_tokens) if (
+            not window and prefill_s and config is not None) else None
 
-    def read_prompt(self, tokens: list[int]) -> None:
+    def read_window(self) -> int | None:
+        """How many of the prompt's last tokens the draft reads by default (None: all of them): as many as
+        it reads in :data:`READ_SHARE` of the answer's plain decoding time, its read of a token priced at
+        the target's (timed in this run's prefill) times the draft's share of the multiply-adds, the
+        answer's plain steps at the target's one-token pass (timed by this run's first step)."""
+        step = self.cost.step_seconds() if isinstance(self.cost, CorrectedCurve) else None  # a pinned curve times nothing
+        if self._read_plan is None or not step or not self._read_share:
+            return None
+        prefill_s, read, answer = self._read_plan
+        per_token = prefill_s / read * self._read_share
+        return max(MIN_READ, int(READ_SHARE * answer * step / per_token))
+
+    def read_prompt(self, tokens: list[int]) -> int:
         """Into an empty draft cache, ``tokens`` from the window's start on, all but the last (the next
-        pass feeds that one), as one prefill."""
+        pass feeds that one), as one prefill; returns the tokens read."""
+        if self.draft_model.cache_len:
+            return 0
+        window = self.read_window()
+        if window is not None:
+            self._offset = max(0, len(tokens) - 1 - window)
         lacking = tokens[self._offset:-1]
-        if lacking and self.draft_model.cache_len == 0:
+        if lacking:
             self.draft_model.forward_chain(self._readable(lacking), logit_rows=[], prefill=True)
+        return len(lacking)
 
     def _readable(self, tokens: list[int]) -> list[int]:
         """Tokens as the draft can embed them (ids past its rows become 0; see the module doc)."""
@@ -199,7 +241,7 @@ class Speculative(Method):
         sampling = ctx.config.sampling
         vocab = ctx.target_lm.info.vocab_size
         reading = time.perf_counter()
-        self.read_prompt(ctx.tokens)
+        read = self.read_prompt(ctx.tokens)
         started = time.perf_counter()
         # Feed what the draft cache lacks: the root, and any token the target added last step.
         logits = self._next_logits(self._readable(ctx.tokens[self._offset + dm.cache_len:]), vocab)
@@ -231,7 +273,9 @@ class Speculative(Method):
         self._sizing.drafted(time.perf_counter() - started, forwards)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
                            q_token=q_token, shown={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
-                                                   "stopped_early": stopped_early}, setup_s=started - reading)
+                                                   "stopped_early": stopped_early, "gain": self.gain,
+                                                   **({"read_prompt": read, "prompt_from": self._offset} if read else {})},
+                           setup_s=started - reading)
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
         if outcome.draft.memo.get("copied"):
@@ -251,7 +295,10 @@ class Speculative(Method):
                 self.gamma = max(self.gamma - 1, 1)
         if self.cost is not None and drafted:
             self._sizing.verified(self.cost(1 + drafted), drafted, accepted)
-            self.gamma = self._sizing.best_gamma(self.cost, self.config.max_gamma) or self.gamma
+            sized = self._sizing.best_gamma(self.cost, self.config.max_gamma)
+            if sized is not None:
+                self.gamma, gain = sized
+                self.gain = round(gain, 3)
 
 
 class ChainAcceptance:
@@ -286,9 +333,11 @@ class ChainAcceptance:
         return [(self.accepted[j] + pooled * w) / (self.judged[j] + w) if j < len(self.judged) else pooled
                 for j in range(n)]
 
-    def best_gamma(self, c: float, curve, max_gamma: int) -> int:
-        """:func:`best_gamma` at this run's acceptance by position."""
-        return best_gamma(self.alphas(max_gamma), c, curve)
+    def best_gamma(self, c: float, curve, max_gamma: int) -> tuple[int, float]:
+        """:func:`best_gamma` at this run's acceptance by position, and its :func:`chain_gain`."""
+        alphas = self.alphas(max_gamma)
+        gamma = best_gamma(alphas, c, curve)
+        return gamma, chain_gain(alphas[:gamma], c, curve)
 
 
 class _SizingStats:
@@ -315,8 +364,9 @@ class _SizingStats:
             self.proposed_at = None
         self.acceptance.add(drafted, accepted)
 
-    def best_gamma(self, curve, max_gamma: int) -> int | None:
-        """The γ with the most expected tokens per unit of time, or None before anything was timed."""
+    def best_gamma(self, curve, max_gamma: int) -> tuple[int, float] | None:
+        """The γ with the most expected tokens per unit of time and that speed over plain steps', or None
+        before anything was timed."""
         if not (self.forwards and self.verify_units and self.verify_s > 0):
             return None
         c = (self.draft_s / self.forwards) / (self.verify_s / self.verify_units)
@@ -332,6 +382,17 @@ def best_gamma(alphas: list[float], c: float, curve) -> int:
         reach *= alpha
         values.append(reach)
     return max(1, best_size(values, lambda n: curve(n) + (n - 1) * c))
+
+
+def chain_gain(alphas: list[float], c: float, curve) -> float:
+    """A chain of ``len(alphas)`` drafts' expected tokens per unit of time over a plain step's (1 token
+    per T(1)), priced as in :func:`best_gamma`."""
+    expected, reach = 1.0, 1.0
+    for alpha in alphas:
+        reach *= alpha
+        expected += reach
+    n = 1 + len(alphas)
+    return expected / (curve(n) + (n - 1) * c)
 
 
 @functools.lru_cache(maxsize=4)
