@@ -691,15 +691,22 @@ static int group_columns(const void *w, int64_t n, int64_t stride, int64_t group
     return ncols;
 }
 
-/* Rows go in tiles of ``widest``, then 4, 2, 1 as they run out. */
-static int tile_rows(int64_t left, int widest) { return left >= widest ? widest : left >= 4 ? 4 : left >= 2 ? 2 : 1; }
+/* Rows go in tiles of ``widest``, the rest in one tile of their own: every tile streams the weights
+ * once (tiles of 4, 2, 1 for the rest made 3 rows cost more than 4 and 7 more than 8). */
+static int tile_rows(int64_t left, int widest) { return left >= widest ? widest : (int)left; }
 
 #define TILE_SIZES(FN, MODE)                                                                              \
     do {                                                                                                  \
-        if (R == 8) FN(c, nb, x, y, ldy, step, ncols, 8, keep, MODE);                                     \
-        else if (R == 4) FN(c, nb, x, y, ldy, step, ncols, 4, keep, MODE);                                \
-        else if (R == 2) FN(c, nb, x, y, ldy, step, ncols, 2, keep, MODE);                                \
-        else FN(c, nb, x, y, ldy, step, ncols, 1, keep, MODE);                                            \
+        switch (R) {                                                                                      \
+        case 8: FN(c, nb, x, y, ldy, step, ncols, 8, keep, MODE); break;                                  \
+        case 7: FN(c, nb, x, y, ldy, step, ncols, 7, keep, MODE); break;                                  \
+        case 6: FN(c, nb, x, y, ldy, step, ncols, 6, keep, MODE); break;                                  \
+        case 5: FN(c, nb, x, y, ldy, step, ncols, 5, keep, MODE); break;                                  \
+        case 4: FN(c, nb, x, y, ldy, step, ncols, 4, keep, MODE); break;                                  \
+        case 3: FN(c, nb, x, y, ldy, step, ncols, 3, keep, MODE); break;                                  \
+        case 2: FN(c, nb, x, y, ldy, step, ncols, 2, keep, MODE); break;                                  \
+        default: FN(c, nb, x, y, ldy, step, ncols, 1, keep, MODE);                                        \
+        }                                                                                                 \
     } while (0)
 
 __attribute__((target(AVX512))) static void tile_512(int type, const uint8_t *const c[4], int64_t nb, const blockx *x,
@@ -737,9 +744,12 @@ __attribute__((target(AVX512))) static void gemm_512(int type, const void *w, in
 
 #define TILE_SIZES_256(FN)                                                                                \
     do {                                                                                                  \
-        if (R == 4) FN(c, nb, x, y, ldy, step, ncols, 4);                                                 \
-        else if (R == 2) FN(c, nb, x, y, ldy, step, ncols, 2);                                            \
-        else FN(c, nb, x, y, ldy, step, ncols, 1);                                                        \
+        switch (R) {                                                                                      \
+        case 4: FN(c, nb, x, y, ldy, step, ncols, 4); break;                                              \
+        case 3: FN(c, nb, x, y, ldy, step, ncols, 3); break;                                              \
+        case 2: FN(c, nb, x, y, ldy, step, ncols, 2); break;                                              \
+        default: FN(c, nb, x, y, ldy, step, ncols, 1);                                                    \
+        }                                                                                                 \
     } while (0)
 
 __attribute__((target(AVX2))) static void tile_256(int type, const uint8_t *const c[2], int64_t nb, const blockx *x,
