@@ -26,8 +26,8 @@ completions. The draft model runs only when there is no such match, and then cat
 on the tokens it skipped in one pass.
 
 The draft reads the prompt at the first step that drafts, off the first token's path, and by default
-only its last tokens where the whole would cost more than it can earn back: as many as it reads in
-:data:`READ_SHARE` of the answer's plain decoding time (:meth:`Speculative.read_window`, from this run's timings).
+only its last tokens where the whole would cost more than it can earn back: as many as it reads in a
+tenth of the answer's plain decoding time (:meth:`Speculative.read_window`, from this run's timings).
 The draft then sees less context, which changes q only.
 
 With a draft vocabulary (``draft_vocab``) the draft computes only those rows of its LM head, a
@@ -63,11 +63,10 @@ from specplay.core.decoding.types import Draft
 log = logging.getLogger(__name__)
 
 #: The share of the answer's plain decoding time the draft's read of the prompt may take by default:
-#: where drafting pays at all on a CPU it saves from a tenth of that time up (a quarter to a third at
-#: best), and the read must leave most of the smallest such saving (a 741-token RAG prompt read whole
-#: cost a 48-token answer 0.81x plain decoding on the Intel Xeon; a tenth of the time, 0.94x where the
-#: draft was right 67% of the time).
-READ_SHARE = 0.05
+#: speculation on a CPU saves a quarter to a third of that time at best, and a read that ate more than a
+#: third of the saving would leave little (a 1,000-token RAG prompt read whole cost a 48-token answer
+#: 0.81x plain decoding on the Intel Xeon).
+READ_SHARE = 0.1
 #: The fewest prompt tokens the draft reads by default: the last lines before the answer.
 MIN_READ = 32
 
@@ -92,7 +91,7 @@ class SpeculativeConfig(MethodConfig):
                               "match (0 = always the draft)", label="copy matches of n ≥", minimum=0, maximum=16,
                               cli="--lookup-ngram")
     draft_window: int = param(0, "Let the draft model read only the last N tokens of the prompt (0 = as many as it "
-                              "reads in a twentieth of the answer's plain decoding time, by this run's timings; a number "
+                              "reads in a tenth of the answer's plain decoding time, by this run's timings; a number "
                               "past the prompt's length = all of it): a long prompt's draft read then costs little, "
                               "the draft sees less context", label="draft reads last", minimum=0,
                               maximum=1_000_000, cli="--draft-window")
