@@ -62,7 +62,8 @@ class Series:
             if k < e.num_accepted:
                 self.pos_hit[k] += 1
         parts = (e.timing.draft_s, e.timing.verify_s, e.timing.other_s)
-        if e.stood_down:
+        # Step 0 is plain by design where the gate is on (its note says why), never stood down by it.
+        if e.stood_down and e.step > 0:
             self.stood = [a + b for a, b in zip(self.stood, parts)]
             self.split[3] += sum(parts)
         else:

@@ -824,6 +824,19 @@ def test_the_cost_curve_axis_labels_each_block_size_once_without_overlap(qtbot):
     assert all(not a.intersects(b) for i, a in enumerate(rects) for b in rects[i + 1:])
 
 
+def test_the_time_split_counts_a_runs_plain_first_step_as_its_own_time_not_as_stood_down():
+    from specplay.app.charts import Series
+
+    series = Series()
+    note = "the first token is the target's alone: it comes as soon as plain decoding's would"
+    series.add(StepEvent(step=0, tokens=[], committed=[1], text="a", num_drafted=0, num_accepted=0,
+                         timing=StepTiming(0.0, 0.04, 0.001), elapsed_s=0.05, total_new_tokens=1, stood_down=note))
+    series.add(StepEvent(step=1, tokens=[], committed=[2], text="b", num_drafted=0, num_accepted=0,
+                         timing=StepTiming(0.0, 0.05, 0.002), elapsed_s=0.1, total_new_tokens=2,
+                         stood_down="drafting stood down: 10.0 tokens/s drafting against 20.0 plain"))
+    assert series.split == pytest.approx([0.0, 0.04, 0.001, 0.052])
+
+
 def test_the_time_split_axis_starts_at_zero_seconds_while_a_run_streams(qtbot):
     from specplay.app.charts import ChartsPanel
 
