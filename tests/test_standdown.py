@@ -10,12 +10,13 @@ GAMMA, C = 5, 0.2  # draft tokens a step, a draft token's cost in plain steps
 VERIFY = 1.3  # T(1 + γ) / T(1)
 
 
-def simulate(gate: StandDownGate, tokens: int, accepted: int, estimate: bool = True) -> float:
-    """Time to emit ``tokens`` when each drafting step has ``accepted`` of its γ drafts accepted."""
+def run_gate(gate: StandDownGate, tokens: int, drafting_step, estimate: bool = True) -> float:
+    """Time to emit ``tokens`` when a drafting step takes and adds what ``drafting_step()`` says
+    (seconds, tokens) and a plain step takes T1 for one token."""
     clock, out = 0.0, 0
     while out < tokens:
         if gate.drafting():
-            seconds, new = GAMMA * C * T1 + VERIFY * T1, accepted + 1
+            seconds, new = drafting_step()
             gate.record(True, new, seconds, plain_estimate=(lambda: T1) if estimate else None)
         else:
             seconds, new = T1, 1
@@ -23,6 +24,11 @@ def simulate(gate: StandDownGate, tokens: int, accepted: int, estimate: bool = T
         clock += seconds
         out += new
     return clock
+
+
+def simulate(gate: StandDownGate, tokens: int, accepted: int, estimate: bool = True) -> float:
+    """Time to emit ``tokens`` when each drafting step has ``accepted`` of its γ drafts accepted."""
+    return run_gate(gate, tokens, lambda: (GAMMA * C * T1 + VERIFY * T1, accepted + 1), estimate)
 
 
 @pytest.mark.parametrize("estimate", [True, False])
@@ -75,20 +81,15 @@ def simulate_misses(gate: StandDownGate, tokens: int, alpha: float, seed: int = 
     (the Intel Xeon's figures for the default pair)."""
     import random
 
-    rng, clock, out = random.Random(seed), 0.0, 0
-    while out < tokens:
-        if gate.drafting():
-            accepted = 0
-            while accepted < 3 and rng.random() < alpha:
-                accepted += 1
-            seconds, new = 3 * 0.37 * T1 + 1.29 * T1, accepted + 1
-            gate.record(True, new, seconds, plain_estimate=lambda: T1)
-        else:
-            seconds, new = T1, 1
-            gate.record(False, 1, seconds)
-        clock += seconds
-        out += new
-    return clock
+    rng = random.Random(seed)
+
+    def step() -> tuple[float, int]:
+        accepted = 0
+        while accepted < 3 and rng.random() < alpha:
+            accepted += 1
+        return 3 * 0.37 * T1 + 1.29 * T1, accepted + 1
+
+    return run_gate(gate, tokens, step)
 
 
 @pytest.mark.parametrize("alpha", [0.8, 0.9])
