@@ -61,11 +61,18 @@ def _run(target, name, config=None, n=50, prompt=PROMPT):
 @pytest.mark.parametrize("cfg", [EagleConfig(tree="chain", depth=1), EagleConfig(tree="chain", depth=6),
                                  EagleConfig(tree="dynamic"), EagleConfig(tree="dynamic", depth=3, top_k=2,
                                                                          total_tokens=5),
-                                 EagleConfig(tree="dynamic", depth=8, top_k=6, total_tokens=60)])
+                                 EagleConfig(tree="dynamic", depth=8, top_k=6, total_tokens=60),
+                                 EagleConfig(tree="dynamic", window=3), EagleConfig(tree="chain", depth=4, window=1)])
 def test_eagle_greedy_equals_autoregressive(target, knowing_head, cfg):
     answer, head = knowing_head
-    res = _run(target, "eagle", EagleConfig(**{**cfg.to_dict(), "head": str(head)}))
+    method = build_method("eagle", EagleConfig(**{**cfg.to_dict(), "head": str(head)}), target)
+    res = drain(generate(target.model, target.tokenizer, method, PROMPT,
+                         GenerationConfig(max_new_tokens=50, stop_at_eos=False, stand_down=False)))
     assert res.token_ids == answer
+    # The head's cache: the prompt's last pairs it read (all with no window), then the answer's up to
+    # the last step that drafted.
+    read = min(cfg.window, len(PROMPT) - 1) if cfg.window else len(PROMPT) - 1
+    assert read + 40 < method.drafter.len <= read + 50 - 1
     assert target.model.cache_len == len(PROMPT) + 50 - 1
     assert_drafts_accepted(res, 1.5)
 
@@ -231,3 +238,23 @@ def test_a_head_started_from_the_target_layer_computes_that_layer():
     cos, sin = native.rope(torch.arange(7))  # the target computes in float32
     want = layer_forward(cfg, layer, feats[0], cos, sin, kv, 0, torch.ones(7, 7, dtype=torch.bool).tril()[None, None])
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_size_keeps_what_the_run_bears_out(target, knowing_head, tmp_path):
+    """The kept tree is sized by the head's confidence as the run's verdicts calibrate it: a random
+    head's confident guesses, never accepted, shrink to one node; a head that knows the answer keeps
+    a tree. The curve is pinned (5% a verified node)."""
+    from specplay.core.decoding.costmodel import CostCurve
+
+    def kept(head):
+        method = build_method("eagle", EagleConfig(head=str(head), tree="dynamic", depth=4, top_k=3), target)
+        method.cost = CostCurve.linear(0.05)
+        gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
+        return [(e.num_drafted, e.internals.get("calibration")) for e in
+                generate(target.model, target.tokenizer, method, PROMPT, gen) if e.num_drafted]
+
+    wrong = kept(make_head_file(tmp_path / "random.safetensors", target.model, scale=2.0))
+    right = kept(knowing_head[1])
+    assert wrong[0] == (4, 1.0) and right[0][1] == 1.0  # the first step: the head's word alone
+    assert {n for n, _ in wrong[5:]} == {1} and wrong[-1][1] < 0.2
+    assert min(n for n, _ in right) > 2 and len(right) < len(wrong) / 2

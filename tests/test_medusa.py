@@ -311,3 +311,21 @@ def test_the_dynamic_tree_follows_the_heads_confidence_and_the_verify_cost(targe
     assert unsure.tokens[:2] == [int(method.vocab_ids[i]) for i in (1, 10)]
     method.cost = CostCurve.linear(10.0)
     assert len(method._dynamic(probs(0.99, 0.98, 0.97)).tokens) == 1
+
+
+def test_the_auto_tree_keeps_what_the_run_bears_out(target, knowing_heads, tmp_path):
+    """Sized each step by the manifest's accuracies as the run's verdicts calibrate them: heads that
+    are never right shrink to one node within a few steps; heads that know the answer keep a tree.
+    (Both manifests claim the same accuracies; the curve is pinned, 5% a verified node.)"""
+    from specplay.core.decoding.costmodel import CostCurve
+
+    def nodes(heads):
+        method = build_method("medusa", MedusaConfig(heads=str(heads), tree="auto"), target)
+        method.cost = CostCurve.linear(0.05)
+        gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
+        return [e.num_drafted for e in generate(target.model, target.tokenizer, method, PROMPT, gen)]
+
+    wrong, right = nodes(make_heads_file(tmp_path / "random.safetensors")), nodes(knowing_heads[1])
+    assert wrong[0] == right[0] > 2  # the first step: the manifest's word alone
+    assert set(wrong[5:20]) == {1}
+    assert min(right[1:8]) > 1

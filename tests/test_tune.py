@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specplay.core.cli import main
-from specplay.core.measure import tune as tuning
+from specplay.core.measure import replay as replaying, tune as tuning
 from specplay.core.decoding import costmodel
 from specplay.core.decoding.costmodel import CostCurve
 from specplay.core.decoding.engine import drain, generate
@@ -77,10 +77,10 @@ def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, s
     assert prefill > 0
     look = None
     if lookup:
-        look = tuning._new_lookup(PromptLookupConfig(min_ngram=lookup, max_ngram=max(lookup, 3)), target.model,
+        look = replaying.new_lookup(PromptLookupConfig(min_ngram=lookup, max_ngram=max(lookup, 3)), target.model,
                                   PROMPT)
     lacked = []
-    replay = tuning.replay_speculative(runs, answer, PROMPT, gamma, adaptive, 16, look,
+    replay = replaying.replay_speculative(runs, answer, PROMPT, gamma, adaptive, 16, look,
                                        lambda n: lacked.append(n) or 1.0, (0.1, curve) if sized else None)
     assert lacked == first_passes
     if sized:  # γ was chosen: not the first step's everywhere
@@ -99,28 +99,30 @@ def test_prompt_lookup_replay_takes_the_steps_a_run_takes(pair, adaptive, num_to
     answer = _answer(target)
     config = PromptLookupConfig(adaptive=adaptive, num_tokens=num_tokens, max_ngram=max_ngram)
     run = _run(target, None, "prompt_lookup", config)
-    replay = tuning.replay_lookup(config, target.model, PROMPT, answer)
+    replay = replaying.replay_lookup(config, target.model, PROMPT, answer)
     assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
     assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
 
 
-@pytest.mark.parametrize("depth,total,auto", [(2, 4, False), (3, 64, False), (5, 16, False), (8, 64, False),
-                                              (3, 8, True), (5, 32, True)])
+@pytest.mark.parametrize("depth,total,auto,window", [(2, 4, False, 0), (3, 64, False, 0), (5, 16, False, 0),
+                                                     (8, 64, False, 0), (3, 8, True, 0), (5, 32, True, 0),
+                                                     (3, 64, False, 4), (5, 32, True, 4)])
 def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, tmp_path, monkeypatch, depth, total,
-                                                                         auto):
+                                                                         auto, window):
     """The deepest tree, grown once per position (once per budget for auto size), holds every smaller
-    setting's tree: the replay of each equals a real run with that setting, step for step."""
+    setting's tree: the replay of each equals a real run with that setting, step for step (also where
+    the head reads only the prompt's last tokens, and where auto size calibrates the head's word)."""
     target, _ = pair
     # Auto size sizes by the machine's verify cost: pinned, so that where a level stops is the same in
     # every session (a timed curve moves the floor a node must pass, and a near-tie can land either side).
     monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve((1, 2, 4, 8), (1.0, 1.1, 1.4, 2.2)))
     head = make_head_file(tmp_path / "eagle.safetensors", target.model, scale=0.05)
     answer = _answer(target)
-    config = EagleConfig(head=str(head), depth=depth, total_tokens=total, auto_size=auto)
+    config = EagleConfig(head=str(head), depth=depth, total_tokens=total, auto_size=auto, window=window)
     run = _run(target, None, "eagle", config)
-    method = build_method("eagle", EagleConfig(head=str(head)), target)
-    trees, per_level, first = tuning.eagle_trees(method, target.model, PROMPT, answer, 8, (total,))
-    replay = tuning.replay_eagle(trees[total if auto else None], len(answer), depth, total, method.config.top_k,
+    method = build_method("eagle", EagleConfig(head=str(head), window=window), target)
+    trees, per_level, first = replaying.eagle_trees(method, target.model, PROMPT, answer, 8, (total,))
+    replay = replaying.replay_eagle(trees[total if auto else None], len(answer), depth, total, method.config.top_k,
                                  method.cost if auto else None)
     assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
     assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]
@@ -130,9 +132,9 @@ def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, 
 
 
 def test_a_step_costs_its_drafting_verification_and_bookkeeping():
-    costs = tuning.StepCosts(verify=CostCurve((1, 3), (0.010, 0.014)), draft_unit=0.002, other=0.001, prefill=0.5)
+    costs = replaying.StepCosts(verify=CostCurve((1, 3), (0.010, 0.014)), draft_unit=0.002, other=0.001, prefill=0.5)
     assert costs.step(2, 2.0) == pytest.approx(0.004 + 0.014 + 0.001)
-    replay = tuning.Replay()
+    replay = replaying.Replay()
     for added, nodes, units in ((3, 2, 2.0), (1, 0, 0.0)):
         replay.add(added, nodes, units)
     assert replay.tau == 2.0
@@ -140,7 +142,7 @@ def test_a_step_costs_its_drafting_verification_and_bookkeeping():
 
 
 def test_a_step_with_a_draft_model_pays_the_handover_and_one_without_does_not():
-    costs = tuning.StepCosts(verify=CostCurve((1, 3), (0.010, 0.014)), draft_unit=0.002, other=0.001, prefill=0.5,
+    costs = replaying.StepCosts(verify=CostCurve((1, 3), (0.010, 0.014)), draft_unit=0.002, other=0.001, prefill=0.5,
                              handover=0.004)
     assert costs.step(2, 2.0) == pytest.approx(0.004 + 0.014 + 0.001 + 0.004)
     assert costs.step(0, 0.0) == pytest.approx(0.010 + 0.001)  # copies alone: the draft model never ran

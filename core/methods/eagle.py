@@ -15,9 +15,10 @@ Drafting: ``chain`` follows the top token for ``depth`` steps (EAGLE-1). ``dynam
 (EAGLE-2) takes the ``top_k`` children of the root, then at each further level expands the
 ``top_k`` frontier nodes with the highest cumulative log-probability, and finally keeps the
 best nodes of all levels for verification: at most ``total_tokens``, and with ``auto_size``
-only as many as pay for their verification on this machine (:mod:`specplay.core.decoding.costmodel`); a level
-whose nodes are all too unlikely to pay is then not grown (with the shipped head on two cores
-this rarely cuts a level: docs/benchmarks.md). The head keeps its own KV cache of (true
+only as many as pay for their verification on this machine (:mod:`specplay.core.decoding.costmodel`), each
+node's chance being the head's confidence as far as this run's verdicts bear it out
+(:mod:`specplay.core.decoding.calibration`); a level whose nodes are all too unlikely to pay is then not
+grown. The head keeps its own KV cache of (true
 feature, token) pairs across steps; draft-time entries are cropped after each step and the
 accepted tokens re-enter with the target's true features.
 """
@@ -31,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from specplay.core.decoding.calibration import Calibration
 from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve
 from specplay.core.errors import ModelError
 from specplay.core.heads import draft_lm_rows, head_config, load_heads, resolve_heads_path
@@ -43,20 +45,27 @@ from specplay.core.decoding.types import Draft
 
 def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.Tensor], vocab_ids: torch.Tensor,
               feat: torch.Tensor, root: int, depth: int, total: int, top_k: int, cost: CostCurve | None = None,
-              worth_adding: Callable[[list[float]], float] | None = None, grown_only: bool = False) -> Draft:
+              worth_adding: Callable[[list[float]], float] | None = None, grown_only: bool = False,
+              calibration: Calibration | None = None) -> Draft:
     """EAGLE-2's dynamic tree from the head's prediction ``feat`` at ``root`` (the drafter's cache
     holds the true pairs before it): drafting uses it, and so does training's simulated τ
     (:mod:`specplay.core.training.tau`). ``cost`` sizes the kept draft and, with ``worth_adding`` (the
-    least chance one more node must have to pay), stops growing levels that cannot pay.
+    least chance one more node must have to pay), stops growing levels that cannot pay, each node's
+    chance being the head's cumulative probability; ``calibration`` (the run's measured acceptance
+    of the head's word, :mod:`specplay.core.decoding.calibration`) then sizes the kept draft. The growth
+    stays the head's alone, so the tune replays every step of a run from trees grown beforehand.
     ``grown_only``: every node grown, none cut (the tune replays each smaller tree from one growth)."""
     k = top_k
     d = drafter
+    true_pairs = d.len  # the drafter's cache before the tree: the true pairs up to the root's
     # Nodes: token, parent node (-1 root), cumulative log-prob, draft probability.
     tok: list[int] = []
     par: list[int] = []
     score: list[float] = []
     prob: list[float] = []
     slot: dict[int, int] = {}  # node -> its entry in the drafter cache, once expanded
+    chance: list[float] = []  # each node's calibrated chance of acceptance, as the kept draft's size reads it
+    factor = calibration.factor if calibration is not None else None
 
     def add_children(parent: int, logp: torch.Tensor, base: float) -> list[int]:
         top = logp.topk(k)
@@ -66,6 +75,8 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
             par.append(parent)
             score.append(base + lp)
             prob.append(float(torch.tensor(lp).exp()))
+            chance.append(math.exp(score[-1]) if factor is None else
+                          min(1.0, factor * prob[-1]) * (chance[parent] if parent >= 0 else 1.0))
             made.append(len(tok) - 1)
         return made
 
@@ -84,7 +95,7 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
         levels += 1
         base_len = d.len
         mask = torch.zeros(len(expand), base_len + len(expand), dtype=torch.bool)
-        mask[:, :root] = True  # the true pairs
+        mask[:, :true_pairs] = True
         for row, node in enumerate(expand):
             mask[row, base_len + row] = True
             a = par[node]
@@ -104,17 +115,18 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
             frontier += kids
     # Keep the best nodes overall; a child never outscores its parent, and ties go to the
     # earlier (parent) node, so any top-ranked prefix is closed under parents.
-    ranked = sorted(range(len(tok)), key=lambda n: (-score[n], n))[:len(tok) if grown_only else total]
+    # A calibrated chance, too, is never above its parent's.
+    ranked = sorted(range(len(tok)), key=lambda n: (-(score[n] if factor is None else chance[n]), n))
+    ranked = ranked[:len(tok) if grown_only else total]
     if cost is not None and not grown_only:
-        # The draft's cumulative probability estimates each node's chance of acceptance.
-        size = best_size([math.exp(score[n]) for n in ranked], cost)
+        size = best_size([chance[n] for n in ranked], cost)
         ranked = ranked[:max(1, size)]
     keep = sorted(ranked)
     new_index = {old: i for i, old in enumerate(keep)}
     parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
     return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],
                  shown={"shape": "dynamic", "depth": depth, "levels_grown": levels, "nodes_grown": len(tok),
-                        "kept": len(keep)})
+                        "kept": len(keep), **({} if factor is None else {"calibration": round(factor, 3)})})
 
 
 # ---------------------------------------------------------------------------------- method
@@ -132,6 +144,9 @@ class EagleConfig(MethodConfig):
     auto_size: bool = param(True, "Each step, keep only as many nodes as pay for their verification on this machine "
                             "(by the draft's confidence and the measured verification cost)", label="auto size",
                             cli="--auto-size")
+    window: int = param(64, "Prompt tokens the head reads before its first draft (the target's features it reads "
+                        "carry the whole prompt already); 0 = all", label="head's prompt window", minimum=0,
+                        cli="--head-window")
 
 
 class Eagle(Method):
@@ -165,10 +180,13 @@ class Eagle(Method):
         c = config
         self.max_draft_nodes = c.depth if c.tree == "chain" else c.total_tokens
         self.cost = cost_curve(target_lm) if (c.auto_size and c.tree == "dynamic") else None
+        # How far this run's target accepts what the head is confident of (auto size reads it).
+        self.calibration = Calibration()
         if self.cost is not None:
             self.timing_sized = "the tree's size follows the measured verification cost"
         self.features = torch.zeros(0, target_lm.info.hidden_size, device=target_lm.info.device)
         self.n_features = 0
+        self._first = 0  # the position of the first feature kept (the head's window of the prompt)
         # EAGLE-3's layer features wait here until a step drafts, then are fused in one pass: fusing a
         # step's row alone read the fuse's 28 MB each plain step (1.3 ms of a 46 ms step on the Intel Xeon).
         self._unfused: list[torch.Tensor] = []
@@ -232,15 +250,22 @@ class Eagle(Method):
         self.n_features = need
 
     def start(self, ctx: RunContext) -> None:
+        self.calibration = Calibration()
         self.drafter.crop(0)
         self.n_features = 0
         self._unfused, self._prompt_unfused = [], False
+        rows = ctx.prompt_len - 1  # the prompt's pairs: its features, each with the token after it
+        window = self.config.window
+        self._first = max(0, rows - window) if window else 0
         if ctx.prefill is not None:
-            self._keep_features(ctx.prefill)
+            self._keep_features(ctx.prefill, list(range(self._first, rows)) if self._first else None)
             self._prompt_unfused = bool(self._unfused)
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
         self._keep_features(outcome.target_out, outcome.kept_rows)
+        draft = outcome.draft
+        if len(draft) and draft.q_token is not None:
+            self.calibration.observe(draft.parents, draft.q_token, outcome.verdict.accepted)
 
     # --------------------------------------------------------------------------- drafting
     def _log_probs(self, feats: torch.Tensor) -> torch.Tensor:
@@ -255,12 +280,14 @@ class Eagle(Method):
         if budget <= 0 or root == 0:
             return Draft()
         setup_s = self._fuse_kept()
-        if self.n_features < root:
+        first = self._first  # the drafter's cache and the features start at this position
+        if first + self.n_features < root:
             return Draft()
         d = self.drafter
-        d.crop(min(d.len, root))
-        start = d.len
-        out = d.run(self.features[start:root], ctx.tokens[start + 1:root + 1], torch.arange(start, root))
+        d.crop(min(d.len, root - first))
+        start = first + d.len
+        out = d.run(self.features[start - first:root - first], ctx.tokens[start + 1:root + 1],
+                    torch.arange(start, root))
         depth = min(c.depth, budget)
         try:
             if c.tree == "chain":
@@ -268,7 +295,7 @@ class Eagle(Method):
             else:
                 draft = self._dynamic(out[-1], root, depth, min(c.total_tokens, budget * c.top_k))
         finally:
-            d.crop(root)
+            d.crop(root - first)
         draft.setup_s = setup_s
         return draft
 
@@ -284,8 +311,9 @@ class Eagle(Method):
         return Draft.chain(tokens, q_token=q, shown={"shape": "chain", "depth": depth})
 
     def _dynamic(self, feat: torch.Tensor, root: int, depth: int, total: int) -> Draft:
+        sized = self.cost is not None
         return grow_tree(self.drafter, self._log_probs, self.vocab_ids, feat, root, depth, total, self.config.top_k,
-                         self.cost, self._worth_adding if self.cost is not None else None)
+                         self.cost, self._worth_adding if sized else None, calibration=self.calibration if sized else None)
 
     def _worth_adding(self, values: list[float]) -> float:
         """The least chance of acceptance v with which one more node pays for itself, given the nodes'

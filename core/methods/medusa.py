@@ -15,7 +15,9 @@ Candidates: each depth's top-k tokens from its head form a static tree declared 
 of ranks (:class:`specplay.core.decoding.tree.TreeSpec`). The default tree takes the paths with the highest
 estimated acceptance (the product of the heads' measured accuracies), as many as pay for
 their verification on this machine (:mod:`specplay.core.decoding.costmodel`): a handful on a CPU, dozens on
-a GPU. The target verifies the tree in one pass;
+a GPU. It is sized each step, the accuracies scaled by how far this run's verdicts bear them out
+(:mod:`specplay.core.decoding.calibration`): heads trained on code that meet a translation keep one
+node. The target verifies the tree in one pass;
 candidates are deterministic, so verification is exact (and lossless at temperature > 0).
 Medusa's typical acceptance is available as an option and is labelled lossy.
 
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from specplay.core.errors import ConfigError, ModelError
+from specplay.core.decoding.calibration import Calibration
 from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve
 from specplay.core.heads import MedusaHeads, draft_lm_rows, load_heads, resolve_heads_path
 from specplay.core.heads.hydra import HydraHeads
@@ -40,8 +43,10 @@ from specplay.core.decoding.method import Method, MethodConfig, RunContext, Step
 from specplay.core.decoding.tree import TreeSpec, choose_tree
 from specplay.core.decoding.types import Draft
 
-NAMED_TREES = {"auto": "the most valuable paths by measured accuracy, as many as pay for their verification here",
-               "dynamic": "chosen afresh each step by the heads' confidence, as many as pay for their verification",
+NAMED_TREES = {"auto": "the most valuable paths by measured accuracy, as many as pay for their verification here "
+                       "(each step, by how far the run's target bears the accuracies out)",
+               "dynamic": "chosen afresh each step by the heads' confidence, as many as pay for their verification "
+                          "(likewise)",
                "chain": "top-1 of every head", "small": "the 8 most valuable paths", "large": "the 32 most valuable paths"}
 _BUDGETS = {"small": 8, "large": 32}
 _AUTO_MAX = 64
@@ -74,17 +79,14 @@ def path_value(path: tuple[int, ...], accuracy: list[list[float]]) -> float:
     return value
 
 
-def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top_k: int, target_lm=None) -> TreeSpec:
+def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top_k: int) -> TreeSpec:
     if tree in ("chain", "dynamic"):  # for "dynamic", a placeholder as deep as the heads: each step chooses its own
         return TreeSpec.from_paths([(0,) * d for d in range(1, num_heads + 1)])
     accuracy = [row[:top_k] for row in accuracy]  # the chosen tree's nodes are each head's top-k candidates
     if tree in _BUDGETS:
         return TreeSpec.from_paths(choose_tree(accuracy, _BUDGETS[tree]))
-    if tree == "auto":
-        paths = choose_tree(accuracy, _AUTO_MAX)  # best first, parents before children
-        curve = cost_curve(target_lm) if target_lm is not None else CostCurve.linear(0.035)
-        size = max(1, best_size([path_value(p, accuracy) for p in paths], curve))
-        return TreeSpec.from_paths(paths[:size])
+    if tree == "auto":  # the paths it may take, best first: each step keeps as many as pay (Medusa.propose)
+        return TreeSpec.from_paths(choose_tree(accuracy, _AUTO_MAX))
     path = Path(tree).expanduser()
     if not path.is_file():
         raise ConfigError(f"unknown tree '{tree}': use {', '.join(NAMED_TREES)} or a JSON file of rank paths")
@@ -129,9 +131,18 @@ class Medusa(Method):
         self.heads.eval().to(device)
         self.vocab_ids = tensors["vocab_ids"].to(device)
         self.lm_rows = draft_lm_rows(target_lm, self.vocab_ids, path)
-        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads, config.top_k, target_lm)
+        self.tree = tree_from_config(config.tree, manifest["accuracy"], num_heads, config.top_k)
         self.max_draft_nodes = len(self.tree)
         self.cost: CostCurve | None = None
+        # How far this run's target accepts what the heads' accuracies (or confidences) promise.
+        self.calibration = Calibration()
+        if config.tree == "auto":
+            self.cost = cost_curve(target_lm)
+            accuracy = [row[:config.top_k] for row in manifest["accuracy"]]
+            self._paths = choose_tree(accuracy, _AUTO_MAX)  # the tree's paths, best first
+            self._path_chances = [accuracy[len(p) - 1][p[-1]] for p in self._paths]
+            self._path_parents = [-1 if len(p) == 1 else self._paths.index(p[:-1]) for p in self._paths]
+            self._sized: dict[tuple[int, int], TreeSpec] = {}
         if config.tree == "dynamic":
             self.cost = cost_curve(target_lm)
             self.max_draft_nodes = _AUTO_MAX
@@ -144,6 +155,25 @@ class Medusa(Method):
 
     def start(self, ctx: RunContext) -> None:
         self.last_hidden = None if ctx.prefill is None else ctx.prefill.hidden[-1]
+        self.calibration = Calibration()
+
+    def _step_tree(self, depth: int) -> tuple[TreeSpec, int, list[float] | None]:
+        """This step's static tree, its nodes down to ``depth``, and each node's chance given its
+        parent (None for a tree of fixed size). The auto tree keeps, of its paths within ``depth``,
+        as many of the most valuable as pay for their verification by the run's calibrated chances."""
+        if self.config.tree != "auto":
+            return self.tree, self._by_depth[depth], None
+        within = [i for i, p in enumerate(self._paths) if len(p) <= depth]
+        index = {old: new for new, old in enumerate(within)}
+        values = self.calibration.values([index.get(self._path_parents[i], -1) for i in within],
+                                         [self._path_chances[i] for i in within])
+        size = max(1, best_size(values, self.cost))
+        key = (depth, size)
+        if key not in self._sized:
+            self._sized[key] = TreeSpec.from_paths([self._paths[i] for i in within[:size]])
+        tree = self._sized[key]
+        accuracy = self.manifest["accuracy"]
+        return tree, len(tree), [accuracy[d - 1][r] for d, r in zip(tree.depth_of, tree.ranks)]
 
     @torch.inference_mode()
     def propose(self, ctx: RunContext, budget: int) -> Draft:
@@ -155,27 +185,32 @@ class Medusa(Method):
         states = self.heads(self.last_hidden.float()[None])[:, 0]  # [K, hidden]
         logits = self.lm_rows(states[:depth]).float()  # [depth, V']
         probs = torch.softmax(logits, dim=-1)
-        if self.cost is not None:
+        if self.config.tree == "dynamic":
             return self._dynamic(probs)
-        n = self._by_depth[depth]
-        max_rank = max(self.tree.ranks[:n]) + 1
+        tree, n, chances = self._step_tree(depth)
+        max_rank = max(tree.ranks[:n]) + 1
         top_p, top_i = probs.topk(max_rank, dim=-1)
         ids = self.vocab_ids[top_i]
-        tokens = [int(ids[d - 1, r]) for d, r in zip(self.tree.depth_of[:n], self.tree.ranks[:n])]
-        q_token = [float(top_p[d - 1, r]) for d, r in zip(self.tree.depth_of[:n], self.tree.ranks[:n])]
-        return Draft(tokens=tokens, parents=list(self.tree.parents[:n]), q_token=q_token,
-                     shown={"tree_nodes": n, "heads": len(self.heads.blocks)})
+        tokens = [int(ids[d - 1, r]) for d, r in zip(tree.depth_of[:n], tree.ranks[:n])]
+        q_token = [float(top_p[d - 1, r]) for d, r in zip(tree.depth_of[:n], tree.ranks[:n])]
+        return Draft(tokens=tokens, parents=list(tree.parents[:n]), q_token=q_token, memo={"chances": chances},
+                     shown=self._shown(n))
+
+    def _shown(self, nodes: int, **more) -> dict:
+        shown = {"tree_nodes": nodes, "heads": len(self.heads.blocks), **more}
+        if self.cost is not None:
+            shown["calibration"] = round(self.calibration.factor, 3)
+        return shown
 
     def _hydra(self, root: int, depth: int) -> Draft:
         """The static tree's first nodes, down to ``depth``, drawn along each path (:meth:`HydraHeads.draft_tree`)."""
-        n = self._by_depth[depth]
-        t = self.tree
+        t, n, chances = self._step_tree(depth)
         device = self.vocab_ids.device
         index, prob = self.heads.draft_tree(
             self.last_hidden.float()[None], self.embed(torch.tensor([root], device=device)).float(), t.parents[:n],
             t.ranks[:n], t.depth_of[:n], self._logits, lambda i: self.embed(self.vocab_ids[i]))
         return Draft(tokens=self.vocab_ids[index[0]].tolist(), parents=list(t.parents[:n]), q_token=prob[0].tolist(),
-                     shown={"tree_nodes": n, "heads": len(self.heads.blocks), "recipe": "hydra"})
+                     memo={"chances": chances}, shown=self._shown(n, recipe="hydra"))
 
     def _logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of states of any leading shape (the LM head rows take rows)."""
@@ -188,13 +223,18 @@ class Medusa(Method):
         top_p, top_i = probs.topk(min(self.config.top_k, probs.shape[-1]), dim=-1)
         confidence = top_p.tolist()
         paths = choose_tree(confidence, _AUTO_MAX)
-        size = max(1, best_size([path_value(p, confidence) for p in paths], self.cost))
+        f = self.calibration.factor
+        calibrated = [[min(1.0, f * c) for c in row] for row in confidence]
+        size = max(1, best_size([path_value(p, calibrated) for p in paths], self.cost))
         tree_spec = TreeSpec.from_paths(paths[:size])
         ids = self.vocab_ids[top_i].tolist()
         nodes = list(zip(tree_spec.depth_of, tree_spec.ranks))
-        return Draft(tokens=[ids[d - 1][r] for d, r in nodes], parents=list(tree_spec.parents),
-                     q_token=[confidence[d - 1][r] for d, r in nodes],
-                     shown={"tree_nodes": len(tree_spec), "heads": len(self.heads.blocks)})
+        q_token = [confidence[d - 1][r] for d, r in nodes]
+        return Draft(tokens=[ids[d - 1][r] for d, r in nodes], parents=list(tree_spec.parents), q_token=q_token,
+                     memo={"chances": q_token}, shown=self._shown(len(tree_spec)))
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
         self.last_hidden = outcome.target_out.hidden[outcome.kept_rows[-1]]
+        chances = outcome.draft.memo.get("chances")
+        if chances and len(outcome.draft):
+            self.calibration.observe(outcome.draft.parents, chances, outcome.verdict.accepted)
