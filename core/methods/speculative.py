@@ -26,9 +26,8 @@ completions. The draft model runs only when there is no such match, and then cat
 on the tokens it skipped in one pass.
 
 The draft reads the prompt at the first step that drafts, off the first token's path, and by default
-only its opening and its last tokens where the whole would cost more than it can earn back: as many as
-it reads in a twentieth of the answer's plain decoding time (:meth:`Speculative.read_window`, from this
-run's timings), after the chat template's opening (:data:`KEEP_FIRST`).
+only its last tokens where the whole would cost more than it can earn back: as many as it reads in a
+tenth of the answer's plain decoding time (:meth:`Speculative.read_window`, from this run's timings).
 The draft then sees less context, which changes q only.
 
 With a draft vocabulary (``draft_vocab``) the draft computes only those rows of its LM head, a
@@ -66,14 +65,10 @@ log = logging.getLogger(__name__)
 #: The share of the answer's plain decoding time the draft's read of the prompt may take by default:
 #: speculation on a CPU saves a quarter to a third of that time at best, and a read that ate more than a
 #: third of the saving would leave little (a 1,000-token RAG prompt read whole cost a 48-token answer
-#: 0.81x plain decoding on the Intel Xeon), and an answer is often shorter than its budget.
-READ_SHARE = 0.05
-#: The fewest of the prompt's last tokens the draft reads by default: the last lines before the answer.
+#: 0.81x plain decoding on the Intel Xeon).
+READ_SHARE = 0.1
+#: The fewest prompt tokens the draft reads by default: the last lines before the answer.
 MIN_READ = 32
-#: The prompt's first tokens the draft reads too where its default read leaves out the middle: the
-#: chat template's opening (the system turn), which sets the answer's manner. Without it, reading a
-#: twentieth of the answer's time cut the draft's acceptance from 73% to 66% (Intel Xeon).
-KEEP_FIRST = 24
 
 
 @dataclass(frozen=True)
@@ -96,8 +91,7 @@ class SpeculativeConfig(MethodConfig):
                               "match (0 = always the draft)", label="copy matches of n ≥", minimum=0, maximum=16,
                               cli="--lookup-ngram")
     draft_window: int = param(0, "Let the draft model read only the last N tokens of the prompt (0 = as many as it "
-                              "reads in a twentieth of the answer's plain decoding time, by this run's timings, after the prompt's "
-                              "first 24; a number "
+                              "reads in a tenth of the answer's plain decoding time, by this run's timings; a number "
                               "past the prompt's length = all of it): a long prompt's draft read then costs little, "
                               "the draft sees less context", label="draft reads last", minimum=0,
                               maximum=1_000_000, cli="--draft-window")
@@ -126,8 +120,7 @@ class Speculative(Method):
         super().__init__(config)
         self.draft_model = draft_model
         self.gamma = config.gamma
-        self._offset = 0  # where in the run's tokens the draft's cache (past its kept opening) resumes
-        self._kept_first = 0  # the prompt's first tokens in the draft's cache before that
+        self._offset = 0
         self.max_draft_nodes = config.max_gamma if (config.adaptive or config.sized) else config.gamma
         self.cost = cost_curve(target_lm) if (config.sized and target_lm is not None) else None
         # The draft's share of the target's multiply-adds: what its read of a token costs of the target's.
@@ -200,7 +193,6 @@ class Speculative(Method):
         # never delays the first token.
         window = self.config.draft_window
         self._offset = max(0, len(ctx.tokens) - 1 - window) if window else 0
-        self._kept_first = 0
         prefill_s, config = getattr(ctx, "prefill_s", None), getattr(ctx, "config", None)
         self._read_plan = (prefill_s, len(ctx.tokens) - 1, config.max_new_tokens) if (
             not window and prefill_s and config is not None) else None
@@ -219,15 +211,13 @@ class Speculative(Method):
 
     def read_prompt(self, tokens: list[int]) -> int:
         """Into an empty draft cache, ``tokens`` from the window's start on, all but the last (the next
-        pass feeds that one), as one prefill; the default window keeps the prompt's first
-        :data:`KEEP_FIRST` tokens before it where it leaves out the middle. Returns the tokens read."""
+        pass feeds that one), as one prefill; returns the tokens read."""
         if self.draft_model.cache_len:
             return 0
         window = self.read_window()
         if window is not None:
             self._offset = max(0, len(tokens) - 1 - window)
-            self._kept_first = KEEP_FIRST if self._offset > KEEP_FIRST else 0
-        lacking = tokens[:self._kept_first] + tokens[self._offset:-1]
+        lacking = tokens[self._offset:-1]
         if lacking:
             self.draft_model.forward_chain(self._readable(lacking), logit_rows=[], prefill=True)
         return len(lacking)
@@ -254,7 +244,7 @@ class Speculative(Method):
         read = self.read_prompt(ctx.tokens)
         started = time.perf_counter()
         # Feed what the draft cache lacks: the root, and any token the target added last step.
-        logits = self._next_logits(self._readable(ctx.tokens[self._offset - self._kept_first + dm.cache_len:]), vocab)
+        logits = self._next_logits(self._readable(ctx.tokens[self._offset + dm.cache_len:]), vocab)
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         q_token: list[float] = []
@@ -284,8 +274,7 @@ class Speculative(Method):
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
                            q_token=q_token, shown={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
                                                    "stopped_early": stopped_early, "gain": self.gain,
-                                                   **({"read_prompt": read, "prompt_from": self._offset,
-                                                       "prompt_opening": self._kept_first} if read else {})},
+                                                   **({"read_prompt": read, "prompt_from": self._offset} if read else {})},
                            setup_s=started - reading)
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> None:
@@ -297,7 +286,7 @@ class Speculative(Method):
         drafted = len(outcome.draft)
         # The draft cache holds the old context plus every drafted token but the last; keep
         # the old context plus the accepted ones. The next propose feeds what is missing.
-        old_len = len(ctx.tokens) - len(outcome.new_tokens) - self._offset + self._kept_first
+        old_len = len(ctx.tokens) - len(outcome.new_tokens) - self._offset
         self.draft_model.crop(min(self.draft_model.cache_len, old_len + accepted))
         if self.config.adaptive and drafted:
             if accepted == drafted:
