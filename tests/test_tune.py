@@ -121,8 +121,8 @@ def test_eagle_replay_from_one_grown_tree_takes_the_steps_of_each_setting(pair, 
     config = EagleConfig(head=str(head), depth=depth, total_tokens=total, auto_size=auto, window=window)
     run = _run(target, None, "eagle", config)
     method = build_method("eagle", EagleConfig(head=str(head), window=window), target)
-    trees, per_level, first = replaying.eagle_trees(method, target.model, PROMPT, answer, 8)
-    replay = replaying.replay_eagle(trees, len(answer), depth, total, method.config.top_k,
+    trees, per_level, first = replaying.eagle_trees(method, target.model, PROMPT, answer, 8, (total,))
+    replay = replaying.replay_eagle(trees[total if auto else None], len(answer), depth, total, method.config.top_k,
                                  method.cost if auto else None)
     assert [s[0] for s in replay.steps] == run.metrics.accept_lengths
     assert [s[1] for s in replay.steps] == [e.num_drafted for e in run.events]

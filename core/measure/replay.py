@@ -144,13 +144,18 @@ class _Tree:
     prob: list[float]  # the head's probability of each node given its parent
 
 
+#: EAGLE's tree budgets tuned over; auto size grows a tree for each (it stops levels by the budget's nodes).
+EAGLE_TOTALS = (4, 8, 16, 32, 64)
+
+
 @torch.inference_mode()
 def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], depth: int,
-                check: Callable[[], None] = lambda: None) -> tuple[list, float, float]:
-    """EAGLE's tree at every answer position, grown whole to ``depth`` levels from the target's features
-    of one teacher-forced pass with the method's own drafter and growth (every setting's tree, auto size's
-    included, is its first levels); the seconds a level took; and what a step's work before its tree
-    (its accepted features, the drafter's run over them) costs, in levels; ``check`` before each tree."""
+                totals: tuple[int, ...] = (), check: Callable[[], None] = lambda: None) -> tuple[dict, float, float]:
+    """EAGLE's trees at every answer position, grown to ``depth`` levels from the target's features of
+    one teacher-forced pass with the method's own drafter and growth: ``trees[None]`` unsized, and
+    ``trees[t]`` for each of ``totals`` as auto size grows them for a budget of t nodes (levels no node
+    of which can pay are not grown); the seconds a level took; and what a step's work before its
+    tree (its accepted features, the drafter's run over them) costs, in levels; ``check`` before each tree."""
     from specplay.core.methods.eagle import grow_tree
 
     tokens = list(prompt_ids) + list(answer)
@@ -169,7 +174,7 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
     head_from = max(0, len(prompt_ids) - 1 - window) if window else 0
     pred = torch.zeros_like(feats)  # pred[i]: from the pair (f_i, x_{i+1})
     pred[head_from:] = d.run(feats[head_from:], tokens[head_from + 1:], torch.arange(head_from, len(tokens) - 1))
-    trees: list = [None] * len(answer)
+    trees: dict = {key: [None] * len(answer) for key in (None, *totals)}
     p = len(prompt_ids)
     grown, levels, first = 0.0, 0, 0.0
     for pos in range(len(answer) - 1, -1, -1):  # latest root first: a tree is drafted past its root
@@ -185,14 +190,17 @@ def eagle_trees(method, target_lm, prompt_ids: list[int], answer: list[int], dep
         d.crop(since - head_from)
         d.run(feats[since:root], tokens[since + 1:root + 1], torch.arange(since, root))
         first += time.perf_counter() - started
-        check()
-        d.crop(root - head_from)
-        started = time.perf_counter()
-        draft = grow_tree(d, method._log_probs, method.vocab_ids, pred[root - 1], root, depth, 1 << 20,
-                          method.config.top_k, grown_only=True)
-        grown += time.perf_counter() - started
-        levels += draft.shown["levels_grown"]
-        trees[pos] = _tree(draft, wanted)
+        for key in trees:
+            check()
+            d.crop(root - head_from)
+            sized = dict(total=key, cost=method.cost, worth_adding=method._worth_adding) if key else \
+                dict(total=1 << 20)
+            started = time.perf_counter()
+            draft = grow_tree(d, method._log_probs, method.vocab_ids, pred[root - 1], root, depth,
+                              top_k=method.config.top_k, grown_only=True, **sized)
+            grown += time.perf_counter() - started
+            levels += draft.shown["levels_grown"]
+            trees[key][pos] = _tree(draft, wanted)
     d.crop(0)
     per_level = grown / max(levels, 1)
     return trees, per_level, first / max(len(answer), 1) / per_level if per_level else 1.0
@@ -210,12 +218,9 @@ def _tree(draft, wanted: list[int]) -> _Tree:
 
 def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_k: int,
                  curve: CostCurve | None, first: float = 1.0) -> Replay:
-    """EAGLE's steps along the answer at one setting, from the trees grown whole at every position
-    (``curve``: auto size's, which grows a level only where a node of it can pay and keeps nodes by
-    their chances as the replayed run calibrates them, as the method does).
+    """EAGLE's steps along the answer at one setting, from trees grown for it (``curve``: auto size's,
+    which keeps nodes by their chances as the replayed run calibrates them, as the method does).
     Units: tree levels grown, plus ``first`` for the step's work before its tree."""
-    from specplay.core.methods.eagle import worth_adding
-
     out, pos = Replay(), 0
     calibration = Calibration()
     while pos < n:
@@ -227,29 +232,21 @@ def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_
             continue
         deep = min(depth, budget)
         cap = min(total, budget * top_k)
+        within = [i for i in range(len(tree.level)) if tree.level[i] <= deep]
         if curve is None:
-            levels = min(deep, tree.levels)
-            ranked = sorted((i for i in range(len(tree.level)) if tree.level[i] <= levels),
-                            key=lambda i: (-tree.score[i], i))[:cap]
+            ranked = sorted(within, key=lambda i: (-tree.score[i], i))[:cap]
         else:
-            chance = calibration.values(tree.parents, tree.prob)  # nodes are grown level by level, parents first
-            levels = 1
-            while levels < min(deep, tree.levels):  # the method's growth: a level where its likeliest node can pay
-                grown = [i for i in range(len(tree.level)) if tree.level[i] <= levels]
-                expand = sorted((i for i in grown if tree.level[i] == levels), key=lambda i: (-tree.score[i], i))
-                floor = worth_adding(sorted((chance[i] for i in grown), reverse=True)[:cap], curve)
-                if max(chance[i] for i in expand[:top_k]) <= floor:
-                    break
-                levels += 1
-            ranked = sorted((i for i in range(len(tree.level)) if tree.level[i] <= levels),
-                            key=lambda i: (-chance[i], i))[:cap]
+            at = {node: k for k, node in enumerate(within)}  # parents come first: nodes are grown level by level
+            chance = dict(zip(within, calibration.values([at.get(tree.parents[i], -1) for i in within],
+                                                         [tree.prob[i] for i in within])))
+            ranked = sorted(within, key=lambda i: (-chance[i], i))[:cap]
             ranked = ranked[:max(1, best_size([chance[i] for i in ranked], curve))]
             keep = sorted(ranked)
             index = {old: new for new, old in enumerate(keep)}
             calibration.observe([index.get(tree.parents[i], -1) for i in keep], [tree.prob[i] for i in keep],
                                 [index[i] for i in keep if tree.matched[i]])
         accepted = max((tree.level[i] for i in ranked if tree.matched[i]), default=0)
-        out.add(accepted + 1, len(ranked), levels + first)
+        out.add(accepted + 1, len(ranked), min(deep, tree.levels) + first)
         pos += accepted + 1
     return out
 

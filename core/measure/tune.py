@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from specplay.core.measure.compare import WARMUP_TOKENS, warm_up
-from specplay.core.measure.replay import (Replay, StepCosts, eagle_trees, new_lookup, replay_eagle,
+from specplay.core.measure.replay import (EAGLE_TOTALS, Replay, StepCosts, eagle_trees, new_lookup, replay_eagle,
                                           replay_lookup, replay_speculative)
 from specplay.core.decoding.costmodel import CostCurve, cost_curve, time_passes
 from specplay.core.decoding.engine import drain, generate
@@ -270,10 +270,6 @@ def _lookup_settings(base) -> list[dict]:
             for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)]
 
 
-#: EAGLE's tree budgets tuned over.
-EAGLE_TOTALS = (4, 8, 16, 32, 64)
-
-
 def _eagle_settings(base) -> list[dict]:
     return [{"total_tokens": t, "depth": d, "auto_size": a} for a in (True, False) for d in range(2, 9)
             for t in EAGLE_TOTALS]
@@ -334,8 +330,9 @@ class _Predictor:
             self.handover = time_handover(method, target.model, context_ids, vocab, check=check)
         elif method_name == "eagle":
             self.curve = cost_curve(target.model)  # what auto-sizing settings size by, as the method does
+            totals = tuple(sorted({*EAGLE_TOTALS, base.total_tokens}))
             self.trees, self.unit, self.first = eagle_trees(method, target.model, prompt_ids, answer, EAGLE_DEPTH,
-                                                            check)
+                                                            totals, check)
         else:
             started = time.perf_counter()
             rep = replay_lookup(base, target.model, prompt_ids, answer)
@@ -358,7 +355,8 @@ class _Predictor:
                                       lookup, self.catch_up, sizing)
         if self.name == "prompt_lookup":
             return replay_lookup(c, self.target.model, self.prompt_ids, self.answer)
-        return replay_eagle(self.trees, len(self.answer), c.depth, c.total_tokens, c.top_k,
+        trees = self.trees[c.total_tokens if c.auto_size else None]
+        return replay_eagle(trees, len(self.answer), c.depth, c.total_tokens, c.top_k,
                             self.curve if c.auto_size else None, self.first)
 
 

@@ -50,11 +50,10 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
     """EAGLE-2's dynamic tree from the head's prediction ``feat`` at ``root`` (the drafter's cache
     holds the true pairs before it): drafting uses it, and so does training's simulated τ
     (:mod:`specplay.core.training.tau`). ``cost`` sizes the kept draft and, with ``worth_adding`` (the
-    least chance one more node must have to pay), stops growing at the first level none of whose
-    nodes can pay; a node's chance is the head's cumulative probability, or with ``calibration``
-    that probability as far as the run's verdicts bear it out (:mod:`specplay.core.decoding.calibration`).
-    A level is grown whole or not at all, so every tree is the first levels of the one grown to full
-    depth: the tune replays each setting's steps from that one.
+    least chance one more node must have to pay), stops growing levels that cannot pay, each node's
+    chance being the head's cumulative probability; ``calibration`` (the run's measured acceptance
+    of the head's word, :mod:`specplay.core.decoding.calibration`) then sizes the kept draft. The growth
+    stays the head's alone, so the tune replays every step of a run from trees grown beforehand.
     ``grown_only``: every node grown, none cut (the tune replays each smaller tree from one growth)."""
     k = top_k
     d = drafter
@@ -65,7 +64,7 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
     score: list[float] = []
     prob: list[float] = []
     slot: dict[int, int] = {}  # node -> its entry in the drafter cache, once expanded
-    chance: list[float] = []  # each node's chance of acceptance (calibrated with a calibration), as sizing reads it
+    chance: list[float] = []  # each node's calibrated chance of acceptance, as the kept draft's size reads it
     factor = calibration.factor if calibration is not None else None
 
     def add_children(parent: int, logp: torch.Tensor, base: float) -> list[int]:
@@ -87,10 +86,11 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
     for level in range(1, depth):
         expand = sorted(frontier, key=lambda n: -score[n])[:k]
         if cost is not None:
-            # A child is never likelier than its parent: where no parent's chance is above what one
-            # more node must add to pay for its verification, the level would be grown for nothing.
-            floor = worth_adding(sorted(chance, reverse=True)[:total])
-            if max(chance[n] for n in expand) <= floor:
+            # A child is never likelier than its parent: where a parent's chance is below what one
+            # more node must add to pay for its verification, its subtree would be grown for nothing.
+            floor = worth_adding(sorted((math.exp(x) for x in score), reverse=True)[:total])
+            expand = [n for n in expand if math.exp(score[n]) > floor]
+            if not expand:
                 break
         levels += 1
         base_len = d.len
@@ -316,13 +316,9 @@ class Eagle(Method):
                          self.cost, self._worth_adding if sized else None, calibration=self.calibration if sized else None)
 
     def _worth_adding(self, values: list[float]) -> float:
-        return worth_adding(values, self.cost)
-
-
-def worth_adding(values: list[float], cost: CostCurve) -> float:
-    """The least chance of acceptance v with which one more node pays for itself, given the nodes'
-    chances so far (descending): (E + v) / C(n + 2) > E / C(n + 1), where the cost model keeps n
-    nodes expecting E tokens and C(m) is the cost of verifying m tokens (the root's included)."""
-    n = best_size(values, cost)
-    expected = 1.0 + sum(values[:n])
-    return expected * (cost(n + 2) - cost(n + 1)) / cost(n + 1)
+        """The least chance of acceptance v with which one more node pays for itself, given the nodes'
+        chances so far (descending): (E + v) / C(n + 2) > E / C(n + 1), where the cost model keeps n
+        nodes expecting E tokens and C(m) is the cost of verifying m tokens (the root's included)."""
+        n = best_size(values, self.cost)
+        expected = 1.0 + sum(values[:n])
+        return expected * (self.cost(n + 2) - self.cost(n + 1)) / self.cost(n + 1)
