@@ -9,7 +9,7 @@ from pathlib import Path
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout, QFrame, QGridLayout,
                                QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QScrollArea, QSpinBox,
-                               QStackedWidget, QStyle, QToolButton, QVBoxLayout, QWidget)
+                               QStyle, QToolButton, QVBoxLayout, QWidget)
 
 from specplay.app.forms import ConfigForm
 from specplay.app.worker import LoadRequest, RemoteRequest, RunRequest
@@ -384,13 +384,18 @@ class MethodsPanel(QWidget):
     def __init__(self):
         super().__init__()
         self.combo = QComboBox()
-        self.stack = QStackedWidget()
+        # Every method's form, the chosen one shown. A hidden form takes no room, so the panel scrolls
+        # over the chosen form only (a stacked widget is as tall as its tallest page).
+        self.pages = QWidget()
+        pages = QVBoxLayout(self.pages)
+        pages.setContentsMargins(0, 0, 0, 0)
         self.forms: dict[str, ConfigForm] = {}
         for name, spec in METHODS.items():
             self.combo.addItem(spec.title, name)
             form = ConfigForm(spec.config_class)
+            form.setVisible(False)
             self.forms[name] = form
-            self.stack.addWidget(form)
+            pages.addWidget(form)
         self.summary = QLabel("")
         self.summary.setWordWrap(True)
         self.summary.setStyleSheet("QLabel { color: #333333; }")
@@ -408,7 +413,7 @@ class MethodsPanel(QWidget):
         inner.setContentsMargins(0, 0, 0, 0)
         inner.addWidget(self.summary)
         inner.addWidget(self.badges)
-        inner.addWidget(self.stack)
+        inner.addWidget(self.pages)
         inner.addStretch(1)
         scroll = QScrollArea()  # long forms scroll instead of forcing the window taller than the screen
         scroll.setWidgetResizable(True)
@@ -475,7 +480,8 @@ class MethodsPanel(QWidget):
         if name is None:
             return
         spec = METHODS[name]
-        self.stack.setCurrentWidget(self.forms[name])
+        for form in self.forms.values():
+            form.setVisible(form is self.forms[name])
         self.summary.setText(spec.summary)
         badges = []
         if spec.needs_draft:

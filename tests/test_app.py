@@ -582,6 +582,24 @@ def test_forms_are_built_generically_from_config_dataclasses(qtbot):
     assert form.validate() is None and form.config().limit == 4
 
 
+def test_the_method_panel_scrolls_over_the_chosen_form_only(qtbot):
+    """A short form (autoregressive has none to speak of) must not keep the height of the longest
+    (speculative's): in a stacked widget it did, and left blank space to scroll into under Xvfb."""
+    from specplay.app.panels import MethodsPanel
+
+    panel = MethodsPanel()
+    qtbot.addWidget(panel)
+    panel.resize(320, 300)
+    panel.show()
+    heights = {}
+    for name in ("speculative", "autoregressive", "eagle", "speculative"):
+        panel.set_method(name)
+        qtbot.wait(10)
+        heights[name] = panel.pages.sizeHint().height()
+        assert heights[name] == panel.current_form().sizeHint().height()
+    assert heights["autoregressive"] < heights["eagle"] < heights["speculative"]
+
+
 def test_methods_panel_picks_up_new_methods_without_code(qtbot, monkeypatch):
     from specplay.app.panels import MethodsPanel
     from specplay.core import methods
