@@ -64,8 +64,6 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
     score: list[float] = []
     prob: list[float] = []
     slot: dict[int, int] = {}  # node -> its entry in the drafter cache, once expanded
-    chance: list[float] = []  # each node's calibrated chance of acceptance, as the kept draft's size reads it
-    factor = calibration.factor if calibration is not None else None
 
     def add_children(parent: int, logp: torch.Tensor, base: float) -> list[int]:
         top = logp.topk(k)
@@ -75,8 +73,6 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
             par.append(parent)
             score.append(base + lp)
             prob.append(float(torch.tensor(lp).exp()))
-            chance.append(math.exp(score[-1]) if factor is None else
-                          min(1.0, factor * prob[-1]) * (chance[parent] if parent >= 0 else 1.0))
             made.append(len(tok) - 1)
         return made
 
@@ -115,8 +111,10 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
             frontier += kids
     # Keep the best nodes overall; a child never outscores its parent, and ties go to the
     # earlier (parent) node, so any top-ranked prefix is closed under parents.
-    # A calibrated chance, too, is never above its parent's.
-    ranked = sorted(range(len(tok)), key=lambda n: (-(score[n] if factor is None else chance[n]), n))
+    # Each node's chance of acceptance, as the kept draft's size reads it; a calibrated chance, too, is
+    # never above its parent's.
+    chance = [math.exp(x) for x in score] if calibration is None else calibration.values(par, prob)
+    ranked = sorted(range(len(tok)), key=lambda n: (-(score[n] if calibration is None else chance[n]), n))
     ranked = ranked[:len(tok) if grown_only else total]
     if cost is not None and not grown_only:
         size = best_size([chance[n] for n in ranked], cost)
@@ -126,7 +124,7 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
     parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
     return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],
                  shown={"shape": "dynamic", "depth": depth, "levels_grown": levels, "nodes_grown": len(tok),
-                        "kept": len(keep), **({} if factor is None else {"calibration": round(factor, 3)})})
+                        "kept": len(keep), **({} if calibration is None else {"calibration": round(calibration.factor, 3)})})
 
 
 # ---------------------------------------------------------------------------------- method

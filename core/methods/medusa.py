@@ -71,12 +71,10 @@ class MedusaConfig(MethodConfig):
                                    minimum=0.0, maximum=1.0, lossy=True, cli="--posterior-alpha")
 
 
-def path_value(path: tuple[int, ...], accuracy: list[list[float]]) -> float:
-    """Estimated probability that a tree path is accepted: the product of its ranks' accuracies."""
-    value = 1.0
-    for depth, rank in enumerate(path):
-        value *= accuracy[depth][rank]
-    return value
+def path_parents(paths: list[tuple[int, ...]]) -> list[int]:
+    """Each rank path's parent among ``paths`` (-1 for a first-level path); parents come first."""
+    at = {p: i for i, p in enumerate(paths)}
+    return [at[p[:-1]] if len(p) > 1 else -1 for p in paths]
 
 
 def tree_from_config(tree: str, accuracy: list[list[float]], num_heads: int, top_k: int) -> TreeSpec:
@@ -141,7 +139,7 @@ class Medusa(Method):
             accuracy = [row[:config.top_k] for row in manifest["accuracy"]]
             self._paths = choose_tree(accuracy, _AUTO_MAX)  # the tree's paths, best first
             self._path_chances = [accuracy[len(p) - 1][p[-1]] for p in self._paths]
-            self._path_parents = [-1 if len(p) == 1 else self._paths.index(p[:-1]) for p in self._paths]
+            self._path_parents = path_parents(self._paths)
             self._sized: dict[tuple[int, int], TreeSpec] = {}
         if config.tree == "dynamic":
             self.cost = cost_curve(target_lm)
@@ -223,9 +221,8 @@ class Medusa(Method):
         top_p, top_i = probs.topk(min(self.config.top_k, probs.shape[-1]), dim=-1)
         confidence = top_p.tolist()
         paths = choose_tree(confidence, _AUTO_MAX)
-        f = self.calibration.factor
-        calibrated = [[min(1.0, f * c) for c in row] for row in confidence]
-        size = max(1, best_size([path_value(p, calibrated) for p in paths], self.cost))
+        values = self.calibration.values(path_parents(paths), [confidence[len(p) - 1][p[-1]] for p in paths])
+        size = max(1, best_size(values, self.cost))
         tree_spec = TreeSpec.from_paths(paths[:size])
         ids = self.vocab_ids[top_i].tolist()
         nodes = list(zip(tree_spec.depth_of, tree_spec.ranks))
