@@ -56,6 +56,13 @@ def test_block_sizes_take_turns_and_each_keeps_its_fastest_pass(monkeypatch):
     monkeypatch.setattr(costmodel.time, "perf_counter", lambda: clock[0])
     assert costmodel.time_passes(Fake(), (1, 8, 16), repeats=3) == [1.0, 8.0, 16.0]
     assert order == [1, 8, 16] * 3
+    # Within a budget: the first round always, a further one only while the time spent is under it.
+    order.clear()
+    assert costmodel.time_passes(Fake(), (1, 8, 16), repeats=3, budget=200.0) == [1.0, 108.0, 116.0]
+    assert order == [1, 8, 16]  # the first round took 225 "seconds"
+    order.clear()
+    assert costmodel.time_passes(Fake(), (1, 8, 16), repeats=3, budget=250.0) == [1.0, 8.0, 16.0]
+    assert order == [1, 8, 16] * 2
 
 
 def test_measured_curve_is_nondecreasing_cached_and_leaves_the_cache_empty():

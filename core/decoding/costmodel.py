@@ -23,6 +23,11 @@ from typing import Callable, Sequence
 import torch
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: Seconds after which the cost curve's timing starts no further round (a first launch waits for it;
+#: the first round always runs): a round of all sizes is about 1.1 s for the 1.5B target on a 2-core
+#: Xeon, so 3 rounds there; about 4 s where verifying 8 rows costs 3.4 steps, so one. The runs' own
+#: passes then correct the curve (:class:`CorrectedCurve`).
+CURVE_BUDGET_S = 2.5
 
 
 @dataclass(frozen=True)
@@ -129,10 +134,11 @@ _CURVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3, median: bool = False,
-                check: Callable[[], None] = lambda: None) -> list[float]:
+                check: Callable[[], None] = lambda: None, budget: float | None = None) -> list[float]:
     """Seconds of a forward pass of each block size after ``context`` cached tokens: the fastest of ``repeats``
     (the median with ``median``: what a run of many such passes meets on a shared machine); ``check``
-    runs before each pass (it raises to stop).
+    runs before each pass (it raises to stop). With a ``budget`` (seconds), no round starts once the
+    rounds so far have taken it.
 
     The sizes take turns (``repeats`` rounds of all of them) and each keeps its fastest pass:
     on a shared machine noise only ever adds time, and a slow spell then touches every size
@@ -145,7 +151,10 @@ def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3
     model.reset()
     model.forward_chain(torch.randint(0, vocab, (context,), generator=g))
     times: list[list[float]] = [[] for _ in sizes]
-    for _ in range(repeats):
+    started = time.perf_counter()
+    for round_ in range(repeats):
+        if round_ and budget is not None and time.perf_counter() - started >= budget:
+            break
         for i, n in enumerate(sizes):
             block = torch.randint(0, vocab, (n,), generator=g)
             check()
@@ -156,9 +165,10 @@ def time_passes(model, sizes: Sequence[int], context: int = 64, repeats: int = 3
     return [sorted(t)[len(t) // 2] if median else min(t) for t in times]
 
 
-def measure(model, sizes: Sequence[int] = SIZES, context: int = 64, repeats: int = 3) -> CostCurve:
-    """This model's curve on this machine (see :func:`time_passes`)."""
-    medians = time_passes(model, sizes, context, repeats)
+def measure(model, sizes: Sequence[int] = SIZES, context: int = 64, repeats: int = 3,
+            budget: float | None = CURVE_BUDGET_S) -> CostCurve:
+    """This model's curve on this machine (see :func:`time_passes`), within ``budget``."""
+    medians = time_passes(model, sizes, context, repeats, budget=budget)
     # A bigger block never costs less (timing noise or an odd kernel choice aside).
     relative, peak = [], 0.0
     for t in medians:
