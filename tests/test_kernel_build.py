@@ -148,3 +148,20 @@ def test_a_compiler_that_is_not_installed_falls_back_to_one_on_the_path(tmp_path
     assert kernel_build._compiler() == [str(gcc)]
     monkeypatch.setenv("CC", "gcc -m64")
     assert kernel_build._compiler() == [str(gcc), "-m64"]
+
+
+def test_a_compile_started_in_the_background_is_waited_for_and_never_run_twice(tiny, tmp_path, monkeypatch):
+    """``build_soon`` compiles while the caller goes on (a first launch assembles its models meanwhile);
+    ``build`` then waits for that compile instead of starting its own, and a kept library starts none."""
+    gate = tmp_path / "go"
+    slow = _script(tmp_path / "bin" / "slowcc", f'case "$*" in *" -o "*) echo compiling >> {tmp_path}/runs; '
+                                               f'while [ ! -e {gate} ]; do sleep 0.05; done;; esac; exec {_CC} "$@"')
+    monkeypatch.setenv("CC", str(slow))
+    tiny = kernel_build._library_path()  # the slow compiler's own library
+    kernel_build.build_soon()
+    assert kernel_build._building.locked()  # compiling, and the caller not held up
+    gate.touch()
+    assert kernel_build.load_library().sp_answer() == 42
+    kernel_build.build_soon()
+    assert not kernel_build._building.locked() and kernel_build.build() == tiny
+    assert (tmp_path / "runs").read_text().splitlines() == ["compiling"]

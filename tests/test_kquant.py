@@ -231,13 +231,43 @@ def test_fitted_blocks_are_kept_read_back_and_fitted_again_under_another_kernel(
     dest = tmp_path / cache.KQUANT_DRAFT_WEIGHTS
     kquant.save_blocks({"a.weight": q, "n.weight": torch.ones(3)}, dest)
     cache.record_weights(tmp_path, "kquant-draft")
+    cache._checked.clear()  # as in a new process: the file of the recorded size and time is not read again
+    monkeypatch.setattr(cache, "file_record", lambda path: pytest.fail("read through"))
     assert cache.check_weights(tmp_path, "kquant-draft") == "ok"
+    monkeypatch.undo()
     reader = kquant.BlocksFileReader(dest)
     back = reader.get("a.weight")
     assert (back.type, back.rows, back.cols, back.width) == (Q4_K, 8, 512, 300) and torch.equal(back.data, q.data)
     assert torch.equal(reader.get("n.weight"), torch.ones(3)) and reader.get("b.weight") is None
+    # Mapped, not copied: every read is a view of the one mapping, each tensor on a 64-byte boundary.
+    assert reader.get("a.weight").data.data_ptr() == back.data.data_ptr() and back.data.data_ptr() % 64 == 0
+    assert reader.get("n.weight").data_ptr() % 64 == 0
+    assert KQuantLinear([back])(torch.ones(2, 300)).equal(KQuantLinear([q])(torch.ones(2, 300)))
     monkeypatch.setattr(kernel_build, "library_digest", lambda: "a kernel with another layout")
     assert cache.check_weights(tmp_path, "kquant-draft") == "stale"
+
+
+@pytest.mark.parametrize("damage", ["cut", "index", "magic"])
+def test_a_damaged_blocks_file_is_found_out_and_never_mapped(tmp_path, damage):
+    """Cut short, its index overwritten or its magic lost: the cache's check calls it damaged (the
+    size or checksum differs from the record), and a reader refuses it with the file's name."""
+    from specplay.core.errors import ModelError
+    from specplay.core.models import cache
+
+    dest = tmp_path / cache.KQUANT_WEIGHTS
+    kquant.save_blocks({"a.weight": KQuantWeight.quantize(torch.randn(8, 256)), "n.weight": torch.ones(3)}, dest)
+    cache.record_weights(tmp_path, "kquant")
+    data = bytearray(dest.read_bytes())
+    if damage == "cut":
+        data = data[:len(data) // 2]
+    elif damage == "index":
+        data[20:40] = b"9" * 20
+    else:
+        data[:8] = b"NOTBLOCK"
+    dest.write_bytes(bytes(data))  # written in place: another modification time, so its checksum is read
+    assert cache.check_weights(tmp_path, "kquant") == "damaged"
+    with pytest.raises(ModelError, match=cache.KQUANT_WEIGHTS):
+        kquant.BlocksFileReader(dest).get("a.weight")
 
 
 def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly(tmp_path, monkeypatch):
@@ -264,7 +294,7 @@ def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly
     assert draft.model.storage == "kquant-draft" and draft.model.info.dtype == "kquant"
     assert check_weights(draft.path, "kquant-draft") == "ok"
     # The cache's folder holds the config, the tokenizer and the fitted blocks: nothing converted.
-    assert sorted(p.name for p in draft.path.glob("*.safetensors")) == [KQUANT_DRAFT_WEIGHTS]
+    assert sorted(p.name for p in draft.path.glob("weights-*")) == [KQUANT_DRAFT_WEIGHTS]
     monkeypatch.setattr(kquant.KQuantWeight, "quantize", lambda *a: pytest.fail("fitted again"))
     again = loader.load_model(str(path), dtype="int8", role="draft", backend="native")
     assert isinstance(again.model.linears["lm_head.weight"], KQuantLinear)

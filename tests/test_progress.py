@@ -23,3 +23,23 @@ def test_a_stage_reports_its_fraction_and_the_time_left_from_its_pace():
     now[0] += 600.0
     slow(0.1)
     assert seen[-1] == "Assembling: about 90 min left"
+
+
+def test_reading_a_models_matrices_counts_their_bytes_not_their_number():
+    """A draft's embedding is a quarter of its bytes and takes a quarter of its fitting: the fraction
+    read follows the bytes, so the time left said from it stays honest."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from specplay.core.models.kquant import CountedReads
+
+    tensors = {"token_embd.weight": np.zeros(300, np.uint8), "output_norm.weight": np.zeros(100, np.uint8)}
+    reader = SimpleNamespace(tensors={k: SimpleNamespace(data=v) for k, v in tensors.items()},
+                             get=lambda name: None if name == "missing" else name)
+    seen = []
+    counted = CountedReads(reader, seen.append)
+    assert counted.get("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    counted.get("missing")
+    counted.get("model.norm.weight")
+    assert seen == [0.75, 1.0]

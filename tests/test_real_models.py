@@ -184,6 +184,28 @@ def test_the_default_models_run_on_the_ggufs_blocks_and_every_method_stays_exact
     assert cmp.results["speculative"].metrics.mean_accepted > 2.0
 
 
+def test_a_later_load_of_the_target_maps_its_kept_blocks_and_computes_the_same_logits(default_target):
+    """The first load kept the kernel's repack of the target's matrices in the cache; the next one
+    maps that file (nothing repacked, nothing copied) and gives the first load's logits bit for bit."""
+    from specplay.core.models import kquant, load_model
+    from specplay.core.models.cache import check_weights
+
+    if default_target.model.info.dtype != "gguf":
+        pytest.skip("the target is not on the GGUF's blocks here")
+    assert check_weights(default_target.path, "kquant") == "ok"
+    stages = []
+    again = load_model(DEFAULT_TARGET, "cpu", progress=lambda stage, fraction: stages.append(stage))
+    assert not any(stage.startswith(("Repacking", "Storing")) for stage in stages), stages
+    mapped = again.model.layers[0].qkv.parts[0]
+    assert isinstance(mapped, kquant.KQuantWeight) and not mapped.data.untyped_storage().resizable()
+    tokens = torch.tensor([[151644, 872, 198, 7985, 264, 729, 13, 151645, 198]])
+    for model in (default_target.model, again.model):
+        model.reset()
+    first, second = default_target.model.forward(tokens), again.model.forward(tokens)
+    default_target.model.reset()
+    assert torch.equal(first.logits, second.logits)
+
+
 def test_cancelling_the_first_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     """Cancel while the child process dequantizes: Cancelled, no model folder, no temporary files."""
     from specplay.core.errors import Cancelled

@@ -11,16 +11,23 @@ and the weights in the form the model runs on:
   int4 kernel's packed layout, written from the int8 file at the first such load, so later
   loads neither re-quantize nor pack. The layout is torch's, so the marker records the torch
   version that wrote it, and another version packs it again.
-* ``weights-kquant-draft.safetensors`` for a model loaded as a k-quant draft: its matrices in the
+* ``weights-kquant-draft.blocks`` for a model loaded as a k-quant draft: its matrices in the
   k-quant kernel's repacked blocks, written at the first such load (fitting a GGUF's other block
   types into Q4_K takes seconds a load otherwise). The marker records the kernel's digest, and a
   kernel with another layout fits them again.
+* ``weights-kquant.blocks`` for a target on its GGUF's own blocks: its matrices as the kernel
+  repacked them at the first load (its embedding is read by rows from the GGUF), kept by the same
+  digest. Both blocks files are memory-mapped (:class:`~specplay.core.models.kquant.BlocksFileReader`):
+  a later start neither repacks nor copies them, and a mapped file is only ever replaced by a
+  rename, never rewritten.
 * ``model.safetensors``, float32, written only when a float dtype is asked for.
 * ``draft-iq4_nl.gguf``, the model's 4-bit weights for llama.cpp, written at its first load as a
   llama.cpp draft (:mod:`specplay.core.models.llamacpp_draft`).
 
-The marker records the cache format and, per weights file, its size and CRC-32 as written; a
-file that no longer matches (truncated, corrupt) is rebuilt, never loaded. A folder written
+The marker records the cache format and, per weights file, its size, modification time and CRC-32
+as written; a file that no longer matches (truncated, corrupt) is rebuilt, never loaded. A file of
+the size and time recorded is the one written (files here are replaced by renames, never written in
+place): only another one is read through for its checksum, which costs a second per 1.5 GB. A folder written
 by an older SpecPlay (format 1: a float32 file, nothing recorded) still loads, and gets its
 int8 file when int8 is first asked for. What writes them, and when, is
 :mod:`specplay.core.models.prepare`'s.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import zlib
 from pathlib import Path
 from typing import Callable, Iterable
@@ -45,7 +53,10 @@ FORMAT = 2
 WEIGHT_KINDS = ("int8", "float32")  # what a conversion writes; int4 draft layers are made from int8
 INT8_WEIGHTS = "weights-int8.safetensors"
 INT4_WEIGHTS = "weights-int4-draft.safetensors"
-KQUANT_DRAFT_WEIGHTS = "weights-kquant-draft.safetensors"
+KQUANT_DRAFT_WEIGHTS = "weights-kquant-draft.blocks"
+KQUANT_WEIGHTS = "weights-kquant.blocks"
+#: Files earlier versions made on a load, replaced by the files above (removed when those are written).
+OLD_MADE_FILES = ("weights-kquant-draft.safetensors",)
 FLOAT_WEIGHTS = "model.safetensors"
 #: The file a draft's 4-bit weights are kept in, and earlier versions' names for it.
 DRAFT_GGUF = "draft-iq4_nl.gguf"
@@ -56,8 +67,10 @@ _CHUNK = 16 << 20
 
 
 def weights_name(kind: str) -> str:
-    """The weights file for ``kind``: ``"int8"``, ``"int4-draft"``, ``"kquant-draft"`` or ``"float32"``."""
-    return {"int8": INT8_WEIGHTS, "int4-draft": INT4_WEIGHTS, "kquant-draft": KQUANT_DRAFT_WEIGHTS}.get(kind, FLOAT_WEIGHTS)
+    """The weights file for ``kind``: ``"int8"``, ``"int4-draft"``, ``"kquant-draft"``, ``"kquant"`` or
+    ``"float32"``."""
+    return {"int8": INT8_WEIGHTS, "int4-draft": INT4_WEIGHTS, "kquant-draft": KQUANT_DRAFT_WEIGHTS,
+            "kquant": KQUANT_WEIGHTS}.get(kind, FLOAT_WEIGHTS)
 
 
 def read_marker(folder: Path) -> dict:
@@ -72,12 +85,13 @@ def write_marker(folder: Path, marker: dict) -> None:
 
 
 def file_record(path: Path) -> dict:
-    """Size and CRC-32 of a file (about a second per 1.5 GB)."""
+    """Size, modification time and CRC-32 of a file (about a second per 1.5 GB)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
-    return {"size": path.stat().st_size, "crc32": crc}
+        stat = os.fstat(f.fileno())
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "crc32": crc}
 
 
 # Files this process has checked, with their size and modification time then: not read again.
@@ -99,7 +113,7 @@ def check_weights(folder: Path, kind: str) -> str:
         return "stale"
     stat = path.stat()
     seen = (str(path), stat.st_size, stat.st_mtime_ns, recorded["crc32"])
-    if seen in _checked:
+    if seen in _checked or (stat.st_size, stat.st_mtime_ns) == (recorded["size"], recorded.get("mtime_ns")):
         return "ok"
     if stat.st_size != recorded["size"] or file_record(path)["crc32"] != recorded["crc32"]:
         return "damaged"
@@ -121,7 +135,7 @@ def _made_by(kind: str) -> dict:
     """What a weights kind's layout depends on, recorded with its file: another value makes it stale."""
     if kind == "int4-draft":
         return {"torch": torch.__version__}
-    if kind == "kquant-draft":
+    if kind in ("kquant-draft", "kquant"):
         from specplay.core.models.kernel_build import library_digest
 
         return {"kquant": library_digest()}

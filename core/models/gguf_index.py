@@ -136,9 +136,10 @@ class _Cursor:
 
 
 class GGUFIndex:
-    """``metadata`` (scalars and strings; arrays left out), ``lengths`` (each array's length by key),
-    ``tensors`` by name, ``architecture``, and ``tokenizer_digest`` (a hash of every ``tokenizer.*``
-    entry but the chat template). A damaged or malformed file raises :class:`ModelError`."""
+    """``metadata`` (scalars and strings; arrays left out, :meth:`array` reads one), ``lengths`` (each
+    array's length by key), ``tensors`` by name, ``architecture``, and ``tokenizer_digest`` (a hash of
+    every ``tokenizer.*`` entry but the chat template). A damaged or malformed file raises
+    :class:`ModelError`."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -162,6 +163,7 @@ class GGUFIndex:
                           f"{n_kv:,} claim more than its {size:,} bytes hold")
         self.metadata: dict[str, object] = {}
         self.lengths: dict[str, int] = {}
+        self._array_at: dict[str, int] = {}  # where each array's item type is, for array()
         for i in range(n_kv):
             cur.where = f"metadata entry {i}"
             key = cur.string()
@@ -173,6 +175,7 @@ class GGUFIndex:
             if cur.hashing:
                 digest.update(key.encode())
             if kind == _ARRAY:
+                self._array_at[key] = cur.at
                 self.lengths[key] = cur.array()
             else:
                 self.metadata[key] = cur.value(kind)
@@ -254,6 +257,37 @@ class GGUFIndex:
                 data = raw.reshape(rows, row_bytes)
             tensors[name] = GGUFTensor(name, dims, kind, data, at)
         return tensors
+
+    def array(self, key: str) -> list:
+        """The items of the metadata array ``key`` (strings or numbers; not arrays of arrays), read from
+        the file again: the header's check already bounded its items by the file's size."""
+        if key not in self._array_at:
+            raise KeyError(key)
+        at = self._array_at[key]
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(at)
+                inner, count = struct.unpack("<IQ", f.read(12))
+                if inner == _ARRAY or inner not in _ITEM_BYTES:
+                    raise ModelError(f"{self.path}: metadata {key} is not an array of strings or numbers")
+                if inner != _STRING:
+                    fmt = _SCALARS[inner]
+                    data = f.read(count * struct.calcsize(fmt))
+                    return np.frombuffer(data, dtype=np.dtype(fmt), count=count).tolist()
+                buf = f.read(os.path.getsize(self.path) - at - 12)
+        except (OSError, struct.error, ValueError) as exc:
+            raise ModelError(f"{self.path}: metadata {key} cannot be read ({exc})") from None
+        items, pos = [], 0
+        for _ in range(count):
+            if pos + 8 > len(buf):
+                raise ModelError(f"{self.path}: metadata {key} runs past the end of the file")
+            n = struct.unpack_from("<Q", buf, pos)[0]
+            pos += 8
+            if pos + n > len(buf):
+                raise ModelError(f"{self.path}: metadata {key} runs past the end of the file")
+            items.append(buf[pos:pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        return items
 
     @property
     def architecture(self) -> str:

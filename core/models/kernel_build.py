@@ -23,6 +23,7 @@ import shutil
 import stat
 import subprocess
 import sysconfig
+import threading
 from pathlib import Path
 
 from specplay.core.atomic import replacing
@@ -120,9 +121,33 @@ def _distrusted(lib: Path) -> str | None:
     return None
 
 
+#: Held while the kernel is checked or compiled: a caller waits for a compile under way in the background.
+_building = threading.Lock()
+
+
+def build_soon() -> None:
+    """Start compiling the kernel in the background where it is not compiled yet, so that the compiler
+    (6 s on two cores) runs while a first launch assembles its model files; :func:`build` waits for it.
+    A failure there is left for :func:`build` to raise again."""
+    if _distrusted(_library_path()) == "not compiled yet" and not _building.locked():
+        threading.Thread(target=_build_quietly, name="kquant-build", daemon=True).start()
+
+
+def _build_quietly() -> None:
+    try:
+        build()
+    except OSError:  # no compiler, or it failed: said by the load that needs the kernel
+        pass
+
+
 def build() -> Path:
-    """The compiled kernel: the kept one where it is to be trusted, else compiled here (a second
-    or two) into the user cache."""
+    """The compiled kernel: the kept one where it is to be trusted, else compiled here (a few
+    seconds) into the user cache."""
+    with _building:
+        return _build()
+
+
+def _build() -> Path:
     cc = _compiler()
     if cc is None:
         raise OSError(f"no C compiler on this machine (tried CC, Python's own, {', '.join(_FALLBACKS)})")

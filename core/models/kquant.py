@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import logging
 import os
+import struct
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -543,20 +545,20 @@ class GGUFDraftReader(GGUFBlocksReader):
         return KQuantWeight.quantize(torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), np.float32)))
 
 
-_SHAPE = ":kquant"  # a matrix's [type, rows, cols, width] beside its blocks, in a file of blocks
-
-
 class CountedReads:
-    """Hands on what a reader gives (``get``), reporting the share of its file's tensors read so far."""
+    """Hands on what a reader gives (``get``), reporting the share of its file's bytes read so far: a
+    matrix's repacking or fitting takes time in proportion to its bytes (the 0.5B draft's embedding
+    is a quarter of them), so the fraction, and the time left said from it, keeps its pace."""
 
     def __init__(self, reader, report):
         self.reader, self.report, self._read = reader, report, 0
+        self._total = max(1, sum(t.data.nbytes for t in reader.tensors.values()))
 
     def get(self, hf_name: str):
         value = self.reader.get(hf_name)
         if value is not None:
-            self._read += 1
-            self.report(min(self._read / max(1, len(self.reader.tensors)), 1.0))
+            self._read += self.reader.tensors[gguf_name(hf_name)].data.nbytes
+            self.report(min(self._read / self._total, 1.0))
         return value
 
 
@@ -574,35 +576,90 @@ class KeptBlocks:
         return value
 
 
-def save_blocks(tensors: dict, dest: Path) -> None:
-    """Write matrices (:class:`KQuantWeight`) and vectors by name into one safetensors file."""
-    from safetensors.torch import save_file
+#: A blocks file: this magic, the index's length (u64), the index (JSON), then each tensor's bytes.
+_BLOCKS_MAGIC = b"SPBLOCKS"
+_BLOCKS_ALIGN = 64  # each tensor's bytes start on a cache line: the kernel's loads see the layout repack gave
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-    out = {}
+
+def _aligned(n: int) -> int:
+    return -(-n // _BLOCKS_ALIGN) * _BLOCKS_ALIGN
+
+
+def save_blocks(tensors: dict, dest: Path) -> None:
+    """Write matrices (:class:`KQuantWeight`, in the kernel's repacked layout) and float vectors by
+    name into one file that :class:`BlocksFileReader` maps: nothing is repacked or copied to read it."""
+    index, at, parts = {}, 0, []
     for name, value in tensors.items():
         if isinstance(value, KQuantWeight):
-            out[name] = value.data
-            out[name + _SHAPE] = torch.tensor([value.type, value.rows, value.cols, value.width], dtype=torch.int64)
+            data, entry = value.data, {"blocks": [value.type, value.rows, value.cols, value.width]}
         else:
-            out[name] = value.contiguous()
+            data = value.contiguous()
+            entry = {"dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape)}
+        raw = data.reshape(-1).view(torch.uint8).numpy()
+        index[name] = {**entry, "offset": at, "bytes": raw.size}
+        parts.append((at, raw))
+        at = _aligned(at + raw.size)
+    header = json.dumps(index).encode()
+    start = _aligned(len(_BLOCKS_MAGIC) + 8 + len(header))
     with replacing(dest) as tmp:
-        save_file(out, str(tmp), metadata={"format": "pt", "specplay": "k-quant kernel blocks"})
+        with open(tmp, "wb") as f:
+            f.write(_BLOCKS_MAGIC + struct.pack("<Q", len(header)) + header)
+            for offset, raw in parts:
+                f.seek(start + offset)
+                f.write(memoryview(raw))
+            f.truncate(start + at)
 
 
 class BlocksFileReader:
-    """``get(name)`` from a file :func:`save_blocks` wrote: a :class:`KQuantWeight` or a float32 vector."""
+    """``get(name)`` from a file :func:`save_blocks` wrote: a :class:`KQuantWeight` or a float32 vector,
+    each a view of the file's one memory map (copy-on-write, never written: its pages are the page
+    cache's, shared and reclaimable). A file whose index does not fit it is a :class:`ModelError`."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         self.path = path
-        self._file = safe_open(str(path), framework="pt")
-        self._names = set(self._file.keys())
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(len(_BLOCKS_MAGIC) + 8)
+                if len(head) < len(_BLOCKS_MAGIC) + 8 or head[:len(_BLOCKS_MAGIC)] != _BLOCKS_MAGIC:
+                    raise ValueError("it is not a blocks file")
+                length = struct.unpack("<Q", head[len(_BLOCKS_MAGIC):])[0]
+                if length > size:
+                    raise ValueError("its index runs past its end")
+                self._index = json.loads(f.read(length))
+            start = _aligned(len(_BLOCKS_MAGIC) + 8 + length)
+            for name, entry in self._index.items():
+                if not 0 <= entry["offset"] <= entry["offset"] + entry["bytes"] <= size - start:
+                    raise ValueError(f"{name} runs past its end")
+            self._map = np.memmap(path, dtype=np.uint8, mode="c")[start:] if self._index else None
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise ModelError(f"the kept blocks {path} cannot be read ({exc})") from None
 
     def get(self, hf_name: str):
-        if hf_name not in self._names:
+        entry = self._index.get(hf_name)
+        if entry is None:
             return None
-        if hf_name + _SHAPE not in self._names:
-            return self._file.get_tensor(hf_name)
-        type_, rows, cols, width = self._file.get_tensor(hf_name + _SHAPE).tolist()
-        return KQuantWeight(type_, self._file.get_tensor(hf_name), rows, cols, width)
+        data = torch.from_numpy(self._map[entry["offset"]:entry["offset"] + entry["bytes"]])
+        try:
+            if "blocks" in entry:
+                type_, rows, cols, width = entry["blocks"]
+                return KQuantWeight(type_, data, rows, cols, width)
+            return data.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        except (ValueError, KeyError, RuntimeError) as exc:  # an index that does not describe its bytes
+            raise ModelError(f"the kept blocks {self.path} cannot be read: {hf_name} ({exc})") from None
+
+
+class FirstOf:
+    """``get(name)`` from the first reader that has it: a target's kept blocks, then its GGUF (the
+    embedding, read by rows from the file, is not kept)."""
+
+    def __init__(self, *readers):
+        self.readers = readers
+
+    def get(self, hf_name: str):
+        for reader in self.readers:
+            value = reader.get(hf_name)
+            if value is not None:
+                return value
+        return None

@@ -19,12 +19,15 @@ from specplay.core.errors import ConfigError, ModelError, TokenizerMismatchError
 from specplay.core.memory import release_freed_memory
 from specplay.core.models import kquant
 from specplay.core.models.base import CausalLM
-from specplay.core.models.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, CachedWeightsReader,
-                                        check_weights)
+from specplay.core.models.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, KQUANT_WEIGHTS, MARKER,
+                                        OLD_MADE_FILES, CachedWeightsReader, check_weights, read_marker)
 from specplay.core.models.gguf_check import check_gguf
+from specplay.core.models.gguf_config import read_config
+from specplay.core.models.kernel_build import build_soon
 from specplay.core.models.linear import has_bf16_units, int8_supported
 from specplay.core.models.prepare import (float_weights_dir, has_gguf_source, resolve, store_int4_layers,
                                           store_kquant_blocks)
+from specplay.core.models.tokenizer import read_tokenizer
 from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 
 log = logging.getLogger(__name__)
@@ -104,7 +107,7 @@ class _SafetensorsReader:
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
-            made = (INT8_WEIGHTS, INT4_WEIGHTS, KQUANT_DRAFT_WEIGHTS)
+            made = (INT8_WEIGHTS, INT4_WEIGHTS, *OLD_MADE_FILES)
             files = [p.name for p in sorted(folder.glob("*.safetensors")) if p.name not in made]
         if not files:
             raise FileNotFoundError("no .safetensors weights")
@@ -176,8 +179,6 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     """
     if role not in ROLES:
         raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
-    from transformers import AutoConfig, AutoTokenizer
-
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
     if backend == "llamacpp" and role != "draft":
@@ -187,6 +188,8 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     compute_dtype, storage = pick_dtype(dtype, dev)
     if model_id.lower().endswith(".gguf"):  # a catalog model's file is the catalog's, checked by its sha256
         check_gguf(Path(model_id).expanduser())
+    if torch.device(dev).type == "cpu" and has_gguf_source(model_id) and kquant.isa() is not None:
+        build_soon()  # the kernel compiles while the model's file is assembled
     if role == "draft" and storage in ("int8", "gguf"):
         storage = draft_storage(model_id)  # a draft's numerics never decide a token: its fastest layers
     notes: list[str] = []
@@ -212,11 +215,7 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
                                                                                                         "int8")
     path = resolve(model_id, progress, should_cancel, weights)
     progress(f"Loading {model_id}", None)
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:
-        raise ModelError(f"cannot read the config or tokenizer of {model_id} at {path}: {exc}") from exc
+    config, tokenizer = _config_and_tokenizer(model_id, path)
     eos = _eos_ids(path, config, tokenizer)
     if role == "draft" and backend in ("auto", "llamacpp"):
         why_not = _llamacpp_draft_unavailable(model_id, dev, storage)
@@ -242,6 +241,26 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     release_freed_memory()
     progress(f"{model_id} loaded", 1.0)
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
+
+
+def _config_and_tokenizer(model_id: str, path: Path):
+    """A folder's config and tokenizer: a converted folder's without transformers (its config as
+    attributes, its tokenizer on ``tokenizers`` where :mod:`specplay.core.models.tokenizer` reads
+    its kind), any other folder's through transformers."""
+    converted = (path / MARKER).is_file()
+    try:
+        config = read_config(path) if converted else None
+        tokenizer = read_tokenizer(path, read_marker(path).get("tokenizer_digest")) if converted else None
+        if config is None or tokenizer is None:
+            from transformers import AutoConfig, AutoTokenizer
+
+            config = config or AutoConfig.from_pretrained(str(path))
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(path))
+    except ModelError:
+        raise
+    except Exception as exc:
+        raise ModelError(f"cannot read the config or tokenizer of {model_id} at {path}: {exc}") from exc
+    return config, tokenizer
 
 
 def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str], progress) -> str:
@@ -311,7 +330,7 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
         raise ModelError(f"{model_id}: gguf storage runs on the native decoder only ({reason})")
     if use_native:
         try:
-            reader = (kquant.CountedReads(gguf_reader, counting_down(progress, f"Repacking {model_id}'s blocks"))
+            reader = (_target_blocks_reader(model_id, path, gguf_reader, progress)
                       if gguf_reader is not None else _weights_reader(model_id, path, storage, progress))
         except FileNotFoundError:
             if backend == "native":
@@ -329,6 +348,9 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
                 store_int4_layers(model, reader, path, progress)
             if storage == "kquant-draft" and hasattr(reader, "kept"):
                 store_kquant_blocks(reader.kept, path, progress)
+            if storage == "gguf" and hasattr(reader, "kept"):
+                store_kquant_blocks({name: value for name, value in reader.kept.items() if name not in _UNKEPT
+                                     and not isinstance(value, kquant.MappedRows)}, path, progress, "kquant")
             return model, path
         _check_fallback_storage(model_id, dtype, storage, reason, notes)
         path = float_weights_dir(model_id, path, progress, should_cancel)  # transformers reads float weights
@@ -465,6 +487,23 @@ def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress)
             log.warning("%s: the cached int4 draft layers are %s; packing them again", path.name, status)
             progress(f"The cached int4 layers of {path.name} are {status}: packing them again", None)
     return CachedWeightsReader(path / INT8_WEIGHTS)
+
+
+#: A target's matrices not kept with its repacked blocks: the output head is a fifth of their bytes
+#: (191 MB of Q6_K for the 1.5B) and repacks in 0.2 s, which keeps the default pair's cache under 3 GB.
+_UNKEPT = ("lm_head.weight",)
+
+
+def _target_blocks_reader(model_id: str, path: Path, gguf_reader, progress: Progress):
+    """A target's matrices on the GGUF's own blocks: mapped from the cache where this kernel's repack
+    of them is kept there (checked), the embedding by rows from the GGUF; else repacked from the GGUF,
+    each kept to be stored."""
+    status = check_weights(path, "kquant")
+    if status == "ok":
+        return kquant.FirstOf(kquant.BlocksFileReader(path / KQUANT_WEIGHTS), gguf_reader)
+    if status != "missing":
+        log.warning("%s: the kept repacked blocks are %s; repacking them again", path.name, status)
+    return kquant.KeptBlocks(kquant.CountedReads(gguf_reader, counting_down(progress, f"Repacking {model_id}'s blocks")))
 
 
 def _check_fallback_storage(model_id: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:

@@ -45,11 +45,14 @@ from safetensors import SafetensorError
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled, ModelError
 from specplay.core.models.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS,
-                                        MARKER, OLD_DRAFT_GGUFS, WEIGHT_KINDS, CachedWeightsReader, add_int8_weights,
-                                        check_weights, folder_size, read_marker, record_weights, weights_name, write_int4_weights,
-                                        write_int8_weights, write_marker)
+                                        KQUANT_WEIGHTS, MARKER, OLD_DRAFT_GGUFS, OLD_MADE_FILES, WEIGHT_KINDS,
+                                        CachedWeightsReader, add_int8_weights, check_weights, folder_size, read_marker,
+                                        record_weights, weights_name, write_int4_weights, write_int8_weights,
+                                        write_marker)
 from specplay.core.models.catalog import CATALOG, CatalogEntry, get_entry
+from specplay.core.models.folder_files import copy_tokenizer, gguf_tokenizer, write_folder, write_from_metadata
 from specplay.core.models.gguf_index import GGUFIndex
+from specplay.core.models.tokenizer import unbuilt_reason as tokenizer_unbuilt
 from specplay.core.paths import cache_dir
 from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 
@@ -58,7 +61,7 @@ log = logging.getLogger(__name__)
 
 _CHUNK = 16 << 20
 #: Files a conversion does not write, made from the entry's weights when a load first needs them.
-_MADE_ON_LOAD = (DRAFT_GGUF, INT4_WEIGHTS, KQUANT_DRAFT_WEIGHTS)
+_MADE_ON_LOAD = (DRAFT_GGUF, INT4_WEIGHTS, KQUANT_DRAFT_WEIGHTS, KQUANT_WEIGHTS)
 _LOCK = ".lock"  # in the models root, and in each work folder while a conversion works in it
 # Beside the ``gguf`` folder rather than in it, so that deleting the folder never deletes a lock
 # file someone waits on: held shared while a catalog GGUF is assembled there, exclusively while
@@ -195,9 +198,20 @@ def _needed_kinds(folder: Path, weights: str, progress: Progress) -> set[str] | 
 
 def _convert_gguf(gguf: Path, target: Path, work: Path, name: str, sha: str, progress: Progress,
                   should_cancel: ShouldCancel, kinds: set[str]) -> None:
-    """Convert in a child process: it can be cancelled at any moment (the parent terminates it),
-    its float32 copy of the model is returned to the system when it exits, and if the
-    system kills it for lack of memory the app survives and says so."""
+    """Convert into ``work`` and install the result as ``target``. A folder without weights whose
+    config and tokenizer the GGUF's metadata gives is written in this process in about a second
+    (:func:`~specplay.core.models.folder_files.write_from_metadata`); anything else in a child
+    process: it can be cancelled at any moment (the parent terminates it), its float32 copy of the
+    model is returned to the system when it exits, and if the system kills it for lack of memory
+    the app survives and says so."""
+    if kinds or not write_from_metadata(gguf, work / "model", name, sha, models_root(), progress):
+        _convert_in_child(gguf, work, name, sha, progress, should_cancel, kinds)
+    _install(work / "model", target, work / "replaced", sha)
+    progress(f"{name} is ready", 1.0)
+
+
+def _convert_in_child(gguf: Path, work: Path, name: str, sha: str, progress: Progress, should_cancel: ShouldCancel,
+                      kinds: set[str]) -> None:
     ctx = multiprocessing.get_context("spawn")
     messages = ctx.Queue()
     child = ctx.Process(target=_conversion_child,
@@ -225,8 +239,6 @@ def _convert_gguf(gguf: Path, target: Path, work: Path, name: str, sha: str, pro
         if child.is_alive():
             child.terminate()
         child.join(timeout=10)
-    _install(work / "model", target, work / "replaced", sha)
-    progress(f"{name} is ready", 1.0)
 
 
 def _conversion_child(gguf: str, out: str, name: str, sha: str, kinds: list[str], messages) -> None:
@@ -246,19 +258,22 @@ def _conversion_child(gguf: str, out: str, name: str, sha: str, kinds: list[str]
 def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress, kinds: set[str]) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     started = time.perf_counter()
     out.mkdir(parents=True)
     index = GGUFIndex(gguf)
-    digest = index.tokenizer_digest
-    if not kinds and _copy_tokenizer(index, out):
-        _write_config_and_tokenizer(gguf, out, name, sha, digest, None, None, started)
-        return
-    progress(f"Reading the tokenizer of {name}", None)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if tokenizer_unbuilt(index) is None:
+        tokenizer = gguf_tokenizer(index, out, name, models_root(), progress)
+    elif copy_tokenizer(index, out, models_root()):
+        tokenizer = None
+    else:
+        progress(f"Reading the tokenizer of {name}", None)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if not kinds:
-        _write_config_and_tokenizer(gguf, out, name, sha, digest, tokenizer, None, started)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        write_folder(index, out, name, sha, config.to_dict(), GenerationConfig.from_model_config(config).to_diff_dict(),
+                     tokenizer, started)
         return
     progress(f"Dequantizing {name} to float32 (about a minute per billion parameters)", None)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -276,51 +291,10 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
     if "int8" in kinds:
         progress(f"Writing {name} as int8 safetensors", None)
         write_int8_weights(lambda: state.items(), out / INT8_WEIGHTS)
-    _write_config_and_tokenizer(gguf, out, name, sha, digest, tokenizer, model, started)
+    write_folder(index, out, name, sha, model.config.to_dict(), model.generation_config.to_diff_dict(), tokenizer,
+                  started)
     for kind in sorted(kinds):
         record_weights(out, kind)
-
-
-#: A converted folder's tokenizer, as ``save_pretrained`` writes it (the chat template beside it).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-
-
-def _copy_tokenizer(index: GGUFIndex, out: Path) -> bool:
-    """Copy the tokenizer of a converted model whose GGUF holds the same one (a draft of the target's
-    family: half a minute of building it from the GGUF's 151,936 tokens saved), with this file's
-    own chat template; False where none is cached."""
-    for folder in sorted(models_root().iterdir()):
-        if read_marker(folder).get("tokenizer_digest") != index.tokenizer_digest:
-            continue
-        if not all((folder / f).is_file() for f in _TOKENIZER_FILES):
-            continue
-        for f in _TOKENIZER_FILES:
-            shutil.copyfile(folder / f, out / f)
-        template = index.metadata.get("tokenizer.chat_template")
-        if isinstance(template, str):
-            (out / "chat_template.jinja").write_text(template)
-        return True
-    return False
-
-
-def _write_config_and_tokenizer(gguf: Path, out: Path, name: str, sha: str, digest: str, tokenizer, model,
-                                started: float) -> None:
-    """A converted folder's config, generation config, tokenizer (None: copied there already) and
-    marker; without a ``model`` (no weights converted), the config is read from the GGUF's metadata."""
-    from transformers import AutoConfig, GenerationConfig
-
-    config = model.config if model is not None else AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    cfg = config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg["dtype"] = "float32"
-    cfg["name_or_path"] = name
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    generation = model.generation_config if model is not None else GenerationConfig.from_model_config(config)
-    generation.save_pretrained(str(out))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    (out / MARKER).write_text(json.dumps({"source": gguf.name, "sha256": sha, "name": name, "tokenizer_digest": digest,
-                                          "converted_in_s": round(time.perf_counter() - started, 1)}))
 
 
 def _install(new: Path, target: Path, aside: Path, sha: str) -> None:
@@ -413,18 +387,26 @@ def prepare_draft_gguf(source: Path, folder: Path, progress: Progress = log_prog
     return dest
 
 
-def store_kquant_blocks(tensors: dict, path: Path, progress: Progress) -> None:
-    """Keep a k-quant draft's fitted blocks in the cache, so that the next load only reads them; a
-    failure (a full disk) leaves nothing half-written and only costs the fitting again."""
+def store_kquant_blocks(tensors: dict, path: Path, progress: Progress, kind: str = "kquant-draft") -> None:
+    """Keep a model's k-quant blocks in the cache in the kernel's layout (a draft's fitted ones, a
+    target's repacked ones: ``kind``), so that the next load maps them; a failure (a full disk)
+    leaves nothing half-written and only costs the fitting or repacking again."""
     from specplay.core.models.kquant import save_blocks
 
-    progress(f"Storing the k-quant draft blocks of {path.name} (once)", None)
+    what = "k-quant draft blocks" if kind == "kquant-draft" else "repacked blocks"
+    progress(f"Storing the {what} of {path.name} (once)", None)
     try:
-        save_blocks(tensors, path / KQUANT_DRAFT_WEIGHTS)
-        record_weights(path, "kquant-draft")
+        save_blocks(tensors, path / weights_name(kind))
+        record_weights(path, kind)
     except _WRITE_FAILED as exc:
-        log.warning("%s: cannot store the k-quant draft blocks (%s); they are fitted again at the next load",
-                    path.name, exc)
+        log.warning("%s: cannot store the %s (%s); they are made again at the next load", path.name, what, exc)
+        return
+    marker = read_marker(path)
+    for old in OLD_MADE_FILES:  # an earlier version's file, replaced by this one
+        if (path / old).exists() or old in marker.get("files", {}):
+            (path / old).unlink(missing_ok=True)
+            marker.get("files", {}).pop(old, None)
+            write_marker(path, marker)
 
 
 def store_int4_layers(model, source: CachedWeightsReader, path: Path, progress: Progress) -> None:
