@@ -219,3 +219,31 @@ def test_the_default_models_configs_match_transformers_reading_of_the_gguf(defau
         for key in ("model_type", "eos_token_id", "bos_token_id", "pad_token_id", "max_position_embeddings",
                     "num_hidden_layers", "hidden_size", "tie_word_embeddings", "use_sliding_window"):
             assert getattr(read, key) == getattr(theirs, key), key
+
+
+def test_folders_of_one_gguf_tokenizer_share_one_read_and_the_draft_check_trusts_it_alone(tmp_path):
+    """Two folders made from the same GGUF tokenizer (by its digest) share one read: the draft check
+    then has nothing to compare. A tokenizer read under another digest is compared, and refused
+    where its vocabulary differs."""
+    from types import SimpleNamespace
+
+    from specplay.core.errors import TokenizerMismatchError
+    from specplay.core.models.loader import check_draft_compatible
+
+    path, _ = tiny_bpe_gguf(tmp_path / "t.gguf")
+    other, _ = tiny_bpe_gguf(tmp_path / "o.gguf", merges=("h e", "l o"))
+    for name, source in (("a", path), ("b", path), ("c", other)):
+        (tmp_path / name).mkdir()
+        from_gguf(GGUFIndex(source)).save(tmp_path / name)
+    digest = GGUFIndex(path).tokenizer_digest
+    a, b = read_tokenizer(tmp_path / "a", digest), read_tokenizer(tmp_path / "b", digest)
+    c = read_tokenizer(tmp_path / "c", GGUFIndex(other).tokenizer_digest)
+    assert a.backend is b.backend and c.backend is not a.backend
+
+    def model(tokenizer, size):
+        info = SimpleNamespace(vocab_size=len(tokenizer.get_vocab()), num_parameters=size)
+        return SimpleNamespace(tokenizer=tokenizer, model=SimpleNamespace(info=info), model_id=f"m{size}")
+
+    assert check_draft_compatible(model(a, 2), model(b, 1)) == []
+    with pytest.raises(TokenizerMismatchError):
+        check_draft_compatible(model(a, 2), model(c, 1))
