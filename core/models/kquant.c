@@ -178,21 +178,36 @@ int sp_repack(int type, const uint8_t *raw, void *out, int64_t rows, int64_t nb)
     return SP_OK;
 }
 
+/* A 32-group's values on a fit's grid, q = (x + offset) * inverse rounded to the nearest of 0..15:
+ * SSE2 (every x86-64 has it), clamped before the truncation; no library call a value (a draft's fit
+ * need not round ties to even as rintf does). */
+static void grid32(const float *x, float offset, float inverse, int32_t q[32]) {
+    const __m128 o = _mm_set1_ps(offset), inv = _mm_set1_ps(inverse), top = _mm_set1_ps(15.0f), half = _mm_set1_ps(0.5f);
+    for (int l = 0; l < 32; l += 4) {
+        __m128 v = _mm_mul_ps(_mm_add_ps(_mm_loadu_ps(x + l), o), inv);
+        v = _mm_min_ps(_mm_max_ps(v, _mm_setzero_ps()), top); /* a NaN becomes 0 */
+        _mm_storeu_si128((__m128i *)(void *)(q + l), _mm_cvttps_epi32(_mm_add_ps(v, half)));
+    }
+}
+
 /* One 32-group's Q4_K-style fit: value ≈ scale * q - offset, q in 0..15, by a few rounds of least
- * squares from the group's min/max (a draft's weights: any fit is lossless, a closer one drafts better). */
+ * squares from the group's min/max (a draft's weights: any fit is lossless, a closer one drafts better).
+ * The sums of q and q*q are integers (exact in any order); that of q*x is taken in 8 lanes. */
 static void fit_group(const float *x, float *scale, float *offset) {
-    float mn = 0.0f, mx = 0.0f;
-    for (int l = 0; l < 32; l++) mn = fminf(mn, x[l]), mx = fmaxf(mx, x[l]);
+    float mn = 0.0f, mx = 0.0f, sx = 0.0f;
+    for (int l = 0; l < 32; l++) mn = x[l] < mn ? x[l] : mn, mx = x[l] > mx ? x[l] : mx, sx += x[l];
     float s = (mx - mn) / 15.0f, o = -mn;
     for (int round = 0; round < 3 && s > 0.0f; round++) {
-        double sq = 0, sqq = 0, sx = 0, sqx = 0;
-        for (int l = 0; l < 32; l++) {
-            float q = fminf(15.0f, fmaxf(0.0f, rintf((x[l] + o) / s)));
-            sq += q, sqq += q * q, sx += x[l], sqx += q * x[l];
-        }
-        double det = 32 * sqq - sq * sq;
+        int32_t q[32], sq = 0, sqq = 0;
+        float lanes[8] = {0};
+        grid32(x, o, 1.0f / s, q);
+        for (int l = 0; l < 32; l++) sq += q[l], sqq += q[l] * q[l];
+        for (int j = 0; j < 32; j += 8)
+            for (int k = 0; k < 8; k++) lanes[k] += (float)q[j + k] * x[j + k];
+        float sqx = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        double det = 32.0 * sqq - (double)sq * sq;
         if (det <= 0) break;
-        double ns = (32 * sqx - sq * sx) / det, no = (ns * sq - sx) / 32;
+        double ns = (32.0 * sqx - (double)sq * sx) / det, no = (ns * sq - sx) / 32;
         if (ns <= 0 || no < 0) break; /* the offset must stay a non-negative min */
         s = (float)ns, o = (float)no;
     }
@@ -272,18 +287,17 @@ static void fit_block(const float *x, block4 *b) {
     float scale[8], offset[8], smax = 0.0f, omax = 0.0f;
     for (int g = 0; g < 8; g++) {
         fit_group(x + 32 * g, &scale[g], &offset[g]);
-        smax = fmaxf(smax, scale[g]), omax = fmaxf(omax, offset[g]);
+        smax = scale[g] > smax ? scale[g] : smax, omax = offset[g] > omax ? offset[g] : omax;
     }
     b->d = smax / 63.0f, b->dmin = omax / 63.0f;
     uint8_t v[QK];
     for (int g = 0; g < 8; g++) {
         int sc = b->d > 0.0f ? (int)lrintf(scale[g] / b->d) : 0, m = b->dmin > 0.0f ? (int)lrintf(offset[g] / b->dmin) : 0;
         b->sc[g] = (uint8_t)(sc > 63 ? 63 : sc), b->m[g] = (uint8_t)(m > 63 ? 63 : m);
-        float step = b->d * b->sc[g], off = b->dmin * b->m[g];
-        for (int l = 0; l < 32; l++) {
-            float q = step > 0.0f ? rintf((x[32 * g + l] + off) / step) : 0.0f;
-            v[32 * g + l] = (uint8_t)fminf(15.0f, fmaxf(0.0f, q));
-        }
+        float step = b->d * b->sc[g];
+        int32_t q[32];
+        grid32(x + 32 * g, b->dmin * b->m[g], step > 0.0f ? 1.0f / step : 0.0f, q);
+        for (int l = 0; l < 32; l++) v[32 * g + l] = (uint8_t)q[l];
     }
     pack_nibbles(v, b->qs);
 }
