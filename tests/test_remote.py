@@ -437,6 +437,17 @@ def test_a_body_past_the_cap_ends_the_run_and_the_text_is_kept(monkeypatch):
     assert "more than" in run.error and run.text.startswith("w0 w1 ") and len(run.chunks) < 2000
 
 
+def test_a_body_past_the_cap_keeps_every_event_within_the_cap_however_the_reads_fall(monkeypatch):
+    """The whole body in one write (a server's writes coalesce on a loaded machine): the events in
+    its first MAX_BODY_BYTES are all kept, whichever read crosses the cap."""
+    monkeypatch.setattr(transport, "MAX_BODY_BYTES", 2**16)
+    body = b"".join(word(i) for i in range(2000))
+    within = body[:2**16].count(b"\n\n")  # the events complete within the cap
+    with RawServer(streaming(body)) as server:
+        run = stream_completion(Endpoint(server.url, model="m"), "hi", max_tokens=8)
+    assert "more than" in run.error and run.text == "".join(f"w{i} " for i in range(within))
+
+
 def trickle():
     """An event that never ends, a byte every 50 ms: each read is quick, the line never complete."""
     yield b"data: {"

@@ -69,7 +69,8 @@ class Connection:
             raise RemoteError(f"{where} did not answer in HTTP: {exc!r}") from None
 
     def pieces(self) -> Iterator[bytes]:
-        """The body as it arrives, a read at a time; more than ``MAX_BODY_BYTES`` is an error."""
+        """The body as it arrives, a read at a time; more than ``MAX_BODY_BYTES`` is an error, raised
+        once the bytes up to the cap are given (however the server's writes were split into reads)."""
         total = 0
         while True:
             wait, late = self._wait()
@@ -83,9 +84,11 @@ class Connection:
                 raise RemoteError(f"{self.endpoint.label} dropped the connection: {exc!r}") from None
             if not piece:
                 return
-            total += len(piece)
-            if total > MAX_BODY_BYTES:
+            if total + len(piece) > MAX_BODY_BYTES:
+                if total < MAX_BODY_BYTES:
+                    yield piece[:MAX_BODY_BYTES - total]
                 raise RemoteError(f"{self.endpoint.label} sent more than {MAX_BODY_BYTES / 2**20:g} MiB in one answer")
+            total += len(piece)
             yield piece
 
     def close(self) -> None:
