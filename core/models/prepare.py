@@ -10,13 +10,16 @@ Read top-down:
    (:func:`prepare_catalog_model`, :func:`prepare_gguf_file`). ``transformers`` reads GGUF and
    dequantizes it to float32, which takes about a minute per billion parameters on a laptop CPU;
    the cache then keeps the weights in the form the model runs on (int8 on a CPU, float32 only
-   when a float dtype is asked for), which loads in seconds. The conversion runs in a child
+   when a float dtype is asked for), which loads in seconds. A folder without weights (a model on
+   the k-quant kernel) whose config and tokenizer the GGUF's metadata gives is written here in
+   about a second; any other conversion runs in a child
    process and writes into a temporary directory that is renamed into place, so a cancelled,
    failed or killed conversion (a full disk included) never leaves a half-written model behind,
    and the entry it replaces stays usable until then; that entry's files made by loads from the
    same source are kept.
 3. Files made from a converted entry when a load first needs them: the llama.cpp draft's 4-bit
-   GGUF (:func:`make_draft_gguf`) and an int4 draft's packed layers (:func:`store_int4_layers`).
+   GGUF (:func:`make_draft_gguf`), an int4 draft's packed layers (:func:`store_int4_layers`) and
+   the k-quant kernel's blocks of a target or a draft, kept to be mapped (:func:`store_kquant_blocks`).
 4. The original GGUF files, assembled from a catalog model's parts and checked (:func:`catalog_gguf`).
 5. The cache as a whole: where it is, what it holds, and pruning it without disturbing a
    conversion or an assembly at work in another process (:func:`prune`).
@@ -27,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
-import json
 import logging
 import multiprocessing
 import os
