@@ -10,6 +10,16 @@ import sys
 
 def run_app(argv: list[str]) -> int:
     os.environ.setdefault("QT_API", "pyside6")
+    from specplay.app import preload
+    from specplay.app.settings import AppSettings
+
+    settings = AppSettings.load()
+    if settings.target:  # loaded beside the window's imports and construction, taken over by its first load
+        preload.start(("target", settings.target, settings.device, settings.dtype, "auto"),
+                      lambda progress, should_cancel: _load(settings, "target", progress, should_cancel))
+        if settings.draft:
+            preload.start(("draft", settings.draft, settings.device, settings.dtype, settings.draft_engine),
+                          lambda progress, should_cancel: _load(settings, "draft", progress, should_cancel))
     from PySide6.QtWidgets import QApplication  # noqa: I001  (PySide6 before qasync)
     import qasync
 
@@ -33,8 +43,16 @@ def run_app(argv: list[str]) -> int:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     with loop:
-        window = MainWindow()
+        window = MainWindow(settings)
         closed = window.closed_future()
         window.show()
         loop.call_soon(window.start)  # load history and models once the loop runs
         return loop.run_until_complete(closed)
+
+
+def _load(settings, role: str, progress, should_cancel):
+    from specplay.core.models import load_model
+
+    spec, backend = (settings.target, "auto") if role == "target" else (settings.draft, settings.draft_engine)
+    return load_model(spec, settings.device, settings.dtype, backend=backend, role=role, progress=progress,
+                      should_cancel=should_cancel)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, Signal, Slot
 
+from specplay.app import preload
 from specplay.core.errors import Cancelled, SpecPlayError, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ class EngineWorker(QObject):
             keys = {"target": ("target", request.target, request.device, request.dtype, "auto"),
                     "draft": ("draft", request.draft, request.device, request.dtype, request.draft_backend)}
             wanted = {keys["target"], keys["draft"]} if request.draft else {keys["target"]}
+            preload.keep_only(wanted)
             # Free models no longer wanted before loading new ones (memory is the limit).
             for key in [k for k in self._cache if k not in wanted]:
                 del self._cache[key]
@@ -213,8 +215,10 @@ class EngineWorker(QObject):
                 key = keys[role]
                 if key not in self._cache:
                     progress, cancelled = callbacks[role]
-                    self._cache[key] = load_model(key[1], request.device, request.dtype, backend=key[4], role=role,
-                                                  progress=progress, should_cancel=cancelled)
+                    # The launch may have begun this load before the window was built (app.preload).
+                    begun = preload.take(key, progress, cancelled)
+                    self._cache[key] = begun or load_model(key[1], request.device, request.dtype, backend=key[4],
+                                                           role=role, progress=progress, should_cancel=cancelled)
                 return self._cache[key]
 
             target = get("target")

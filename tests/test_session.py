@@ -234,3 +234,22 @@ def test_history_writes_happen_off_the_gui_thread(session, qtbot, monkeypatch):
     monkeypatch.setattr(session.history, "append", noting)
     assert run(qtbot, session.run(request())) is not None
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
+
+
+def test_a_load_begun_at_launch_is_taken_over_by_the_sessions_load(qtbot, aloop, target_dir, tmp_path, monkeypatch):
+    """The launch begins loading the remembered target before the window is built (app.preload): the
+    session's load of that model takes it over instead of loading it again."""
+    from specplay.app import preload
+    from specplay.core import models
+
+    load = models.load_model
+    preload.start(("target", str(target_dir), "cpu", "float32", "auto"),
+                  lambda progress, should_cancel: load(str(target_dir), "cpu", "float32", progress=progress,
+                                                       should_cancel=should_cancel))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded again"))
+    s = RunSession(History(tmp_path / "history.jsonl"))
+    try:
+        loaded = run(qtbot, s.load(LoadRequest(target=str(target_dir), device="cpu", dtype="float32")))
+        assert loaded is not None and loaded.target.model_id == str(target_dir)
+    finally:
+        s.shutdown()
