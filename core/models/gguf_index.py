@@ -260,34 +260,15 @@ class GGUFIndex:
 
     def array(self, key: str) -> list:
         """The items of the metadata array ``key`` (strings or numbers; not arrays of arrays), read from
-        the file again: the header's check already bounded its items by the file's size."""
+        the file again by the header's own cursor: the header's check already bounded its items."""
         if key not in self._array_at:
             raise KeyError(key)
-        at = self._array_at[key]
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(at)
-                inner, count = struct.unpack("<IQ", f.read(12))
-                if inner == _ARRAY or inner not in _ITEM_BYTES:
-                    raise ModelError(f"{self.path}: metadata {key} is not an array of strings or numbers")
-                if inner != _STRING:
-                    fmt = _SCALARS[inner]
-                    data = f.read(count * struct.calcsize(fmt))
-                    return np.frombuffer(data, dtype=np.dtype(fmt), count=count).tolist()
-                buf = f.read(os.path.getsize(self.path) - at - 12)
-        except (OSError, struct.error, ValueError) as exc:
-            raise ModelError(f"{self.path}: metadata {key} cannot be read ({exc})") from None
-        items, pos = [], 0
-        for _ in range(count):
-            if pos + 8 > len(buf):
-                raise ModelError(f"{self.path}: metadata {key} runs past the end of the file")
-            n = struct.unpack_from("<Q", buf, pos)[0]
-            pos += 8
-            if pos + n > len(buf):
-                raise ModelError(f"{self.path}: metadata {key} runs past the end of the file")
-            items.append(buf[pos:pos + n].decode("utf-8", errors="replace"))
-            pos += n
-        return items
+        cur = _Cursor(self.path, os.path.getsize(self.path), None)
+        cur.at, cur.where = self._array_at[key], f"metadata {key}"
+        inner, count = cur.scalar("<I"), cur.scalar("<Q")
+        if inner == _ARRAY or inner not in _ITEM_BYTES:
+            raise cur.bad(f"metadata {key} is not an array of strings or numbers")
+        return [cur.value(inner) for _ in range(count)]
 
     @property
     def architecture(self) -> str:
