@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -15,11 +16,11 @@ def run_app(argv: list[str]) -> int:
 
     settings = AppSettings.load()
     if settings.target:  # loaded beside the window's imports and construction, taken over by its first load
-        preload.start(("target", settings.target, settings.device, settings.dtype, "auto"),
-                      lambda progress, should_cancel: _load(settings, "target", progress, should_cancel))
+        keys = [("target", settings.target, settings.device, settings.dtype, "auto")]
         if settings.draft:
-            preload.start(("draft", settings.draft, settings.device, settings.dtype, settings.draft_engine),
-                          lambda progress, should_cancel: _load(settings, "draft", progress, should_cancel))
+            keys.append(("draft", settings.draft, settings.device, settings.dtype, settings.draft_engine))
+        for key in keys:
+            preload.start(key, functools.partial(_load, key))
     from PySide6.QtWidgets import QApplication  # noqa: I001  (PySide6 before qasync)
     import qasync
 
@@ -50,9 +51,9 @@ def run_app(argv: list[str]) -> int:
         return loop.run_until_complete(closed)
 
 
-def _load(settings, role: str, progress, should_cancel):
+def _load(key: tuple, progress, should_cancel):
+    """The model a preload ``key`` names (role, spec, device, dtype, backend: the engine's cache key)."""
     from specplay.core.models import load_model
 
-    spec, backend = (settings.target, "auto") if role == "target" else (settings.draft, settings.draft_engine)
-    return load_model(spec, settings.device, settings.dtype, backend=backend, role=role, progress=progress,
-                      should_cancel=should_cancel)
+    role, spec, device, dtype, backend = key
+    return load_model(spec, device, dtype, backend=backend, role=role, progress=progress, should_cancel=should_cancel)

@@ -37,7 +37,7 @@ class Preload:
         self._thread.start()
 
     def _progress(self, stage: str, fraction) -> None:
-        if self._dropped or self._cancelled():
+        if self._should_cancel():
             raise Cancelled("loading cancelled")
         with self._handoff:
             report = self._report
