@@ -578,6 +578,7 @@ class KeptBlocks:
 
 #: A blocks file: this magic, the index's length (u64), the index (JSON), then each tensor's bytes.
 _BLOCKS_MAGIC = b"SPBLOCKS"
+_BLOCKS_HEAD = len(_BLOCKS_MAGIC) + 8  # the magic and the index's length
 _BLOCKS_ALIGN = 64  # each tensor's bytes start on a cache line: the kernel's loads see the layout repack gave
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -601,7 +602,7 @@ def save_blocks(tensors: dict, dest: Path) -> None:
         parts.append((at, raw))
         at = _aligned(at + raw.size)
     header = json.dumps(index).encode()
-    start = _aligned(len(_BLOCKS_MAGIC) + 8 + len(header))
+    start = _aligned(_BLOCKS_HEAD + len(header))
     with replacing(dest) as tmp:
         with open(tmp, "wb") as f:
             f.write(_BLOCKS_MAGIC + struct.pack("<Q", len(header)) + header)
@@ -621,14 +622,14 @@ class BlocksFileReader:
         try:
             size = path.stat().st_size
             with open(path, "rb") as f:
-                head = f.read(len(_BLOCKS_MAGIC) + 8)
-                if len(head) < len(_BLOCKS_MAGIC) + 8 or head[:len(_BLOCKS_MAGIC)] != _BLOCKS_MAGIC:
+                head = f.read(_BLOCKS_HEAD)
+                if len(head) < _BLOCKS_HEAD or head[:len(_BLOCKS_MAGIC)] != _BLOCKS_MAGIC:
                     raise ValueError("it is not a blocks file")
                 length = struct.unpack("<Q", head[len(_BLOCKS_MAGIC):])[0]
                 if length > size:
                     raise ValueError("its index runs past its end")
                 self._index = json.loads(f.read(length))
-            start = _aligned(len(_BLOCKS_MAGIC) + 8 + length)
+            start = _aligned(_BLOCKS_HEAD + length)
             for name, entry in self._index.items():
                 if not 0 <= entry["offset"] <= entry["offset"] + entry["bytes"] <= size - start:
                     raise ValueError(f"{name} runs past its end")
