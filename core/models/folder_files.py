@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from specplay.core.models.cache import MARKER, read_marker
+from specplay.core.models.cache import read_marker, write_marker
 from specplay.core.models.gguf_config import config_from_gguf, generation_config
 from specplay.core.models.gguf_index import GGUFIndex
 from specplay.core.models.tokenizer import TEMPLATE_FILE, ChatTokenizer, from_gguf, unbuilt_reason
@@ -78,6 +78,5 @@ def write_folder(index: GGUFIndex, out: Path, name: str, sha: str, config: dict,
         tokenizer.save(out)
     elif tokenizer is not None:
         tokenizer.save_pretrained(str(out))
-    (out / MARKER).write_text(json.dumps({"source": index.path.name, "sha256": sha, "name": name,
-                                          "tokenizer_digest": index.tokenizer_digest,
-                                          "converted_in_s": round(time.perf_counter() - started, 1)}))
+    write_marker(out, {"source": index.path.name, "sha256": sha, "name": name, "tokenizer_digest": index.tokenizer_digest,
+                       "converted_in_s": round(time.perf_counter() - started, 1)})
