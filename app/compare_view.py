@@ -13,6 +13,7 @@ from specplay.app.palette import method_colour
 from specplay.app.tokenview import REJECTED_INLINE_TIP, TokenView
 from specplay.core.methods import METHODS, method_title
 from specplay.core.records.runlog import RunRecord
+from specplay.core.remote.llama_server import why_unavailable
 
 TABLE_COLUMNS = ("Method", "Same", "tok/s", "TTFT", "Speedup (wall)", "τ", "Accept", "Tokens", "Steps", "Notes")
 COLUMN_TIPS = ("", "Identical: token for token the same output as autoregressive (checked at temperature 0; "
@@ -24,6 +25,15 @@ COLUMN_TIPS = ("", "Identical: token for token the same output as autoregressive
                "Mean tokens added per step (accepted draft tokens + 1)", "Accepted draft tokens / drafted tokens",
                "New tokens", "Decoding steps (target forward passes)", "")
 IDENTICAL_COL = 1
+#: llama.cpp's own server, started on the loaded models for its run (``core.measure.peers.SERVER_PEERS``).
+SERVER_PEER_TITLES = {
+    "llamacpp_speculative": ("with the draft", "llama.cpp's speculative decoding with the loaded draft model "
+                                               "(-md, its own default draft sizes)"),
+    "llamacpp_ngram": ("n-gram", "llama.cpp's draftless n-gram speculation, the type that measured fastest on this "
+                                 "machine (chosen once, on two of the prompt presets)"),
+}
+SERVER_TIP = ("Started as a child on a free loopback port on the loaded target's GGUF file, given the prompt as "
+              "SpecPlay's tokens, and stopped after its run; compared like an endpoint")
 
 
 def results_table(columns: tuple[str, ...], tips: tuple[str, ...]) -> QTableWidget:
@@ -183,6 +193,17 @@ class CompareView(QWidget):
         endpoints_row = QHBoxLayout()
         endpoints_row.addWidget(QLabel("Endpoints:"))
         endpoints_row.addWidget(self.endpoints_edit, 1)
+        endpoints_row.addSpacing(12)
+        endpoints_row.addWidget(QLabel("llama-server:"))
+        why_not = why_unavailable()
+        self.server_checks: dict[str, QCheckBox] = {}
+        for name, (title, tip) in SERVER_PEER_TITLES.items():
+            box = QCheckBox(title)
+            box.setObjectName(f"server_{name}")
+            box.setEnabled(why_not is None)
+            box.setToolTip(f"{tip}. {SERVER_TIP}" if why_not is None else why_not)
+            self.server_checks[name] = box
+            endpoints_row.addWidget(box)
         return endpoints_row
 
     def _build_note(self) -> QHBoxLayout:
@@ -232,6 +253,10 @@ class CompareView(QWidget):
     def endpoints(self) -> list[str]:
         """The endpoint specs typed in (``URL[,option=value...]``), in order."""
         return [e.strip() for e in self.endpoints_edit.text().split(";") if e.strip()]
+
+    def servers(self) -> list[str]:
+        """The llama-server peers checked (``core.measure.peers.SERVER_PEERS``), in order."""
+        return [n for n, box in self.server_checks.items() if box.isChecked() and box.isEnabled()]
 
     def selected(self) -> list[str]:
         return [n for n, box in self.checks.items() if box.isChecked()]

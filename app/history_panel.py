@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from specplay.core.records.history import Entry
+from specplay.core.measure.tune_server import tune_title
 from specplay.core.methods import method_title
 from specplay.core.records.runlog import RunRecord
 
@@ -108,7 +109,7 @@ class HistoryPanel(QWidget):
             title = f"Audit: {title}"
             stop = str(r.extra.get("verdict", "")) + ("" if p_value is None else f" (p = {p_value:.2g})")
         elif r.extra.get("kind") == "tune":  # a tune (core/measure/tune.py): its verdict stands for a stop reason
-            title = f"Tune: {title}"
+            title = f"Tune: {tune_title(r.method or '?')}"
             stop = str(r.extra.get("verdict", ""))
         values = (_when(r.tstamp), title, str(r.model_id or ""), "" if r.new_tokens is None else str(r.new_tokens),
                   _num(r.tokens_per_s), _num(r.mean_accepted), _num(r.temperature), stop, prompt[:80])

@@ -21,6 +21,7 @@ from specplay.app.palette import FATE_STYLES
 from specplay.app.session import RunSession
 from specplay.app.tokenview import TokenView
 from specplay.app.xray import XRayPanel
+from specplay.core.measure.tune_server import tune_title
 from specplay.core.methods import METHODS, method_title
 from specplay.core.records.runlog import event_from_dict, stats_line
 from specplay.core.decoding.types import StepEvent
@@ -53,7 +54,7 @@ class RunViews(QObject):
         session.sig_run_failed.connect(self._on_run_failed)
         session.sig_compare_updated.connect(compare.set_records)
         session.sig_audit_finished.connect(lambda rec: audit_view.show_record(rec, method_title(rec["method"])))
-        session.sig_tune_finished.connect(lambda rec: tune_view.show_record(rec, method_title(rec["method"])))
+        session.sig_tune_finished.connect(lambda rec: tune_view.show_record(rec, tune_title(rec["method"])))
 
     def _connect_token_view(self, view: TokenView) -> None:
         """A hovered token of ``view`` shows in the X-ray; a clicked one also selects its step in the internals."""
@@ -133,7 +134,7 @@ class RunViews(QObject):
     def show_saved(self, record: dict) -> None:
         """Show a run or audit from the history again: tokens, X-ray, internals and charts."""
         method = record.get("method", "?")
-        title = f"{method_title(method)} (from the history)"
+        title = f"{tune_title(method)} (from the history)"
         if record.get("kind") == "audit":
             self.tabs.setCurrentWidget(self.audit_view)
             self.audit_view.show_record(record, title)

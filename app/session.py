@@ -27,6 +27,7 @@ from specplay.app.export import ExportError, write_png, write_runs_csv, write_ru
 from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunDone, RunRequest, TuneRequest
 from specplay.core.measure.compare import BASELINE, annotate
 from specplay.core.records.history import Entry, History, summary_of
+from specplay.core.measure.tune_server import NAME as SERVER_TUNE, tune_title
 from specplay.core.methods import method_title
 from specplay.core.remote.runs import annotate_remote
 from specplay.core.records.runlog import stats_line
@@ -270,7 +271,8 @@ class RunSession(QObject):
         label = request.endpoint.label
         name = f"remote:{label}"
         job = self.engine.generate_remote(request, stop_first=self._stop_requested)
-        done = await self._stream(name, f"connecting to {request.endpoint.url}…", label, job)
+        waiting = "starting llama-server…" if request.server else f"connecting to {request.endpoint.url}…"
+        done = await self._stream(name, waiting, label, job)
         if done is None:
             return False
         self.sig_run_finished.emit(name, done.result, done.record)
@@ -306,7 +308,7 @@ class RunSession(QObject):
         None if the tune failed or was stopped (said in ``sig_error``)."""
         if self.busy or self.models is None:
             return None
-        title = method_title(request.run.method)
+        title = tune_title(SERVER_TUNE if request.server else request.run.method)
         done = await self._saved_job("tune", f"Tuning {title}: predicting every setting, then running the best…",
                                      f"Tune of {title}", lambda stop: self.engine.tune(request, stop_first=stop))
         if done is None:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QTableWidgetItem, QWidget
 
 from specplay.app.compare_view import page_layout, results_table, split_of
 from specplay.core.measure.tune import KNOBS
+from specplay.core.remote.llama_server import why_unavailable
 
 TUNE_COLUMNS = ("Run", "Setting", "Predicted tok/s", "Measured tok/s", "Error", "τ predicted", "τ measured",
                 "Same as autoregressive")
@@ -30,16 +32,19 @@ TUNE_TIPS = ("The method as configured in the Method panel, and the setting pred
              "Every token equal to autoregressive's (temperature 0)")
 DEFAULT_COLOUR, BEST_COLOUR = "#777777", "#D55E00"
 KNOB_LABELS = {"gamma": "γ (draft tokens a step)", "num_tokens": "tokens proposed after a match",
-               "total_tokens": "tree budget (nodes)"}
+               "total_tokens": "tree budget (nodes)", "n_max": "tokens drafted a step (--spec-draft-n-max)"}
+
 
 
 class TuneView(QWidget):
     """Signals:
         sig_run_requested(): tune the Method panel's method on the Prompt panel's prompt.
+        sig_server_requested(): tune llama-server's own draft size on the Prompt panel's prompt.
         sig_apply_requested(str, dict): put this configuration (method, its fields) into the Method panel.
     """
 
     sig_run_requested = Signal()
+    sig_server_requested = Signal()
     sig_apply_requested = Signal(str, dict)
 
     def __init__(self, parent=None):
@@ -58,12 +63,32 @@ class TuneView(QWidget):
         self.apply_button.setToolTip("Put the tuned setting into the Method panel's form")
         self.apply_button.setEnabled(False)
         self.apply_button.clicked.connect(self._apply)
+        why_not = why_unavailable()
+        self.server_ready = why_not is None
+        self.server_button = QPushButton("Tune llama-server's draft")
+        self.server_button.setToolTip(why_not or (
+            "The same for llama.cpp's own server with the loaded draft (llamacpp_speculative): predict its speed at "
+            "every --spec-draft-n-max from llama.cpp's greedy answer and costs timed here, run its default and the "
+            "best, and give the best as a llama-server command line"))
+        self.server_button.setEnabled(self.server_ready)
+        self.server_button.clicked.connect(self.sig_server_requested)
+        self.copy_button = QPushButton("Copy command")
+        self.copy_button.setToolTip("Copy the tuned llama-server command line for these two models")
+        self.copy_button.setVisible(False)
+        self.copy_button.clicked.connect(self._copy_command)
+        self.command = QLabel("")
+        self.command.setWordWrap(True)
+        self.command.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.command.setStyleSheet("QLabel { font-family: monospace; }")
+        self.command.setVisible(False)
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
         self.progress.setTextVisible(True)
         controls = QHBoxLayout()
         controls.addWidget(self.run_button)
         controls.addWidget(self.apply_button)
+        controls.addWidget(self.server_button)
+        controls.addWidget(self.copy_button)
         controls.addWidget(self.progress, 1)
         self.title = QLabel("No tune yet.")
         self.title.setTextFormat(Qt.TextFormat.RichText)
@@ -73,7 +98,7 @@ class TuneView(QWidget):
         self.assumptions.setWordWrap(True)
         self.assumptions.setStyleSheet("QLabel { color: #555555; }")
         split = split_of(Qt.Orientation.Vertical, [(self._build_chart(), 3), (self.table, 1)])
-        page_layout(self, [intro, controls, self.title, (split, 1), self.assumptions])
+        page_layout(self, [intro, controls, self.title, self.command, (split, 1), self.assumptions])
 
     def _build_chart(self) -> pg.PlotWidget:
         self.plot = pg.PlotWidget()
@@ -94,6 +119,7 @@ class TuneView(QWidget):
         """A tune starts: clear the last one."""
         self.record = None
         self.apply_button.setEnabled(False)
+        self._show_command(None)
         self.title.setText(f"<b>{title}</b>: tuning…")
         self.table.setRowCount(0)
         self.assumptions.setText("")
@@ -137,10 +163,13 @@ class TuneView(QWidget):
         self.progress.setFormat(f"Done: {len(record['settings'])} settings predicted in {record['seconds']:.0f} s")
         base = record["autoregressive_tokens_per_s"]
         best, default = record["best"], record["default"]
+        baseline = record.get("baseline", "autoregressive")
         self.title.setText(
-            f"<b>{title}</b> on {record['prompt_tokens']} prompt tokens, {record['new_tokens']} new · autoregressive "
+            f"<b>{title}</b> on {record['prompt_tokens']} prompt tokens, {record['new_tokens']} new · {baseline} "
             f"{base:.2f} tok/s · <b>{_escape(record['verdict'])}</b> (measured {best['measured_tokens_per_s']:.2f} "
             f"against the default's {default['measured_tokens_per_s']:.2f} tok/s)")
+        self._show_command(record.get("command"))
+        self.plot.setLabel("left", f"speedup over {baseline}")
         rows = [("default", default)] + ([] if record["best_is_default"] else [("best", best)])
         self.table.setRowCount(len(rows))
         for row, (label, t) in enumerate(rows):
@@ -162,6 +191,15 @@ class TuneView(QWidget):
         self.measured.setData([p[0] for p in pts], [p[1] for p in pts],
                               brush=[pg.mkBrush(DEFAULT_COLOUR), pg.mkBrush(BEST_COLOUR)])
         self.apply_button.setEnabled(record["method"] in KNOBS)
+
+    def _show_command(self, command: str | None) -> None:
+        self.command.setText(f"Best as a command: {command}" if command else "")
+        self.command.setVisible(bool(command))
+        self.copy_button.setVisible(bool(command))
+
+    def _copy_command(self) -> None:
+        if self.record is not None and self.record.get("command"):
+            QGuiApplication.clipboard().setText(self.record["command"])
 
     def _apply(self) -> None:
         if self.record is not None:

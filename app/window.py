@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -39,6 +40,7 @@ from specplay.core.measure.compare import WARMUP_TOKENS
 from specplay.core.errors import ConfigError
 from specplay.core.records.history import Entry, History
 from specplay.core.memory import memory_text
+from specplay.core.measure.tune_server import NAME as SERVER_TUNE, tune_title
 from specplay.core.methods import METHODS, method_title
 from specplay.core.remote.endpoint import Endpoint
 from specplay.core.decoding.types import RunResult
@@ -212,6 +214,7 @@ class MainWindow(QMainWindow):
         self.compare.sig_run_requested.connect(lambda names: self.spawn(self.run_compare(names)))
         self.audit_view.sig_run_requested.connect(lambda n, k: self.spawn(self.run_audit(n, k)))
         self.tune_view.sig_run_requested.connect(lambda: self.spawn(self.run_tune()))
+        self.tune_view.sig_server_requested.connect(lambda: self.spawn(self.run_tune(server=True)))
         self.tune_view.sig_apply_requested.connect(self.apply_tuned)
         self.history_panel.sig_open_requested.connect(lambda entry: self.spawn(self.open_saved(entry)))
         self.history_panel.sig_export_requested.connect(self._export_dialog)
@@ -324,6 +327,7 @@ class MainWindow(QMainWindow):
         for control in (self.run_action, self.compare_action, self.compare.run_button, self.audit_view.run_button,
                         self.tune_view.run_button):
             control.setEnabled(ready)
+        self.tune_view.server_button.setEnabled(ready and self.tune_view.server_ready)
         drafting = self.session.draft_loading  # the target runs; its draft loads beside it
         self.stop_action.setEnabled(bool(what) or drafting)
         self.models_panel.set_loading(what == "load" or drafting)
@@ -392,7 +396,8 @@ class MainWindow(QMainWindow):
         if self.session.busy or self.session.models is None:
             return None
         requests = self._compare_requests([n for n in names if n in METHODS],
-                                          self.compare.endpoints() if endpoints is None else endpoints)
+                                          self.compare.endpoints() if endpoints is None else endpoints,
+                                          self.compare.servers())
         if requests is None:
             return None
         local, remote = requests
@@ -405,20 +410,24 @@ class MainWindow(QMainWindow):
             self.why.set_records(records)
         return records
 
-    def _compare_requests(self, names: list[str], endpoints: list[str]
+    def _compare_requests(self, names: list[str], endpoints: list[str], servers: list[str]
                           ) -> tuple[list[RunRequest], list[RemoteRequest]] | None:
-        """A comparison's local and remote requests from the panels, or None (the reason shown)."""
+        """A comparison's local and remote requests from the panels (``servers``: llama-server peers, run
+        after the endpoints), or None (the reason shown)."""
         try:
             remote = [Endpoint.parse(e) for e in endpoints]
         except ConfigError as exc:
             self.show_error(f"Endpoint: {exc}")
             return None
-        if not names and not remote:
+        if not names and not remote and not servers:
             self.show_error("Check at least one method (or name an endpoint) to compare.")
             return None
         try:
+            # A server peer's endpoint only names it: the worker starts the server and streams from it.
+            started = [replace(self.prompt_panel.remote_request(Endpoint("http://127.0.0.1:8080/v1", name=name)),
+                               server=name) for name in servers]
             return ([self.methods_panel.run_request(n, self.prompt_panel, WARMUP_TOKENS) for n in names],
-                    [self.prompt_panel.remote_request(ep) for ep in remote])
+                    [self.prompt_panel.remote_request(ep) for ep in remote] + started)
         except ConfigError as exc:
             self.show_error(str(exc))
             return None
@@ -434,11 +443,12 @@ class MainWindow(QMainWindow):
         self.audit_view.begin(method_title(method))
         return await self.session.audit(AuditRequest(run=request, samples=samples, depth=depth))
 
-    async def run_tune(self) -> dict | None:
-        """Tune the Method panel's method on the Prompt panel's prompt (:mod:`specplay.core.measure.tune`); the record goes
-        into the history like a run's."""
-        method = self.methods_panel.method()
-        if method not in TUNED:
+    async def run_tune(self, server: bool = False) -> dict | None:
+        """Tune the Method panel's method on the Prompt panel's prompt (:mod:`specplay.core.measure.tune`), or with
+        ``server`` llama-server's own draft size (:mod:`specplay.core.measure.tune_server`); the record goes into
+        the history like a run's."""
+        method = "autoregressive" if server else self.methods_panel.method()  # a server tune runs no method of ours
+        if not server and method not in TUNED:
             self.show_error(f"Tune predicts {', '.join(method_title(m) for m in TUNED)}: choose one under Method.")
             return None
         request = self._ready_request(method)
@@ -448,8 +458,8 @@ class MainWindow(QMainWindow):
             self.show_error("Tune predicts greedy runs: set the temperature to 0 under Prompt.")
             return None
         self.run_views.show_tab(self.tune_view)
-        self.tune_view.begin(method_title(method))
-        return await self.session.tune(TuneRequest(run=request))
+        self.tune_view.begin(tune_title(SERVER_TUNE if server else method))
+        return await self.session.tune(TuneRequest(run=request, server=server))
 
     def apply_tuned(self, method: str, config: dict) -> None:
         """The Tune view's "Use these settings": the method and its tuned configuration into the Method panel."""

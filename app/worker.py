@@ -63,6 +63,9 @@ class RemoteRequest:
     chat: bool = True
     warmup_tokens: int = 0
     job: int = 0
+    #: A server peer (``core.measure.peers.SERVER_PEERS``) the worker starts on the loaded models for this
+    #: run instead of the endpoint (which then only names it); the prompt goes as the target's token ids.
+    server: str = ""
 
 
 @dataclass
@@ -102,6 +105,8 @@ class TuneRequest:
 
     run: RunRequest
     job: int = 0
+    #: Tune llama-server's own draft size on ``run``'s prompt (``core.measure.tune_server``), not its method.
+    server: bool = False
 
 
 class EngineWorker(QObject):
@@ -341,14 +346,20 @@ class EngineWorker(QObject):
     def tune(self, request: TuneRequest) -> None:
         from specplay.core.measure.compare import WARMUP_TOKENS
         from specplay.core.measure.tune import tune, tune_record
+        from specplay.core.measure.tune_server import tune_llamacpp_speculative
 
         should_stop = self._stopper(request.job)
         try:
             run = request.run
             ids = self._prompt_ids(run)
-            result = tune(self.target, self.draft, run.method, run.method_config, ids, run.config, prompt=run.prompt,
-                          warmup_tokens=WARMUP_TOKENS, should_stop=should_stop,
-                          on_stage=lambda stage, fraction: self.sig_progress.emit(stage, fraction))
+            on_stage = lambda stage, fraction: self.sig_progress.emit(stage, fraction)  # noqa: E731
+            if request.server:
+                result = tune_llamacpp_speculative(self.target, self.draft, ids, run.config, prompt=run.prompt,
+                                                   should_stop=should_stop, on_stage=on_stage)
+            else:
+                result = tune(self.target, self.draft, run.method, run.method_config, ids, run.config,
+                              prompt=run.prompt, warmup_tokens=WARMUP_TOKENS, should_stop=should_stop,
+                              on_stage=on_stage)
             record = tune_record(result, target=self.target, extra={"chat_template": run.chat_template})
             self.sig_tune_finished.emit(RunDone(result, record))
         except Exception as exc:  # a Stop before the proof included (core.errors.Cancelled says so)
@@ -356,28 +367,57 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def generate_remote(self, request: RemoteRequest) -> None:
-        """Stream from a remote endpoint: each chunk is a step event; the result is a ``RemoteRun``."""
-        from specplay.core.remote.runs import chunk_event, remote_record, stream_completion
-
+        """Stream from a remote endpoint (or a server peer started for it): each chunk is a step event; the
+        result is a ``RemoteRun``."""
         should_stop = self._stopper(request.job)
         try:
+            if request.server:
+                self._stream_from_server(request, should_stop)
+                return
             kwargs = dict(temperature=request.temperature, top_p=request.top_p, seed=request.seed, chat=request.chat,
                           should_stop=should_stop)
-            if request.warmup_tokens > 0:
-                stream_completion(request.endpoint, request.prompt, max_tokens=request.warmup_tokens, **kwargs)
-            count = [0]
-
-            def on_text(piece: str, elapsed: float) -> None:
-                count[0] += 1
-                self.sig_step.emit(chunk_event(count[0] - 1, piece, elapsed, count[0]))
-
-            run = stream_completion(request.endpoint, request.prompt, max_tokens=request.max_tokens, on_text=on_text,
-                                    **kwargs)
-            record = remote_record(run, max_new_tokens=request.max_tokens, temperature=request.temperature,
-                                   top_p=request.top_p, seed=request.seed)
-            self.sig_run_finished.emit(RunDone(run, record))
+            self._stream_remote(request, kwargs)
         except Exception as exc:
             self._fail(exc)
+
+    def _stream_from_server(self, request: RemoteRequest, should_stop) -> None:
+        """Start llama-server on the loaded models, stream the request's prompt (its token ids) from it, stop it."""
+        from dataclasses import replace
+
+        from specplay.core.measure.peers import server_for
+        from specplay.core.remote.endpoint import Endpoint
+        from specplay.core.remote.llama_server import REQUEST_FIELDS
+        from specplay.core.text import encode_prompt
+
+        if self.target is None:
+            raise SpecPlayError("load a target model first")
+        ids = encode_prompt(self.target.tokenizer, request.prompt, request.chat)
+        server, _ = server_for(request.server, self.target, self.draft)
+        server.start(should_stop)
+        try:
+            kwargs = dict(temperature=request.temperature, top_p=request.top_p, seed=request.seed, chat=False,
+                          prompt_tokens=ids, fields=REQUEST_FIELDS, should_stop=should_stop)
+            self._stream_remote(replace(request, endpoint=Endpoint(server.url, name=request.server)), kwargs)
+        finally:
+            server.stop()
+
+    def _stream_remote(self, request: RemoteRequest, kwargs: dict) -> None:
+        """One streamed completion (after its warm-up), its chunks as step events, its record."""
+        from specplay.core.remote.runs import chunk_event, remote_record, stream_completion
+
+        if request.warmup_tokens > 0:
+            stream_completion(request.endpoint, request.prompt, max_tokens=request.warmup_tokens, **kwargs)
+        count = [0]
+
+        def on_text(piece: str, elapsed: float) -> None:
+            count[0] += 1
+            self.sig_step.emit(chunk_event(count[0] - 1, piece, elapsed, count[0]))
+
+        run = stream_completion(request.endpoint, request.prompt, max_tokens=request.max_tokens, on_text=on_text,
+                                **kwargs)
+        record = remote_record(run, max_new_tokens=request.max_tokens, temperature=request.temperature,
+                               top_p=request.top_p, seed=request.seed)
+        self.sig_run_finished.emit(RunDone(run, record))
 
 
 def _empty_cuda_cache() -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -753,6 +754,36 @@ def test_compare_runs_remote_endpoints_beside_local_methods(window, qtbot):
     assert window.why.table.rowCount() == 1  # only local runs have step costs to explain
 
 
+def test_compare_starts_llama_server_for_its_run_and_stops_it(window, qtbot, tmp_path, monkeypatch):
+    """A checked llama-server peer: the worker starts the server on the loaded models, sends it the
+    prompt as the target's token ids, streams its answer into a column of its own, and stops it."""
+    import json
+
+    from specplay.core.measure import peers
+    from specplay.core.remote.llama_server import LlamaServer
+    from specplay.core.text import encode_prompt
+    from tests.test_llama_server import _stand_in
+
+    stand_in = _stand_in(tmp_path, "serve")
+    started = []
+
+    def server_for(name, target, draft):
+        started.append(LlamaServer(["-m", "target.gguf"], path=stand_in))
+        return started[-1], {}
+
+    monkeypatch.setattr(peers, "server_for", server_for)
+    box = window.compare.server_checks["llamacpp_ngram"]
+    box.setEnabled(True)  # as where the server is built
+    box.setChecked(True)
+    records = run(qtbot, window.run_compare(["autoregressive"]), timeout=60_000)
+    assert [r["method"] for r in records] == ["autoregressive", "remote:llamacpp_ngram"]
+    assert records[1]["error"] is None and records[1]["text"] == "ab cd" and records[1]["drafted"] == 4
+    assert window.compare.column("remote:llamacpp_ngram").view.committed_text() == "ab cd"
+    sent = json.loads(Path(str(stand_in) + ".request").read_text())
+    assert sent["prompt"] == encode_prompt(window.session.models.target.tokenizer, "ab cd ab cd ab", False)
+    assert len(started) == 1 and started[0].proc is None  # stopped after its run
+
+
 def test_an_unreachable_endpoint_is_a_message_and_the_window_stays_usable(window, qtbot):
     from tests.test_remote import FakeEngine
 
@@ -1231,6 +1262,44 @@ def test_a_tune_shows_predictions_beside_measurements_and_its_settings_can_be_ap
     assert window.methods_panel.method() == "speculative"
     values = window.methods_panel.current_form().values()
     assert {k: values[k] for k in record["knobs"]} == record["best"]["params"]
+
+
+def test_a_tune_of_llama_servers_draft_shows_its_command_to_copy(window, qtbot, monkeypatch):
+    """The Tune view's llama-server button tunes the server's draft size (not the Method panel's method),
+    shows the best as a command line with a button that copies it, and offers nothing to apply."""
+    from PySide6.QtGui import QGuiApplication
+
+    from specplay.core.decoding.costmodel import CostCurve
+    from specplay.core.measure import tune_server
+    from specplay.core.measure.tune import Setting, Trial, TuneResult
+
+    asked = []
+
+    def tuned(target, draft, ids, config, *, prompt=None, should_stop=None, on_stage=None):
+        asked.append((draft, ids))
+        curve = CostCurve((1, 2), (0.05, 0.07))
+        return TuneResult(
+            method="llamacpp_speculative", knobs=("n_max",), base_params={"n_max": 3}, prompt=prompt,
+            prompt_tokens=len(ids), new_tokens=16, autoregressive={"tokens_per_s": 11.0},
+            default=Trial({"n_max": 3}, 13.0, 2.5, 12.5, 2.4, True, {}, [12.5]),
+            best=Trial({"n_max": 5}, 15.0, 3.5, 14.0, 3.2, True, {}, [14.0]),
+            settings=[Setting({"n_max": n}, 10.0 + n, 1 + n / 2, 10) for n in range(1, 13)],
+            costs=tune_server.ServerStepCosts(verify=curve, draft_unit=0.01, other=0.0, prefill=0.1, draft_block=curve),
+            best_config={"n_max": 5}, baseline="llama-server without a draft",
+            command="llama-server -m t.gguf -md d.gguf --spec-draft-n-max 5")
+
+    monkeypatch.setattr(tune_server, "tune_llamacpp_speculative", tuned)
+    view = window.tune_view
+    view.server_ready = True  # as where the server is built
+    window.methods_panel.set_method("lookahead")  # not a tuned method: the server's tune does not ask
+    record = run(qtbot, window.run_tune(server=True), timeout=60_000)
+    assert asked and asked[0][0] is window.session.models.draft
+    assert record["method"] == "llamacpp_speculative" and record["command"].endswith("--spec-draft-n-max 5")
+    assert view.command.text().endswith("--spec-draft-n-max 5") and not view.command.isHidden()
+    assert "llama-server without a draft" in view.title.text() and not view.apply_button.isEnabled()
+    view.copy_button.click()
+    assert QGuiApplication.clipboard().text() == record["command"]
+    assert window.history_panel.table.item(0, 1).text().startswith("Tune: llama-server's draft")
 
 
 def test_tune_refuses_what_it_cannot_predict_with_the_reason(window, qtbot):

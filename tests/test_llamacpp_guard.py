@@ -116,9 +116,9 @@ def test_where_every_setting_crashes_the_native_draft_runs_and_says_why(model, g
 
 
 def test_signal_names_and_exit_codes_read_as_words():
-    assert "SIGILL" in llamacpp._exit_reason(-signal.SIGILL)
-    assert "SIGKILL" in llamacpp._exit_reason(-signal.SIGKILL) and "memory" in llamacpp._exit_reason(-9)
-    assert llamacpp._exit_reason(1) == "exited with code 1"
+    assert "SIGILL" in llamacpp.exit_reason(-signal.SIGILL)
+    assert "SIGKILL" in llamacpp.exit_reason(-signal.SIGKILL) and "memory" in llamacpp.exit_reason(-9)
+    assert llamacpp.exit_reason(1) == "exited with code 1"
 
 
 def test_the_servers_defaults_are_called_unsafe_where_their_child_died(gguf, monkeypatch):

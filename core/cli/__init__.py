@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from specplay.core.cli.commands import (cmd_audit, cmd_bench, cmd_compare, cmd_models, cmd_run, cmd_train,
-                                        cmd_tune)
+from specplay.core.cli.commands import (cmd_audit, cmd_bench, cmd_compare, cmd_models, cmd_peers, cmd_run,
+                                        cmd_train, cmd_tune)
 from specplay.core.cli.options import add_generation_args, add_method_options, add_model_args
 from specplay.core.errors import SpecPlayError
 
@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("tune", help="predict the fastest setting of a method's draft size for a prompt on this "
-                                    "machine from one run, then run it to check")
-    p.add_argument("--method", required=True, choices=list(TUNED_METHODS))
+                                    "machine from one run, then run it to check (llamacpp_speculative: "
+                                    "llama-server's own draft size, and its command line)")
+    p.add_argument("--method", required=True, choices=list(TUNED_METHODS) + ["llamacpp_speculative"])
     p.add_argument("--warmup-tokens", type=int, default=WARMUP_TOKENS,
                    help="untimed warm-up generation before each timed run (0 = none)")
     add_generation_args(p)
@@ -86,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-category", type=int, help="first N questions of each category")
     p.add_argument("--methods", required=True,
                    help="comma-separated methods and peers (hf_generate, hf_assisted, hf_prompt_lookup; with the "
-                        "'peers' extra: llamacpp_generate, llamacpp_prompt_lookup)")
+                        "'peers' extra: llamacpp_generate, llamacpp_prompt_lookup; after `specplay peers "
+                        "build-server`: llamacpp_speculative, llamacpp_ngram)")
     p.add_argument("--engine", action="append", default=[], metavar=ENGINE_METAVAR,
                    help="also benchmark an OpenAI-compatible endpoint on the same prompts (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -181,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("ids", nargs="*", help="cached entries to remove whole (default: only what is made again on demand: "
                                            "float32 copies beside int8 weights, assembled GGUF files, leftovers)")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("peers", help="build the peers SpecPlay is measured against that pip cannot install")
+    psub = p.add_subparsers(dest="peers_command", required=True)
+    pb = psub.add_parser("build-server", help="compile llama.cpp's llama-server (the llamacpp_speculative and "
+                                              "llamacpp_ngram peers) from the peers extra's source distribution, "
+                                              "downloaded from the package registry, and install it beside specplay")
+    pb.add_argument("--jobs", type=int, default=None, help="compiler jobs (default: one per CPU)")
+    p.set_defaults(func=cmd_peers)
     return parser
 
 

@@ -118,20 +118,27 @@ def cmd_tune(args) -> int:
     from specplay.core.methods import get_spec
     from specplay.core.records.runlog import dumps
     from specplay.core.text import encode_prompt
+    from specplay.core.measure import tune_server
     from specplay.core.measure.tune import format_tune, tune
 
-    method_config = config_for(args.method, args)
+    server = args.method == tune_server.NAME  # llama-server's own draft size, not a method of SpecPlay's
+    method_config = None if server else config_for(args.method, args)
     gen_config = generation_config(args)
     if not gen_config.sampling.greedy:
         raise SpecPlayError("tune predicts greedy runs: leave --temperature at 0")
     prompt = prompt_text(args)
     if not prompt.strip():
         raise SpecPlayError("the prompt is empty")
-    target, draft = load_models(args, get_spec(args.method).needs_draft)
+    target, draft = load_models(args, server or get_spec(args.method).needs_draft)
     ids = encode_prompt(target.tokenizer, prompt, chat_template=not args.no_chat_template)
     stages = LineProgress()
-    result = tune(target, draft, args.method, method_config, ids, gen_config, prompt=prompt,
-                  warmup_tokens=args.warmup_tokens, on_stage=lambda text, fraction: stages(text, None))
+    on_stage = lambda text, fraction: stages(text, None)  # noqa: E731
+    if server:
+        result = tune_server.tune_llamacpp_speculative(target, draft, ids, gen_config, prompt=prompt,
+                                                       warmup_tokens=args.warmup_tokens, on_stage=on_stage)
+    else:
+        result = tune(target, draft, args.method, method_config, ids, gen_config, prompt=prompt,
+                      warmup_tokens=args.warmup_tokens, on_stage=on_stage)
     if args.json:
         print(dumps(result.to_dict()))
     else:
@@ -271,6 +278,13 @@ def _print_engines() -> None:
         print(f"    {line}")
 
 
+def cmd_peers(args) -> int:
+    from specplay.core.remote.llama_server import build
+
+    build(args.jobs, log=lambda m: print(m, file=sys.stderr, flush=True))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from specplay.core.measure.bench import BenchSpec, check_methods, format_summary, format_sweep, run_bench
     from specplay.core.measure.peers import PEERS
@@ -285,7 +299,8 @@ def cmd_bench(args) -> int:
     endpoints = {f"remote:{ep.label}": ep for ep in (Endpoint.parse(e) for e in args.engine)}
     questions = load_questions(args.prompts, args.categories, args.limit, args.per_category)
     configs = {n: config_for(n, args) for n in names if n not in PEERS}
-    need_draft = any(n == "hf_assisted" or (n not in PEERS and get_spec(n).needs_draft) for n in names)
+    need_draft = any(n in ("hf_assisted", "llamacpp_speculative") or (n not in PEERS and get_spec(n).needs_draft)
+                     for n in names)
     temperatures = _temperatures(args.temperatures) if args.temperatures else ()
     target, draft = load_models(args, need_draft)
     bench_spec = BenchSpec(methods=names + list(endpoints), endpoints=endpoints, configs=configs,

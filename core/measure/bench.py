@@ -22,7 +22,9 @@ Peers run the same weights and storage through ``transformers``: ``hf_generate``
 ``generate``), ``hf_assisted`` (assisted generation with the draft model) and
 ``hf_prompt_lookup`` (prompt-lookup decoding), with SpecPlay's sampling settings and nothing
 from the model folder's ``generation_config.json``. With the ``peers`` extra, llama.cpp runs
-the target's GGUF file: ``llamacpp_generate`` (plain decoding) and ``llamacpp_prompt_lookup``.
+the target's GGUF file: ``llamacpp_generate`` (plain decoding) and ``llamacpp_prompt_lookup``;
+once ``specplay peers build-server`` has built it, llama.cpp's own server runs as a child for the
+bench: ``llamacpp_speculative`` (with the draft's GGUF file) and ``llamacpp_ngram`` (draftless).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ import torch
 
 from specplay.core.atomic import write_text_atomic
 from specplay.core.errors import SpecPlayError
-from specplay.core.measure.peers import (HF_PEERS, LLAMACPP_PEERS, PEERS, HFPeer, LlamaCppPeer, OurMethod, RemotePeer,
-                                         TurnResult)
+from specplay.core.measure.peers import (HF_PEERS, LLAMACPP_PEERS, PEERS, SERVER_PEERS, HFPeer, LlamaCppPeer,
+                                         LlamaServerPeer, OurMethod, RemotePeer, TurnResult)
 from specplay.core.measure.prompts import MT_BENCH, Question
 from specplay.core.records.runlog import dumps, write_jsonl_atomic
 
@@ -99,10 +101,13 @@ def _speed_figures(ok: list[dict]) -> dict:
     steps = [a for r in ok for turn in (r["accept_lengths"] or []) for a in (turn or [])]
     drafted = sum(r.get("drafted", 0) for r in ok)
     first = [r["time_to_first_token"][0] for r in ok if (r.get("time_to_first_token") or [None])[0] is not None]
+    tau = statistics.fmean(steps) if steps and ok[0]["accept_lengths"] else None
+    if tau is None and all(r.get("steps") for r in ok):  # a peer that counts its steps, not each one's length
+        tau = sum(sum(r["new_tokens"]) for r in ok) / sum(r["steps"] for r in ok)
     return {"tokens_per_s": statistics.fmean(speeds),
             "time_to_first_token": statistics.fmean(first) if first else None,
             "new_tokens": sum(sum(r["new_tokens"]) for r in ok) / len(repeats),
-            "mean_accepted": statistics.fmean(steps) if steps and ok[0]["accept_lengths"] else None,
+            "mean_accepted": tau,
             "acceptance_rate": sum(r.get("accepted", 0) for r in ok) / drafted if drafted else None}
 
 
@@ -212,12 +217,23 @@ def run_bench(target, draft, questions: list[Question], bench_spec: BenchSpec, o
     ``summary.json``'s ``summary`` is then the first temperature's, and ``by_temperature`` has
     every temperature's (keyed ``"0"``, ``"1"``, ...): a single temperature writes what it always did.
     """
-    from specplay.core.text import encode_messages, encode_prompt
-
     if "autoregressive" not in bench_spec.methods:
         bench_spec.methods.insert(0, "autoregressive")
     out_dir.mkdir(parents=True, exist_ok=True)
     runners, load_errors = _load_runners(bench_spec, target, draft, log)
+    try:
+        return _run_loaded(runners, load_errors, target, draft, questions, bench_spec, out_dir, log)
+    finally:  # a server child is stopped however the bench ends: finished, failed, or Ctrl-C
+        for runner in runners.values():
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
+
+
+def _run_loaded(runners: dict, load_errors: dict, target, draft, questions: list[Question], bench_spec: BenchSpec,
+                out_dir: Path, log: Callable[[str], None]) -> dict:
+    from specplay.core.text import encode_messages, encode_prompt
+
     verify_cost = measure_verify_cost(target.model)
     log(f"target verify cost T(8)/T(1) = {verify_cost['ratio']:.2f}")
     tok = target.tokenizer
@@ -242,7 +258,7 @@ def run_bench(target, draft, questions: list[Question], bench_spec: BenchSpec, o
         for name, error in load_errors.items():
             answers[name] = [_record(q, rep, [TurnResult([], "", 0.0, None, error=error)])
                              for rep in range(bench_spec.repeats) for q in questions]
-        by_temperature[temperature] = summarize(answers, questions, by_text=set(bench_spec.endpoints))
+        by_temperature[temperature] = summarize(answers, questions, by_text=set(bench_spec.endpoints) | set(SERVER_PEERS))
     env = _write_summary(out_dir, by_temperature, verify_cost, target, draft, bench_spec, params, files)
     return {"summary": by_temperature[temperatures[0]], "verify_cost": verify_cost, "environment": env,
             "by_temperature": by_temperature}
@@ -293,6 +309,8 @@ def _load_runners(bench_spec: BenchSpec, target, draft, log: Callable[[str], Non
                 runners[name] = HFPeer(name, target, draft, hf_models)
             elif name in LLAMACPP_PEERS:
                 runners[name] = LlamaCppPeer(name, target)
+            elif name in SERVER_PEERS:
+                runners[name] = LlamaServerPeer(name, target, draft)
             elif name in bench_spec.endpoints:
                 runners[name] = RemotePeer(bench_spec.endpoints[name], target)
             else:
@@ -337,6 +355,7 @@ def _record(q: Question, rep: int, turns: list[TurnResult]) -> dict:
             "new_tokens": [len(t.token_ids) for t in turns], "wall_time": [t.wall_time for t in turns],
             "accept_lengths": None if turns[0].accept_lengths is None else [t.accept_lengths for t in turns],
             "drafted": sum(t.drafted for t in turns), "accepted": sum(t.accepted for t in turns),
+            "steps": None if any(t.steps is None for t in turns) else sum(t.steps for t in turns),
             "time_to_first_token": [t.time_to_first_token for t in turns], "error": turns[-1].error}
 
 

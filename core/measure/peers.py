@@ -15,7 +15,9 @@ from specplay.core.errors import ConfigError, ModelError, is_out_of_memory
 
 HF_PEERS = ("hf_generate", "hf_assisted", "hf_prompt_lookup")
 LLAMACPP_PEERS = ("llamacpp_generate", "llamacpp_prompt_lookup")
-PEERS = HF_PEERS + LLAMACPP_PEERS
+#: llama.cpp's own server (``specplay peers build-server``): with the draft model, and draftless.
+SERVER_PEERS = ("llamacpp_speculative", "llamacpp_ngram")
+PEERS = HF_PEERS + LLAMACPP_PEERS + SERVER_PEERS
 
 
 @dataclass
@@ -28,6 +30,7 @@ class TurnResult:
     accepted: int = 0
     error: str | None = None  # the turn failed (out of memory): a failure, not an answer
     time_to_first_token: float | None = None  # seconds, prefill included (None where not measured)
+    steps: int | None = None  # the target's decoding steps, where a peer reports them but not each step's length
 
 
 class OurMethod:
@@ -215,10 +218,14 @@ class RemotePeer:
     its answer is counted in the target's tokens (the server's own count where it gives one).
     """
 
-    def __init__(self, endpoint, target):
+    #: Whether the prompt goes as token ids (a server of the target's own file) instead of as text.
+    sends_ids = False
+
+    def __init__(self, endpoint, target, fields: dict | None = None):
         self.endpoint = endpoint
         self.name = f"remote:{endpoint.label}"
         self.target = target
+        self.fields = dict(fields or {})  # the engine's own request fields
 
     def params(self) -> dict:
         return {"endpoint": self.endpoint.describe()}
@@ -229,11 +236,114 @@ class RemotePeer:
         s = gen.sampling
         tok = self.target.tokenizer
         run = stream_completion(self.endpoint, tok.decode(prompt_ids), max_tokens=gen.max_new_tokens,
-                                temperature=s.temperature, top_p=s.top_p, seed=s.seed, chat=False)
+                                temperature=s.temperature, top_p=s.top_p, seed=s.seed, chat=False,
+                                prompt_tokens=list(prompt_ids) if self.sends_ids else None, fields=self.fields)
         ids = tok(run.text, add_special_tokens=False)["input_ids"]
         stats = run.speculation
         drafted, accepted = ((stats.drafted or 0), (stats.accepted or 0)) if stats else (0, 0)
-        return TurnResult(ids, run.text, run.wall_time, None, drafted, accepted, run.error, run.time_to_first_token)
+        return TurnResult(ids, run.text, run.wall_time, None, drafted, accepted, run.error, run.time_to_first_token,
+                          steps=stats.steps if stats else None)
+
+    def close(self) -> None:
+        """Nothing to release: the endpoint is someone else's."""
+
+
+class LlamaServerPeer(RemotePeer):
+    """``llama-server`` (:mod:`specplay.core.remote.llama_server`) on the target's GGUF file, started
+    for the bench and stopped by :meth:`close`: ``llamacpp_speculative`` with the draft's GGUF file and
+    the server's own draft settings, ``llamacpp_ngram`` with its n-gram type that measured fastest
+    here (:func:`ngram_type`). The prompt goes as the target's token ids (the chat template applied by
+    SpecPlay), read afresh each time; the answer is compared by text; its draft counts become τ and
+    acceptance. llama.cpp opens the files with the settings its probe child survived here."""
+
+    sends_ids = True
+
+    def __init__(self, name: str, target, draft):
+        from specplay.core.remote.endpoint import Endpoint
+        from specplay.core.remote.llama_server import REQUEST_FIELDS
+
+        self.server, self.card = server_for(name, target, draft)
+        self.server.start()
+        super().__init__(Endpoint(self.server.url, name=name), target, REQUEST_FIELDS)
+        self.name = name
+
+    def params(self) -> dict:
+        return dict(self.card)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def server_for(name: str, target, draft):
+    """The (unstarted) :class:`~specplay.core.remote.llama_server.LlamaServer` of server peer ``name`` for
+    these models, and its card: the probe's settings, the n-gram type and how it was chosen, the command."""
+    from specplay.core.models.llamacpp import available, describe, fastest_safe, usable_settings
+    from specplay.core.remote.llama_server import LlamaServer, command_line, server_args, why_unavailable
+
+    why = why_unavailable() or (available() and f"{name} needs llama-cpp-python: pip install -e \".[peers]\"")
+    if why:
+        raise ConfigError(why)
+    threads = torch.get_num_threads()
+    gguf = gguf_file(target)
+    _, probes = usable_settings(gguf, threads)
+    settings = fastest_safe(probes)
+    if settings is None:
+        raise ModelError(f"{name}: llama.cpp is unsafe on this CPU ({describe(probes)})")
+    card: dict = {"settings": settings.label}
+    if name == "llamacpp_speculative":
+        if draft is None:
+            raise ConfigError("llamacpp_speculative needs a draft model")
+        args = server_args(gguf, threads, settings, draft=gguf_file(draft))
+    else:
+        choice = ngram_type(gguf, threads, settings, target.tokenizer)
+        card["spec_type"] = choice["type"]
+        card["chosen_by"] = {"prompts": choice["prompts"], "tokens_per_s": choice["tokens_per_s"]}
+        args = server_args(gguf, threads, settings, spec_type=choice["type"])
+    card["command"] = command_line(args)
+    return LlamaServer(args), card
+
+
+#: The app's prompt presets the n-gram type is chosen on (shipped with SpecPlay; no bench question):
+#: one answer written afresh, one that repeats much of its prompt.
+NGRAM_CALIBRATION = ("Merge two sorted lists", "Add type hints to a function")
+NGRAM_CALIBRATION_TOKENS = 64
+
+
+def ngram_type(gguf: Path, threads: int, settings, tokenizer) -> dict:
+    """llama-server's fastest n-gram type here (greedy, on :data:`NGRAM_CALIBRATION`): measured once per
+    machine, server build, file, threads and settings, then read back. ``{"type", "prompts",
+    "tokens_per_s": {type: tok/s}}``."""
+    import json
+
+    from specplay.core.models.engines import measured
+    from specplay.core.paths import assets_dir
+    from specplay.core.remote.endpoint import Endpoint
+    from specplay.core.remote.llama_server import NGRAM_TYPES, REQUEST_FIELDS, LlamaServer, build_stamp, server_args
+    from specplay.core.remote.runs import stream_completion
+    from specplay.core.text import encode_messages
+
+    presets = {p["name"]: p["prompt"] for p in json.loads((assets_dir() / "prompts" / "presets.json").read_text(
+        encoding="utf-8"))["presets"]}
+    prompts = [encode_messages(tokenizer, [{"role": "user", "content": presets[n]}]) for n in NGRAM_CALIBRATION]
+
+    def measure() -> dict:
+        speeds = {}
+        for kind in NGRAM_TYPES:
+            with LlamaServer(server_args(gguf, threads, settings, spec_type=kind)) as server:
+                ep = Endpoint(server.url, name=kind)
+                runs = [stream_completion(ep, "calibration", max_tokens=n, chat=False, prompt_tokens=ids,
+                                          fields=REQUEST_FIELDS) for ids in prompts for n in (4, NGRAM_CALIBRATION_TOKENS)]
+            timed = runs[1::2]  # each after its untimed warm-up
+            failed = next((r.error for r in runs if r.error), None)
+            if failed:
+                raise ModelError(f"llama-server with --spec-type {kind} failed on a calibration prompt: {failed}")
+            speeds[kind] = sum(r.new_tokens for r in timed) / sum(r.wall_time for r in timed)
+        return {"type": max(speeds, key=speeds.get), "prompts": list(NGRAM_CALIBRATION), "tokens_per_s": speeds}
+
+    key = (f"llama-server n-gram type|{build_stamp()}|{gguf.name}:{gguf.stat().st_size}|{threads} threads|"
+           f"{settings.label}|{NGRAM_CALIBRATION_TOKENS} tokens")
+    return measured(key, measure, valid=lambda kept: kept.get("type") in NGRAM_TYPES
+                    and isinstance(kept.get("tokens_per_s"), dict))
 
 
 def gguf_file(target) -> Path:

@@ -61,6 +61,15 @@ class Replay:
         return costs.prefill + sum(costs.step(nodes, units) for _, nodes, units in self.steps)
 
 
+def match_runs(guesses: list[int], answer: list[int]) -> list[int]:
+    """For every answer position j, how many of the answer's tokens from j on a greedy chain matches, from
+    each position's guess (``guesses[j]``: the drafter's next token after the answer's first j)."""
+    runs = [0] * (len(answer) + 1)
+    for j in range(len(answer) - 1, -1, -1):
+        runs[j] = runs[j + 1] + 1 if guesses[j] == answer[j] else 0
+    return runs[:-1]
+
+
 def _match_run(drafted: list[int], wanted: list[int]) -> int:
     n = 0
     while n < len(drafted) and n < len(wanted) and drafted[n] == wanted[n]:

@@ -39,8 +39,8 @@ from typing import Callable
 import torch
 
 from specplay.core.measure.compare import WARMUP_TOKENS, warm_up
-from specplay.core.measure.replay import (EAGLE_TOTALS, Replay, StepCosts, eagle_trees, new_lookup, replay_eagle,
-                                          replay_lookup, replay_speculative)
+from specplay.core.measure.replay import (EAGLE_TOTALS, Replay, StepCosts, eagle_trees, match_runs, new_lookup,
+                                          replay_eagle, replay_lookup, replay_speculative)
 from specplay.core.decoding.costmodel import CostCurve, cost_curve, time_passes
 from specplay.core.decoding.engine import drain, generate
 from specplay.core.errors import Cancelled, ConfigError
@@ -137,6 +137,8 @@ class TuneResult:
     best_config: dict = field(default_factory=dict)  # the method's whole configuration the best ran with
     assumptions: tuple[str, ...] = ASSUMPTIONS
     seconds: float = 0.0
+    baseline: str = "autoregressive"  # what ``autoregressive`` (the record speedups are over) ran
+    command: str | None = None  # an engine's command line with the best setting, where it is one (llama-server)
 
     @property
     def baseline_tokens_per_s(self) -> float:
@@ -149,7 +151,9 @@ class TuneResult:
                "default": self.default.to_dict(with_records), "best": self.best.to_dict(with_records),
                "best_is_default": self.best.params == self.default.params, "best_config": self.best_config,
                "settings": [s.to_dict() for s in self.settings], "costs": self.costs.to_dict(),
-               "assumptions": list(self.assumptions), "seconds": round(self.seconds, 2)}
+               "assumptions": list(self.assumptions), "seconds": round(self.seconds, 2), "baseline": self.baseline}
+        if self.command is not None:
+            out["command"] = self.command
         if with_records:
             out["autoregressive"] = self.autoregressive
         return out
@@ -175,10 +179,7 @@ def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int,
             guess.append(int(method._next_logits(method._readable([t]), vocab).argmax()))
     finally:
         method.draft_model.reset()
-    runs = [0] * (len(answer) + 1)
-    for j in range(len(answer) - 1, -1, -1):
-        runs[j] = runs[j + 1] + 1 if guess[j] == answer[j] else 0
-    return runs[:-1], prefill
+    return match_runs(guess, answer), prefill
 
 
 @contextmanager
@@ -475,15 +476,17 @@ def format_tune(result: TuneResult) -> str:
     base = result.baseline_tokens_per_s
     fmt = _params_text
     lines = [f"{result.method} on {result.prompt_tokens} prompt tokens, {result.new_tokens} new; "
-             f"autoregressive {base:.2f} tok/s", "",
+             f"{result.baseline} {base:.2f} tok/s", "",
              f"{'':8} {'setting':44} {'predicted':>10} {'measured':>9} {'error':>7} {'τ pred':>7} "
              f"{'τ meas':>7}  same"]
     for label, t in (("default", result.default), ("best", result.best)):
         lines.append(f"{label:8} {fmt(t.params):44} {t.predicted_tokens_per_s:10.2f} {t.measured_tokens_per_s:9.2f} "
                      f"{t.error:+7.1%} {t.predicted_tau:7.2f} {t.measured_tau:7.2f}  {'✓' if t.identical else '✗'}")
-    lines += ["", f"best predicted settings of {len(result.settings)} (tok/s, × autoregressive):"]
+    lines += ["", f"best predicted settings of {len(result.settings)} (tok/s, × {result.baseline}):"]
     for s in sorted(result.settings, key=lambda s: -s.predicted_tokens_per_s)[:5]:
         lines.append(f"  {fmt(s.params):44} {s.predicted_tokens_per_s:7.2f}  {s.predicted_tokens_per_s / base:5.2f}×"
                      f"  τ {s.predicted_tau:.2f}")
     lines += ["", "assumes: " + "; ".join(result.assumptions)]
+    if result.command:
+        lines += ["", "the best as a command:", f"  {result.command}"]
     return "\n".join(lines)

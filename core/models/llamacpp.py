@@ -127,26 +127,45 @@ class LlamaCppSession:
 
         return int(llama_cpp.llama_model_n_params(self._model))
 
-    def eval(self, ids: list[int], keep: int) -> np.ndarray:
+    def eval(self, ids: list[int], keep: int, every_row: bool = False) -> np.ndarray:
         """Keep the first ``keep`` cached tokens, append ``ids``; the last one's logits (a view, valid
-        until the next call)."""
+        until the next call). ``every_row``: every appended token's logits are computed, as a verifying
+        pass computes them (one batch of at most ``n_batch`` tokens)."""
         import llama_cpp
 
         if not 0 <= keep <= self.length:
             raise ValueError(f"cannot keep {keep} of {self.length} cached tokens")
         if keep + len(ids) > self.n_ctx:
             raise ModelError(f"llama.cpp's context holds {self.n_ctx} tokens; {keep + len(ids)} were asked for")
+        if every_row and len(ids) > self._n_batch:
+            raise ValueError(f"a pass with every row's logits takes at most {self._n_batch} tokens")
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._ctx), 0, keep, -1)
         self.length = keep
         for lo in range(0, len(ids), self._n_batch):
             chunk = ids[lo: lo + self._n_batch]
-            arr = (llama_cpp.llama_token * len(chunk))(*chunk)
-            # A one-sequence batch whose positions follow the cache; only its last token's logits are kept.
-            code = llama_cpp.llama_decode(self._ctx, llama_cpp.llama_batch_get_one(arr, len(chunk)))
+            if every_row:
+                code = self._decode_every_row(chunk)
+            else:
+                arr = (llama_cpp.llama_token * len(chunk))(*chunk)
+                # A one-sequence batch whose positions follow the cache; only its last token's logits are kept.
+                code = llama_cpp.llama_decode(self._ctx, llama_cpp.llama_batch_get_one(arr, len(chunk)))
             if code != 0:
                 raise ModelError(f"llama.cpp could not decode {len(chunk)} tokens (code {code})")
             self.length += len(chunk)
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._ctx, -1), shape=(self.n_vocab,))
+
+    def _decode_every_row(self, ids: list[int]) -> int:
+        import llama_cpp
+
+        batch = llama_cpp.llama_batch_init(len(ids), 0, 1)
+        try:
+            for i, token in enumerate(ids):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, self.length + i, 1, True
+                batch.seq_id[i][0] = 0
+            batch.n_tokens = len(ids)
+            return llama_cpp.llama_decode(self._ctx, batch)
+        finally:
+            llama_cpp.llama_batch_free(batch)
 
     def close(self) -> None:
         import llama_cpp
@@ -223,7 +242,7 @@ def _signal_name(code: int) -> str | None:
         return f"signal {-code}"
 
 
-def _exit_reason(code: int) -> str:
+def exit_reason(code: int) -> str:
     name = _signal_name(code)
     if name:
         what = {"SIGILL": " (an instruction this CPU or its hypervisor does not allow)",
@@ -248,7 +267,7 @@ def probe(gguf: Path, settings: LlamaSettings, threads: int, timeout: float = PR
         except (ValueError, KeyError, TypeError):
             pass
     tail = (done.stderr.strip().splitlines() or [""])[-1][:200]
-    return ProbeResult(settings, False, reason=_exit_reason(done.returncode) + (f": {tail}" if tail else ""),
+    return ProbeResult(settings, False, reason=exit_reason(done.returncode) + (f": {tail}" if tail else ""),
                        transient=_signal_name(done.returncode) not in _DEFINITE_SIGNALS)
 
 

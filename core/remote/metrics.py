@@ -50,6 +50,7 @@ class SpecStats:
     drafted: int | None = None
     accepted: int | None = None
     by_position: list[float] | None = None  # acceptance at draft position 1, 2, ...
+    steps: int | None = None  # the target's decoding steps (passes that yielded tokens), where known
 
 
 def vllm_spec_stats(before: dict, after: dict) -> SpecStats | None:
@@ -91,7 +92,7 @@ def llamacpp_spec_stats(timings: dict | None) -> SpecStats | None:
     generated = timings.get("predicted_n")
     steps = (generated - accepted) if generated else None
     return SpecStats(source="llamacpp-timings", drafted=drafted, accepted=accepted, acceptance_rate=accepted / drafted,
-                     mean_accepted=generated / steps if steps else None)
+                     mean_accepted=generated / steps if steps else None, steps=steps or None)
 
 
 def read_metrics(endpoint: Endpoint, deadline: float | None = None) -> dict:

@@ -92,12 +92,19 @@ def _choice(choice, chat: bool, label: str) -> tuple[str | None, str | None]:
 
 def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, temperature: float = 0.0,
                       top_p: float = 1.0, seed: int | None = 0, chat: bool = True,
+                      prompt_tokens: list[int] | None = None, fields: dict | None = None,
                       on_text: Callable[[str, float], None] | None = None,
                       should_stop: Callable[[], bool] = lambda: False) -> RemoteRun:
     """Stream one completion from ``endpoint``. A failure (unreachable, refused, dropped, timed
     out, past the endpoint's deadline, too long) does not raise: the run carries the message and
-    the text received so far. ``should_stop`` is asked whenever bytes arrive, keep-alives included."""
-    if not prompt.strip():
+    the text received so far. ``should_stop`` is asked whenever bytes arrive, keep-alives included.
+
+    ``prompt_tokens`` (completions only) sends the prompt as token ids, as the OpenAI API allows, so
+    a server of the same model reads exactly those (``prompt`` is then what the record shows);
+    ``fields`` adds an engine's own request fields (llama.cpp's samplers, say)."""
+    if prompt_tokens is not None and chat:
+        raise ConfigError("a prompt of token ids goes through the completions API, not chat")
+    if not (prompt_tokens if prompt_tokens is not None else prompt.strip()):
         raise ConfigError("the prompt is empty")
     run = RemoteRun(endpoint=endpoint, prompt=prompt, model=endpoint.model)
     deadline = deadline_of(endpoint, None)
@@ -112,10 +119,11 @@ def stream_completion(endpoint: Endpoint, prompt: str, *, max_tokens: int, tempe
                   "stream": True, "stream_options": {"include_usage": True}}
     if seed is not None:
         body["seed"] = seed
+    body.update(fields or {})
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
-        body["prompt"] = prompt
+        body["prompt"] = list(prompt_tokens) if prompt_tokens is not None else prompt
     conn = Connection(endpoint, deadline)
     path = conn.base + ("/chat/completions" if chat else "/completions")
     timings = None
