@@ -52,7 +52,8 @@ class Series:
         if e.elapsed_s > 0:
             self.elapsed.append(e.elapsed_s)
             self.rate.append(e.total_new_tokens / e.elapsed_s)
-        self.accept_lengths.append(len(e.committed))
+        if e.committed:  # a streamed endpoint's chunk commits no token ids: it is not a step of known length
+            self.accept_lengths.append(len(e.committed))
         depth = _draft_depth(e)
         while len(self.pos_tried) < depth:
             self.pos_tried.append(0)

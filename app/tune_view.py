@@ -102,7 +102,7 @@ class TuneView(QWidget):
 
     def _build_chart(self) -> pg.PlotWidget:
         self.plot = pg.PlotWidget()
-        self.plot.setLabel("left", "speedup over autoregressive")
+        self.plot.setLabel("left", "× autoregressive")
         self.plot.showGrid(x=True, y=True, alpha=0.25)
         self.plot.setMenuEnabled(False)
         self.plot.addLegend(offset=(-8, 8))
@@ -169,7 +169,8 @@ class TuneView(QWidget):
             f"{base:.2f} tok/s · <b>{_escape(record['verdict'])}</b> (measured {best['measured_tokens_per_s']:.2f} "
             f"against the default's {default['measured_tokens_per_s']:.2f} tok/s)")
         self._show_command(record.get("command"))
-        self.plot.setLabel("left", f"speedup over {baseline}")
+        self.plot.setLabel("left", f"× {baseline}")
+        self.table.horizontalHeaderItem(len(TUNE_COLUMNS) - 1).setText(f"Same as {record.get('same_as', baseline)}")
         rows = [("default", default)] + ([] if record["best_is_default"] else [("best", best)])
         self.table.setRowCount(len(rows))
         for row, (label, t) in enumerate(rows):

@@ -752,6 +752,10 @@ def test_compare_runs_remote_endpoints_beside_local_methods(window, qtbot):
     assert window.compare.column("remote:spec").view.committed_text() == records[2]["text"]
     assert [r["method"] for r in window.session.history.load()[-3:]] == ["autoregressive", "remote:plain", "remote:spec"]
     assert window.why.table.rowCount() == 1  # only local runs have step costs to explain
+    # a streamed chunk is no step of known length: no bar at "0 tokens a step" for an endpoint
+    window.charts.refresh()
+    assert len(window.charts.hist_bars["remote:spec"].opts["x"]) == 0
+    assert len(window.charts.hist_bars["autoregressive"].opts["x"]) == 1
 
 
 def test_compare_starts_llama_server_for_its_run_and_stops_it(window, qtbot, tmp_path, monkeypatch):
@@ -1285,7 +1289,7 @@ def test_a_tune_of_llama_servers_draft_shows_its_command_to_copy(window, qtbot, 
             best=Trial({"n_max": 5}, 15.0, 3.5, 14.0, 3.2, True, {}, [14.0]),
             settings=[Setting({"n_max": n}, 10.0 + n, 1 + n / 2, 10) for n in range(1, 13)],
             costs=tune_server.ServerStepCosts(verify=curve, draft_unit=0.01, other=0.0, prefill=0.1, draft_block=curve),
-            best_config={"n_max": 5}, baseline="llama-server without a draft",
+            best_config={"n_max": 5}, baseline="plain llama-server", same_as="llama.cpp's greedy answer",
             command="llama-server -m t.gguf -md d.gguf --spec-draft-n-max 5")
 
     monkeypatch.setattr(tune_server, "tune_llamacpp_speculative", tuned)
@@ -1296,7 +1300,8 @@ def test_a_tune_of_llama_servers_draft_shows_its_command_to_copy(window, qtbot, 
     assert asked and asked[0][0] is window.session.models.draft
     assert record["method"] == "llamacpp_speculative" and record["command"].endswith("--spec-draft-n-max 5")
     assert view.command.text().endswith("--spec-draft-n-max 5") and not view.command.isHidden()
-    assert "llama-server without a draft" in view.title.text() and not view.apply_button.isEnabled()
+    assert "plain llama-server" in view.title.text() and not view.apply_button.isEnabled()
+    assert view.table.horizontalHeaderItem(7).text() == "Same as llama.cpp's greedy answer"
     view.copy_button.click()
     assert QGuiApplication.clipboard().text() == record["command"]
     assert window.history_panel.table.item(0, 1).text().startswith("Tune: llama-server's draft")

@@ -52,7 +52,7 @@ STAND_IN = textwrap.dedent("""\
             self.end_headers()
             events = [{{"choices": [{{"text": "ab", "index": 0, "finish_reason": None}}]}},
                       {{"choices": [{{"text": " cd", "index": 0, "finish_reason": "stop"}}],
-                       "timings": {{"predicted_n": 4, "draft_n": 4, "draft_n_accepted": 2}}}}]
+                       "timings": {{"predicted_n": 5, "draft_n": 4, "draft_n_accepted": 3}}}}]
             for e in events:
                 self.wfile.write(b"data: " + json.dumps(e).encode() + b"\\n\\n")
             self.wfile.write(b"data: [DONE]\\n\\n")
@@ -88,7 +88,7 @@ def test_a_started_server_answers_and_is_gone_after_its_block(tmp_path):
         log = server.log_path
     assert proc.poll() is not None and not log.exists()
     assert run.error is None and run.text == "ab cd"
-    assert run.speculation.drafted == 4 and run.speculation.accepted == 2 and run.speculation.steps == 2
+    assert run.speculation.drafted == 4 and run.speculation.accepted == 3 and run.speculation.steps == 2
     sent = __import__("json").loads(Path(str(path) + ".request").read_text())
     assert sent["prompt"] == [5, 6, 7] and sent["cache_prompt"] is False  # the ids themselves, not their text
 
@@ -124,6 +124,50 @@ def test_the_bench_stops_its_servers_when_it_is_interrupted(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         bench.run_bench(None, None, [], bench.BenchSpec(methods=["autoregressive"]), tmp_path, log=lambda m: None)
     assert proc.wait(5) is not None
+
+
+def test_a_server_peer_that_cannot_start_is_refused_with_the_reason_and_the_bench_goes_on(tmp_path, monkeypatch):
+    import torch
+
+    from specplay.core.measure import peers
+    from specplay.core.measure.bench import BenchSpec, run_bench
+    from specplay.core.measure.prompts import Question
+    from tests.tiny import loaded, tiny_pair
+
+    dying = _stand_in(tmp_path, "die")
+    monkeypatch.setattr(peers, "server_for", lambda name, target, draft: (LlamaServer([], path=dying), {}))
+    target = loaded(tiny_pair(dtype=torch.float64)[0])
+    spec = BenchSpec(methods=["autoregressive", "llamacpp_ngram"], max_new_tokens=4, chat_template=False, warmup=0)
+    result = run_bench(target, None, [Question(1, "code", ("ab cd",))], spec, tmp_path, log=lambda m: None)
+    refused = result["summary"]["llamacpp_ngram"]["overall"]
+    assert refused["failures"] == 1 and "exited with code 3 while starting" in refused["errors"][0]
+    assert result["summary"]["autoregressive"]["overall"]["failures"] == 0
+
+
+def test_a_server_peers_own_count_of_steps_is_its_tau_and_is_read_back(tmp_path, monkeypatch):
+    import torch
+
+    from specplay.core.measure import peers
+    from specplay.core.measure.bench import BenchSpec, run_bench
+    from specplay.core.measure.prompts import Question
+    from tests.tiny import loaded, tiny_pair
+
+    serving = _stand_in(tmp_path, "serve")
+    started = []
+
+    def server_for(name, target, draft):
+        started.append(LlamaServer([], path=serving))
+        return started[-1], {"command": "llama-server ..."}
+
+    monkeypatch.setattr(peers, "server_for", server_for)
+    target = loaded(tiny_pair(dtype=torch.float64)[0])
+    spec = BenchSpec(methods=["autoregressive", "llamacpp_ngram"], max_new_tokens=4, chat_template=False, warmup=0)
+    for _ in range(2):  # the second run reads the answers back
+        result = run_bench(target, None, [Question(1, "code", ("ab cd",))], spec, tmp_path / "out", log=lambda m: None)
+        entry = result["summary"]["llamacpp_ngram"]["overall"]
+        # "ab cd" is 5 tokens of the target's, made in 2 steps of the server's (5 generated, 3 of them accepted)
+        assert entry["mean_accepted"] == pytest.approx(2.5) and entry["acceptance_rate"] == pytest.approx(3 / 4)
+    assert len(started) == 2 and all(s.proc is None for s in started)  # each run's server stopped
 
 
 def test_options_follow_the_probes_settings():
@@ -301,7 +345,7 @@ def test_tuning_the_servers_draft_size_predicts_each_size_and_proves_two(monkeyp
     for trial in (result.default, result.best):
         assert trial.measured_tokens_per_s > 0 and trial.predicted_tokens_per_s > 0 and len(trial.measured_runs) == 2
         assert trial.measured_tau >= 1
-    assert result.autoregressive["tokens_per_s"] > 0 and result.baseline == "llama-server without a draft"
+    assert result.autoregressive["tokens_per_s"] > 0 and result.baseline == "plain llama-server"
     best = result.best.params["n_max"]
     assert ("--spec-draft-n-max" in result.command) == (best != 3) and " -md " in result.command
     assert result.to_dict()["command"] == result.command

@@ -103,7 +103,7 @@ def _speed_figures(ok: list[dict]) -> dict:
     first = [r["time_to_first_token"][0] for r in ok if (r.get("time_to_first_token") or [None])[0] is not None]
     tau = statistics.fmean(steps) if steps and ok[0]["accept_lengths"] else None
     if tau is None and all(r.get("steps") for r in ok):  # a peer that counts its steps, not each one's length
-        tau = sum(sum(r["new_tokens"]) for r in ok) / sum(r["steps"] for r in ok)
+        tau = sum(sum(r["new_tokens"]) for r in ok) / sum(sum(r["steps"]) for r in ok)
     return {"tokens_per_s": statistics.fmean(speeds),
             "time_to_first_token": statistics.fmean(first) if first else None,
             "new_tokens": sum(sum(r["new_tokens"]) for r in ok) / len(repeats),
@@ -132,7 +132,8 @@ def format_summary(summary: dict, verify_cost: dict | None = None, temperature: 
     token) is shown at temperature 0 only: above it, outputs differ run to run by design and what a
     lossless method preserves is the distribution (``specplay audit`` tests that)."""
     groups = [g for g in next(iter(summary.values())) if g != "overall"] + ["overall"]
-    head = (f"{'method':18s}" + "".join(f"{g[:12]:>13s}" for g in groups)
+    width = max(18, *(len(m) + 1 for m in summary))
+    head = (f"{'method':{width}s}" + "".join(f"{g[:12]:>13s}" for g in groups)
             + f"{'tok/s':>9s}{'TTFT s':>8s}{'τ':>7s}{'accept':>8s}  same")
     lines = [head, "-" * len(head)]
     for method, per in summary.items():
@@ -144,7 +145,7 @@ def format_summary(summary: dict, verify_cost: dict | None = None, temperature: 
         tau = f"{o['mean_accepted']:7.2f}" if o.get("mean_accepted") is not None else f"{'-':>7s}"
         acc = f"{o['acceptance_rate']:8.0%}" if o.get("acceptance_rate") is not None else f"{'-':>8s}"
         same = {True: "✓", False: "✗", None: "-"}[o.get("identical") if temperature == 0 else None]
-        lines.append(f"{method:18s}{cells}{speed}{ttft}{tau}{acc}  {same}")
+        lines.append(f"{method:{width}s}{cells}{speed}{ttft}{tau}{acc}  {same}")
     for method, per in summary.items():
         o = per["overall"]
         if o["failures"]:
@@ -355,7 +356,7 @@ def _record(q: Question, rep: int, turns: list[TurnResult]) -> dict:
             "new_tokens": [len(t.token_ids) for t in turns], "wall_time": [t.wall_time for t in turns],
             "accept_lengths": None if turns[0].accept_lengths is None else [t.accept_lengths for t in turns],
             "drafted": sum(t.drafted for t in turns), "accepted": sum(t.accepted for t in turns),
-            "steps": None if any(t.steps is None for t in turns) else sum(t.steps for t in turns),
+            "steps": None if any(t.steps is None for t in turns) else [t.steps for t in turns],
             "time_to_first_token": [t.time_to_first_token for t in turns], "error": turns[-1].error}
 
 
@@ -413,13 +414,14 @@ def _answer_line(rec: dict, name: str, target_id: str, settings: dict, params: d
 
     Its choice has Spec-Bench's keys in Spec-Bench's shapes: ``accept_lengths`` one flat list over
     the turns, ``decoding_steps`` each turn's number of steps (both empty where the runner does
-    not say its steps: a peer, an endpoint); each turn's own list is ``accept_lengths_per_turn``
-    (None where the steps are not known).
+    not say its steps: a peer, an endpoint; a server that counts its steps gives only the latter);
+    each turn's own list is ``accept_lengths_per_turn`` (None where the steps are not known).
     """
     per_turn = rec["accept_lengths"]
     known = [] if per_turn is None else [turn or [] for turn in per_turn]
+    steps = [len(t) for t in known] if per_turn is not None else (rec.get("steps") or [])
     choice = {"index": 0, **{k: rec[k] for k in _CHOICE_FIELDS},
-              "accept_lengths": [a for turn in known for a in turn], "decoding_steps": [len(t) for t in known],
+              "accept_lengths": [a for turn in known for a in turn], "decoding_steps": steps,
               "accept_lengths_per_turn": per_turn}
     return {"question_id": rec["question_id"], "category": rec["category"], "answer_id": uuid.uuid4().hex,
             "model_id": f"{target_id}/{name}", "repeat": rec["repeat"], "method": name, "params": params,
@@ -430,9 +432,11 @@ def _answer_line(rec: dict, name: str, target_id: str, settings: dict, params: d
 def _record_from_line(line: dict) -> dict:
     """The record that :func:`_answer_line` wrote, as :func:`summarize` reads it."""
     c = line["choices"][0]
+    counted = c["accept_lengths_per_turn"] is None and c.get("decoding_steps")  # a peer's own count of its steps
     return {"question_id": line["question_id"], "category": line["category"], "repeat": line["repeat"],
             "question_turns": line["question_turns"], **{k: c[k] for k in _CHOICE_FIELDS},
-            "accept_lengths": c["accept_lengths_per_turn"], "error": line["error"]}
+            "accept_lengths": c["accept_lengths_per_turn"], "steps": c["decoding_steps"] if counted else None,
+            "error": line["error"]}
 
 
 def _append_line(path: Path, line: dict) -> None:

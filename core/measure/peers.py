@@ -297,7 +297,7 @@ def server_for(name: str, target, draft):
     else:
         choice = ngram_type(gguf, threads, settings, target.tokenizer)
         card["spec_type"] = choice["type"]
-        card["chosen_by"] = {"prompts": choice["prompts"], "tokens_per_s": choice["tokens_per_s"]}
+        card["chosen_by"] = {k: choice[k] for k in ("prompts", "tokens_per_s", "drafts")}
         args = server_args(gguf, threads, settings, spec_type=choice["type"])
     card["command"] = command_line(args)
     return LlamaServer(args), card
@@ -312,7 +312,7 @@ NGRAM_CALIBRATION_TOKENS = 64
 def ngram_type(gguf: Path, threads: int, settings, tokenizer) -> dict:
     """llama-server's fastest n-gram type here (greedy, on :data:`NGRAM_CALIBRATION`): measured once per
     machine, server build, file, threads and settings, then read back. ``{"type", "prompts",
-    "tokens_per_s": {type: tok/s}}``."""
+    "tokens_per_s": {type: tok/s}, "drafts": {type: {"drafted", "accepted"}}}`` (its own draft sizes)."""
     import json
 
     from specplay.core.models.engines import measured
@@ -327,7 +327,7 @@ def ngram_type(gguf: Path, threads: int, settings, tokenizer) -> dict:
     prompts = [encode_messages(tokenizer, [{"role": "user", "content": presets[n]}]) for n in NGRAM_CALIBRATION]
 
     def measure() -> dict:
-        speeds = {}
+        speeds, drafts = {}, {}
         for kind in NGRAM_TYPES:
             with LlamaServer(server_args(gguf, threads, settings, spec_type=kind)) as server:
                 ep = Endpoint(server.url, name=kind)
@@ -338,12 +338,16 @@ def ngram_type(gguf: Path, threads: int, settings, tokenizer) -> dict:
             if failed:
                 raise ModelError(f"llama-server with --spec-type {kind} failed on a calibration prompt: {failed}")
             speeds[kind] = sum(r.new_tokens for r in timed) / sum(r.wall_time for r in timed)
-        return {"type": max(speeds, key=speeds.get), "prompts": list(NGRAM_CALIBRATION), "tokens_per_s": speeds}
+            stats = [r.speculation for r in timed if r.speculation]
+            drafts[kind] = {"drafted": sum(st.drafted or 0 for st in stats),
+                            "accepted": sum(st.accepted or 0 for st in stats)}
+        return {"type": max(speeds, key=speeds.get), "prompts": list(NGRAM_CALIBRATION), "tokens_per_s": speeds,
+                "drafts": drafts}
 
     key = (f"llama-server n-gram type|{build_stamp()}|{gguf.name}:{gguf.stat().st_size}|{threads} threads|"
            f"{settings.label}|{NGRAM_CALIBRATION_TOKENS} tokens")
     return measured(key, measure, valid=lambda kept: kept.get("type") in NGRAM_TYPES
-                    and isinstance(kept.get("tokens_per_s"), dict))
+                    and isinstance(kept.get("tokens_per_s"), dict) and isinstance(kept.get("drafts"), dict))
 
 
 def gguf_file(target) -> Path:

@@ -138,6 +138,7 @@ class TuneResult:
     assumptions: tuple[str, ...] = ASSUMPTIONS
     seconds: float = 0.0
     baseline: str = "autoregressive"  # what ``autoregressive`` (the record speedups are over) ran
+    same_as: str = "autoregressive"  # whose answer every proof run's is checked against
     command: str | None = None  # an engine's command line with the best setting, where it is one (llama-server)
 
     @property
@@ -151,7 +152,8 @@ class TuneResult:
                "default": self.default.to_dict(with_records), "best": self.best.to_dict(with_records),
                "best_is_default": self.best.params == self.default.params, "best_config": self.best_config,
                "settings": [s.to_dict() for s in self.settings], "costs": self.costs.to_dict(),
-               "assumptions": list(self.assumptions), "seconds": round(self.seconds, 2), "baseline": self.baseline}
+               "assumptions": list(self.assumptions), "seconds": round(self.seconds, 2), "baseline": self.baseline,
+               "same_as": self.same_as}
         if self.command is not None:
             out["command"] = self.command
         if with_records:

@@ -245,5 +245,6 @@ def tune_llamacpp_speculative(target, draft, prompt_ids: list[int], config, *, p
                       prompt_tokens=len(prompt_ids), new_tokens=len(answer), autoregressive=baseline,
                       default=default_trial, best=best_trial, settings=settings_list, costs=costs,
                       best_config={"n_max": best_trial.params["n_max"]}, assumptions=SERVER_ASSUMPTIONS,
-                      seconds=time.perf_counter() - started, baseline="llama-server without a draft",
+                      seconds=time.perf_counter() - started, baseline="plain llama-server",
+                      same_as="llama.cpp's greedy answer",
                       command=command_line(sized(best_trial.params["n_max"])))
