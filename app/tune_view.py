@@ -168,8 +168,8 @@ class TuneView(QWidget):
             f"<b>{title}</b> on {record['prompt_tokens']} prompt tokens, {record['new_tokens']} new · {baseline} "
             f"{base:.2f} tok/s · <b>{_escape(record['verdict'])}</b> (measured {best['measured_tokens_per_s']:.2f} "
             f"against the default's {default['measured_tokens_per_s']:.2f} tok/s)")
-        self._show_command(record.get("command"))
-        self.plot.setLabel("left", f"× {baseline}")
+        self._show_command(record.get("command"), record.get("notes", []))
+        self.plot.setLabel("left", "× autoregressive" if baseline == "autoregressive" else "× baseline")
         self.table.horizontalHeaderItem(len(TUNE_COLUMNS) - 1).setText(f"Same as {record.get('same_as', baseline)}")
         rows = [("default", default)] + ([] if record["best_is_default"] else [("best", best)])
         self.table.setRowCount(len(rows))
@@ -193,8 +193,8 @@ class TuneView(QWidget):
                               brush=[pg.mkBrush(DEFAULT_COLOUR), pg.mkBrush(BEST_COLOUR)])
         self.apply_button.setEnabled(record["method"] in KNOBS)
 
-    def _show_command(self, command: str | None) -> None:
-        self.command.setText(f"Best as a command: {command}" if command else "")
+    def _show_command(self, command: str | None, notes: list[str] = ()) -> None:
+        self.command.setText("\n".join(([f"Best as a command: {command}"] if command else []) + list(notes)))
         self.command.setVisible(bool(command))
         self.copy_button.setVisible(bool(command))
 

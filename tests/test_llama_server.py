@@ -349,3 +349,5 @@ def test_tuning_the_servers_draft_size_predicts_each_size_and_proves_two(monkeyp
     best = result.best.params["n_max"]
     assert ("--spec-draft-n-max" in result.command) == (best != 3) and " -md " in result.command
     assert result.to_dict()["command"] == result.command
+    plain_faster = result.autoregressive["tokens_per_s"] > result.best.measured_tokens_per_s
+    assert bool(result.notes) == plain_faster and all("drop -md" in n for n in result.notes)

@@ -140,6 +140,7 @@ class TuneResult:
     baseline: str = "autoregressive"  # what ``autoregressive`` (the record speedups are over) ran
     same_as: str = "autoregressive"  # whose answer every proof run's is checked against
     command: str | None = None  # an engine's command line with the best setting, where it is one (llama-server)
+    notes: tuple[str, ...] = ()  # what a reader of the verdict should know besides (the baseline beat every setting)
 
     @property
     def baseline_tokens_per_s(self) -> float:
@@ -156,6 +157,8 @@ class TuneResult:
                "same_as": self.same_as}
         if self.command is not None:
             out["command"] = self.command
+        if self.notes:
+            out["notes"] = list(self.notes)
         if with_records:
             out["autoregressive"] = self.autoregressive
         return out
@@ -491,4 +494,5 @@ def format_tune(result: TuneResult) -> str:
     lines += ["", "assumes: " + "; ".join(result.assumptions)]
     if result.command:
         lines += ["", "the best as a command:", f"  {result.command}"]
+    lines += [f"note: {note}" for note in result.notes]
     return "\n".join(lines)

@@ -241,10 +241,15 @@ def tune_llamacpp_speculative(target, draft, prompt_ids: list[int], config, *, p
     best_trial = trial(pick, proofs["best"]) if proofs["best"] else default_trial
     stage("Tuned", 1.0)
     baseline = remote_record(plain, max_new_tokens=len(answer), temperature=0.0, top_p=1.0, seed=0)
+    notes = ()
+    if plain.tokens_per_s > best_trial.measured_tokens_per_s:
+        notes = (f"llama-server without a draft was faster still ({plain.tokens_per_s:.2f} against "
+                 f"{best_trial.measured_tokens_per_s:.2f} tok/s): on this machine its draft does not pay for this "
+                 f"prompt; drop -md to run it plain: {command_line(plain_args)}",)
     return TuneResult(method=NAME, knobs=KNOBS, base_params={"n_max": default}, prompt=prompt,
                       prompt_tokens=len(prompt_ids), new_tokens=len(answer), autoregressive=baseline,
                       default=default_trial, best=best_trial, settings=settings_list, costs=costs,
                       best_config={"n_max": best_trial.params["n_max"]}, assumptions=SERVER_ASSUMPTIONS,
                       seconds=time.perf_counter() - started, baseline="plain llama-server",
                       same_as="llama.cpp's greedy answer",
-                      command=command_line(sized(best_trial.params["n_max"])))
+                      command=command_line(sized(best_trial.params["n_max"])), notes=notes)
