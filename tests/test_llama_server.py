@@ -324,30 +324,29 @@ def test_a_server_step_pays_the_drafts_passes_its_block_and_the_verification():
 
 
 @pytest.mark.real_model
-def test_tuning_the_servers_draft_size_predicts_each_size_and_proves_two(monkeypatch):
+def test_tuning_the_servers_draft_size_predicts_each_size_and_proves_two(tmp_path):
+    """Through the command line, in a process of its own: the tune opens llama.cpp in its process, and a
+    later test's llama.cpp draft in this one should not share a heap with it."""
+    import json
+    import subprocess
+
+    from specplay.core.measure import tune_server
+
     _need_server()
     _need_default_models()
-    import torch
-
-    from specplay.core.decoding.types import GenerationConfig
-    from specplay.core.measure import tune_server
-    from specplay.core.models import load_model
-    from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
-    from specplay.core.text import encode_prompt
-
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    target, draft = load_model(DEFAULT_TARGET, "cpu"), load_model(DEFAULT_DRAFT, "cpu")
-    ids = encode_prompt(target.tokenizer, "Write a Python function that returns the largest of three numbers.")
-    result = tune_server.tune_llamacpp_speculative(target, draft, ids, GenerationConfig(max_new_tokens=24),
-                                                   warmup_tokens=2)
-    assert [s.params["n_max"] for s in result.settings] == list(tune_server.DRAFT_SIZES)
-    assert result.default.params == {"n_max": 3} and result.base_params == {"n_max": 3}
-    for trial in (result.default, result.best):
-        assert trial.measured_tokens_per_s > 0 and trial.predicted_tokens_per_s > 0 and len(trial.measured_runs) == 2
-        assert trial.measured_tau >= 1
-    assert result.autoregressive["tokens_per_s"] > 0 and result.baseline == "plain llama-server"
-    best = result.best.params["n_max"]
-    assert ("--spec-draft-n-max" in result.command) == (best != 3) and " -md " in result.command
-    assert result.to_dict()["command"] == result.command
-    plain_faster = result.autoregressive["tokens_per_s"] > result.best.measured_tokens_per_s
-    assert bool(result.notes) == plain_faster and all("drop -md" in n for n in result.notes)
+    cmd = [sys.executable, "-c", "import sys; from specplay.core.cli import main; sys.exit(main())", "tune",
+           "--method", "llamacpp_speculative", "--max-new-tokens", "24", "--warmup-tokens", "2", "--json",
+           "--prompt", "Write a Python function that returns the largest of three numbers."]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert [s["params"]["n_max"] for s in result["settings"]] == list(tune_server.DRAFT_SIZES)
+    assert result["default"]["params"] == {"n_max": 3} and result["base_params"] == {"n_max": 3}
+    for trial in (result["default"], result["best"]):
+        assert trial["measured_tokens_per_s"] > 0 and trial["predicted_tokens_per_s"] > 0
+        assert len(trial["measured_runs"]) == 2 and trial["measured_tau"] >= 1
+    assert result["autoregressive_tokens_per_s"] > 0 and result["baseline"] == "plain llama-server"
+    best = result["best"]["params"]["n_max"]
+    assert ("--spec-draft-n-max" in result["command"]) == (best != 3) and " -md " in result["command"]
+    plain_faster = result["autoregressive_tokens_per_s"] > result["best"]["measured_tokens_per_s"]
+    assert bool(result.get("notes")) == plain_faster and all("drop -md" in n for n in result.get("notes", []))
