@@ -244,9 +244,6 @@ class RemotePeer:
         return TurnResult(ids, run.text, run.wall_time, None, drafted, accepted, run.error, run.time_to_first_token,
                           steps=stats.steps if stats else None)
 
-    def close(self) -> None:
-        """Nothing to release: the endpoint is someone else's."""
-
 
 class LlamaServerPeer(RemotePeer):
     """``llama-server`` (:mod:`specplay.core.remote.llama_server`) on the target's GGUF file, started
