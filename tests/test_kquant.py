@@ -207,6 +207,62 @@ def test_speculation_on_a_gguf_target_emits_greedy_decodings_tokens():
     assert res.metrics.accepted > 0
 
 
+def _knowing_eagle_head(target, path):
+    """An EAGLE head trained briefly on the target's greedy answer to a prompt (its drafts are then
+    mostly accepted there), saved to ``path``; returns (the prompt, the head file)."""
+    from specplay.core.heads import EagleHead, head_config, save_heads
+    from specplay.core.training.common import TrainSettings
+    from specplay.core.training.eagle import train_eagle
+    from tiny import greedy_continuations, target_features
+
+    model, prompt = target.model, [4, 5, 6, 3, 7, 8, 4, 5, 6, 3, 7]
+    answers = greedy_continuations(target, [prompt, prompt[::-1]], 40)  # the second is held out
+    torch.manual_seed(0)
+    head = EagleHead(head_config(model.cfg, 256))
+    train_eagle(target_features(model, answers), head, model.embed, model.lm_head_weight(), torch.arange(64), 64,
+                TrainSettings(steps=200, batch_size=8, lr=3e-3, eval_every=200, warmup=10), window=32)
+    save_heads(path, dict(head.state_dict(), vocab_ids=torch.arange(64)),
+               {"kind": "eagle", "target": "tiny", "hidden_size": 256, "vocab_size": 64, "intermediate_size": 256})
+    return prompt, path
+
+
+def test_beside_a_gguf_target_eagles_head_runs_on_fitted_blocks_in_one_c_call_and_stays_exact(tmp_path):
+    """The head's layer on Q4_K blocks fitted to it, as one C call with its tree mask; the LM head's
+    rows the target's own blocks. Its drafts differ from torch's layer on the same blocks by float
+    rounding only (a tree's siblings each see their own path), and EAGLE still emits greedy's tokens."""
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.methods import build_method
+    from specplay.core.methods.eagle import EagleConfig
+    from tiny import assert_drafts_accepted, loaded
+
+    target = loaded(_tiny_gguf_decoder(seed=0))
+    prompt, path = _knowing_eagle_head(target, tmp_path / "head.safetensors")
+    method = build_method("eagle", EagleConfig(head=str(path)), target)
+    drafter = method.drafter
+    assert drafter._fused is not None and isinstance(drafter.fc, KQuantLinear)
+    assert isinstance(method.lm_rows, KQuantLinear) and method.lm_rows.parts[0].type == Q6_K
+
+    # Two pairs in the cache, then a tree of two siblings and a child of the second.
+    feats = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)
+    c_layer, outs = drafter._fused, []
+    for fused in (c_layer, None):
+        drafter._fused = fused
+        drafter.crop(0)
+        drafter.run(feats[:2], [5, 9], torch.arange(2))
+        outs.append(drafter.run(feats[2:], [13, 7, 3], torch.tensor([2, 2, 3]), mask))
+    drafter._fused = c_layer
+    got, want = outs
+    assert (got - want).norm() / want.norm() < 1e-5
+
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
+    plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
+    res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+    assert res.token_ids == plain.token_ids
+    assert_drafts_accepted(res, 1.5)
+
+
 def test_a_draft_matrix_fitted_into_q4_k_blocks_keeps_its_values_and_pads_its_rows():
     """A draft's matrix with rows of 896 (the 0.5B draft's, not a multiple of 256) fitted into Q4_K
     blocks: zero-padded to 1024 values a row, its values within 4-bit rounding, its layer the product."""

@@ -19,6 +19,7 @@ from torch import nn
 
 from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, apply_rope, layer_forward, rms_norm,
                                          rope_tables)
+from specplay.core.models.kquant import FusedLayers
 from specplay.core.models.linear import make_linear
 
 
@@ -154,6 +155,10 @@ class EagleDrafter:
         linears = {fused: self._fused_linear(weights, names, storage) for fused, names in FUSED.items()}
         self.layer = LayerWeights(**linears, ln_in=self._weight(weights, "input_layernorm"),
                                   ln_post=self._weight(weights, "post_attention_layernorm"))
+        # On k-quant blocks the layer is one C call (norm, projections, RoPE, cache write, tree-masked
+        # attention, MLP), as the target's are: torch's forty small operations cost more than its arithmetic.
+        self._fused = (FusedLayers(cfg, [self.layer])
+                       if storage == "kquant-draft" and FusedLayers.fits(cfg, [self.layer]) else None)
         self.inv_freq = torch.tensor(cfg.inv_freq, device=self.device)
         self.kv = torch.zeros(2, cfg.num_kv_heads, 256, cfg.head_dim, device=self.device)
         self.len = 0
@@ -196,7 +201,12 @@ class EagleDrafter:
         emb = self.embed(torch.tensor(tokens, device=self.device)).float()
         x = self.fc(torch.cat([emb, feats.float()], dim=-1))
         cos, sin = rope_tables(positions, self.inv_freq, self.cfg.rope_scaling, torch.float32)
-        out = layer_forward(self.cfg, self.layer, x, cos, sin, self.kv, self.len, None if mask is None else mask[None, None])
+        if self._fused is not None:
+            out = x.contiguous()  # updated in place
+            self._fused.run(0, out, cos[0].contiguous(), sin[0].contiguous(), self.kv, self.len, mask, causal=False)
+        else:
+            out = layer_forward(self.cfg, self.layer, x, cos, sin, self.kv, self.len,
+                                None if mask is None else mask[None, None])
         self.len += n
         return out
 

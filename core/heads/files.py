@@ -126,11 +126,15 @@ def resolve_heads_path(given: str, kind: str, target_spec: str) -> Path:
 
 
 def draft_lm_rows(target, vocab_ids: torch.Tensor, path: Path):
-    """The target's frozen LM head restricted to a heads file's draft vocabulary, in the target's storage."""
+    """The target's frozen LM head restricted to a heads file's draft vocabulary, in the heads' storage
+    (:func:`~specplay.core.models.linear.storage_of`): on the GGUF's blocks, the target's own rows of them."""
     from specplay.core.models.linear import make_linear, storage_of
 
     _check_vocab_ids(vocab_ids, target.info.vocab_size, path)
-    return make_linear(target.lm_head_weight()[vocab_ids], None, storage_of(target.info))
+    storage = storage_of(target.info)
+    if storage == "kquant-draft":
+        return target.head_rows(vocab_ids.tolist())
+    return make_linear(target.lm_head_weight()[vocab_ids], None, storage)
 
 
 def _check_vocab_ids(vocab_ids: torch.Tensor, vocab_size: int, path: Path) -> None:

@@ -279,9 +279,11 @@ class Int4DraftLinear:
 
 
 def storage_of(info) -> str:
-    """The storage kind for layers made to match a loaded model's (``ModelInfo``) weights: ``int8`` or
-    ``float`` (a target on the GGUF's own blocks gets int8 rows: they only draft)."""
-    return "int8" if info.dtype in ("int8", "gguf") else "float"
+    """The storage kind for a drafting head's layers made to match a loaded target's (``ModelInfo``)
+    weights: ``int8`` rows beside an int8 target, Q4_K blocks fitted to the head (``kquant-draft``)
+    beside a target on the GGUF's own blocks, whose kernel then runs the head too, ``float`` else.
+    A head only drafts, so its numerics never decide a token."""
+    return {"int8": "int8", "gguf": "kquant-draft"}.get(info.dtype, "float")
 
 
 #: Weight storage kinds: float (the compute dtype), row-exact int8, the GGUF's own k-quant blocks
@@ -296,11 +298,14 @@ def make_linear(weight: "torch.Tensor | QuantizedWeight | Int4Packed", bias: tor
     """Build the linear layer for a storage kind (see :data:`STORAGES`).
 
     Quantized kinds take a :class:`QuantizedWeight` too, ``int4-draft`` an :class:`Int4Packed`, and
-    ``gguf`` and ``kquant-draft`` a k-quant matrix or a list of them (fused).
+    ``gguf`` and ``kquant-draft`` a k-quant matrix or a list of them (fused); ``kquant-draft`` also a
+    float matrix, fitted into Q4_K blocks here.
     """
     if storage in ("gguf", "kquant-draft"):
-        from specplay.core.models.kquant import KQuantLinear
+        from specplay.core.models.kquant import KQuantLinear, KQuantWeight
 
+        if storage == "kquant-draft" and isinstance(weight, torch.Tensor):
+            weight = KQuantWeight.quantize(weight.detach().float().cpu())
         return KQuantLinear(weight, bias)
     if storage == "int8":
         return Int8RowExactLinear(weight, bias)
