@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, apply_rope, layer_forward, rms_norm,
-                                         rope_tables)
+from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, apply_rope, attention_kernels,
+                                         layer_forward, rms_norm, rope_tables)
 from specplay.core.models.kquant import FusedLayers
 from specplay.core.models.linear import make_linear
 
@@ -205,8 +205,9 @@ class EagleDrafter:
             out = x.contiguous()  # updated in place
             self._fused.run(0, out, cos[0].contiguous(), sin[0].contiguous(), self.kv, self.len, mask, causal=False)
         else:
-            out = layer_forward(self.cfg, self.layer, x, cos, sin, self.kv, self.len,
-                                None if mask is None else mask[None, None])
+            with attention_kernels(self.device):
+                out = layer_forward(self.cfg, self.layer, x, cos, sin, self.kv, self.len,
+                                    None if mask is None else mask[None, None])
         self.len += n
         return out
 

@@ -10,6 +10,7 @@ attention layouts; the pieces here are the same arithmetic for all of them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,22 @@ def finish_layer(c: DecoderConfig, layer: LayerWeights, x: torch.Tensor, attn: t
     h = rms_norm(x, layer.ln_post, c.rms_norm_eps)
     gate, up = layer.gate_up(h).to(dt).chunk(2, dim=-1)
     return x + layer.down(F.silu(gate) * up).to(dt)
+
+
+#: The attention kernels layers may use on a GPU: cuDNN's is left out. It builds a plan for every new
+#: shape, and decoding meets a new key length at every step: a random model of the 1.5B target's shapes
+#: on an NVIDIA H200 in bfloat16 decoded at 64 ms a step with it, 14.7 ms without (docs/benchmarks.md).
+_GPU_ATTENTION = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def attention_kernels(device: torch.device):
+    """A context in which a pass's layers run (:func:`layer_forward`) on ``device``: on CUDA, SDPA limited
+    to :data:`_GPU_ATTENTION`; elsewhere nothing changes."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in _GPU_ATTENTION])
 
 
 def layer_forward(c: DecoderConfig, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from specplay.core.errors import ModelError
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
-from specplay.core.models.layers import FUSED, DecoderConfig, LayerWeights, layer_forward, rms_norm, rope_tables
+from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, attention_kernels, layer_forward, rms_norm,
+                                         rope_tables)
 from specplay.core.models.kquant import FusedLayers, KQuantLinear, KQuantWeight, MappedRows, check_shapes
 from specplay.core.models.linear import EXACT_QUANTIZED, Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
@@ -349,10 +350,11 @@ class NativeDecoder(CausalLM):
                 if i in wanted:
                     layer_out[i] = x.clone()
         else:
-            for i, layer in enumerate(self.layers):
-                x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4, attn_dtype, causal)
-                if i in wanted:
-                    layer_out[i] = x
+            with attention_kernels(self.device):
+                for i, layer in enumerate(self.layers):
+                    x = layer_forward(c, layer, x, cos, sin, self._kv[i], base, mask4, attn_dtype, causal)
+                    if i in wanted:
+                        layer_out[i] = x
         self._pending = n
         normed = self.final_norm(x)
         head_in = normed if logit_rows is None else normed[torch.as_tensor(logit_rows, dtype=torch.long)]
