@@ -79,3 +79,42 @@ def test_a_shipped_variant_is_chosen_by_name_and_a_missing_one_is_named(tmp_path
     monkeypatch.chdir(tmp_path)
     (tmp_path / "classic").write_bytes(b"")
     assert files.resolve_heads_path("classic", "medusa", "tiny") == Path("classic")
+
+
+def _manifested_heads(path, model, **manifest):
+    """Medusa heads whose manifest says they learnt ``model``'s features (as every trainer writes it)."""
+    from specplay.core.heads import heads_manifest
+
+    vocab_ids = torch.arange(VOCAB)
+    made = heads_manifest("medusa", "classic", target="tiny", model=model, vocab_ids=vocab_ids, coverage=1.0,
+                          command="test", data={}, settings={}, num_heads=2, accuracy=[[0.5, 0.1], [0.3, 0.1]])
+    save_heads(path, dict(MedusaHeads(32, 2).state_dict(), vocab_ids=vocab_ids), {**made, **manifest})
+    return path
+
+
+def test_heads_warn_on_a_target_whose_features_are_not_the_ones_they_learnt(tmp_path, target):
+    """A manifest keeps the features' fingerprint: heads on the target they learnt load in silence; on
+    a target whose features differ (a perturbed copy, as another storage of the same weights would
+    be) the method warns, the run's record and its stats line carry it; a file of before the
+    fingerprint warns by the storage it names."""
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.records.runlog import RunRecord, stats_line
+    from tiny import perturbed_copy
+
+    path = _manifested_heads(tmp_path / "mine.safetensors", target.model)
+    assert build_method("medusa", MedusaConfig(heads=str(path)), target).warnings == ()
+
+    other = loaded(native_from_hf(perturbed_copy(tiny_hf_model(seed=0, dtype=torch.float64), scale=0.02)))
+    method = build_method("medusa", MedusaConfig(heads=str(path)), other)
+    assert len(method.warnings) == 1
+    assert "mine.safetensors learnt the features of a target stored as float64" in method.warnings[0]
+    assert "differ from them by" in method.warnings[0] and "specplay train medusa" in method.warnings[0]
+    result = drain(generate(other.model, other.tokenizer, method, [4, 5, 6, 3], GenerationConfig(max_new_tokens=4)))
+    record = RunRecord.of_run(result, target=other).to_dict()
+    assert record["warnings"] == list(method.warnings)
+    assert stats_line(record).endswith("warning: " + method.warnings[0])
+
+    old = _manifested_heads(tmp_path / "old.safetensors", target.model, features=None, feature_dtype="int8")
+    warned = build_method("medusa", MedusaConfig(heads=str(old)), target).warnings
+    assert len(warned) == 1 and "learnt the features of the target stored as int8; this one runs on float64" in warned[0]

@@ -328,7 +328,7 @@ def finish(method: Method, state: RunState) -> RunResult:
         method=method.name, method_params=method.describe(), lossy=method.lossy,
         prompt_ids=ctx.tokens[:ctx.prompt_len], token_ids=ctx.tokens[ctx.prompt_len:], text=state.text,
         stop_reason=state.stop, metrics=metrics, config=ctx.config, events=events, error=state.error,
-        unrepeatable=_unrepeatable(method, ctx.config),
+        unrepeatable=_unrepeatable(method, ctx.config), warnings=list(method.warnings),
     )
 
 

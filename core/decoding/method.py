@@ -151,6 +151,9 @@ class Method(ABC):
     #: Which draft sizes follow measured times, or None. At temperature > 0 the seed then does not
     #: repeat the run: the same draws meet other accept/reject decisions (docs/seeds.md).
     timing_sized: str | None = None
+    #: What the user should know before trusting this method's speed (heads learnt on another target's
+    #: features, say): carried into every run's result and record, and shown with its figures.
+    warnings: tuple[str, ...] = ()
 
     @property
     def max_draft_depth(self) -> int:

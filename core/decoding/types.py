@@ -247,6 +247,8 @@ class RunResult:
     error: str | None = None  # why a run stopped with StopReason.ERROR
     #: Why the seed would not repeat this sampled run (draft sizes or plain steps that follow timings).
     unrepeatable: str | None = None
+    #: The method's :attr:`~specplay.core.decoding.method.Method.warnings`.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def cancelled(self) -> bool:

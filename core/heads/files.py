@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -35,16 +36,71 @@ def shipped_path(kind: str, target_spec: str, variant: str = "") -> Path:
     return assets_dir() / "heads" / f"{name}{Path(target_spec).name}.safetensors"
 
 
-def heads_manifest(kind: str, recipe: str, *, target: str, info, vocab_ids: torch.Tensor, coverage: float,
+def heads_manifest(kind: str, recipe: str, *, target: str, model, vocab_ids: torch.Tensor, coverage: float,
                    command: str, data: dict, settings: dict, **fields) -> dict:
     """The manifest of a heads file, whichever trainer made it: the heads' kind and recipe, the
-    target they fit (``info``: its :class:`~specplay.core.models.base.ModelInfo`), the draft
-    vocabulary and its held-out coverage, how they were trained (command, data, settings) and the
-    trainer's own ``fields`` (the heads' sizes, accuracy, τ, steps, time)."""
+    target they fit (``model``: the :class:`~specplay.core.models.base.CausalLM` whose features they
+    learnt, its storage and :func:`feature_fingerprint`), the draft vocabulary and its held-out
+    coverage, how they were trained (command, data, settings) and the trainer's own ``fields`` (the
+    heads' sizes, accuracy, τ, steps, time)."""
+    info = model.info
     return {"kind": kind, "recipe": recipe, "target": target, "hidden_size": info.hidden_size,
             "vocab_size": info.vocab_size, "draft_vocab": int(vocab_ids.numel()), "draft_vocab_coverage": coverage,
             "command": command, "data": data, "settings": settings, "feature_dtype": info.dtype,
-            "date": time.strftime("%Y-%m-%d"), **fields}
+            "features": feature_fingerprint(model), "date": time.strftime("%Y-%m-%d"), **fields}
+
+
+#: The tokens (ids modulo the vocabulary) whose features :func:`feature_fingerprint` reads: any fixed
+#: sequence does, since it is compared with the same model's.
+_FINGERPRINT_IDS = (3, 1000, 17, 9001, 256, 42, 7777, 128, 5, 31415, 271, 828, 1828, 4590, 45, 2)
+#: How many of the last position's hidden values it keeps (evenly spaced over the hidden size).
+FINGERPRINT_VALUES = 32
+#: The relative distance between two fingerprints past which features differ: a storage or file that
+#: computes the same model otherwise moves them by float rounding alone (about 1e-6).
+FINGERPRINT_TOLERANCE = 1e-3
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def feature_fingerprint(model) -> dict:
+    """What a target's features are, as a heads file keeps it: its storage, and the final hidden state
+    at the last of a fixed sequence of tokens, :data:`FINGERPRINT_VALUES` evenly spaced values of it.
+    Read once per loaded model (its cache is emptied after)."""
+    kept = _FINGERPRINTS.get(model)
+    if kept is None:
+        info = model.info
+        ids = torch.tensor([i % info.vocab_size for i in _FINGERPRINT_IDS])
+        model.reset()
+        try:
+            hidden = model.forward(ids, hidden=True, logit_rows=[]).hidden[-1].float().cpu()
+        finally:
+            model.reset()
+        step = max(1, hidden.numel() // FINGERPRINT_VALUES)
+        kept = _FINGERPRINTS[model] = {"storage": info.dtype,
+                                       "values": [float(v) for v in hidden[::step][:FINGERPRINT_VALUES]]}
+    return dict(kept)
+
+
+def features_warning(manifest: dict, target, path: Path) -> str | None:
+    """Why heads learnt on other features than ``target``'s will draft at a loss, or None: their
+    manifest's fingerprint (:func:`feature_fingerprint`) is not the target's, or, for a file without
+    one, the storage it names is not the target's. Their drafts are checked as any (lossless)."""
+    storage = target.info.dtype
+    trained = manifest.get("features")
+    retrain = f"retrain them on this target (`specplay train {manifest.get('kind')}`)"
+    if isinstance(trained, dict) and isinstance(trained.get("values"), list):
+        was = torch.tensor([float(v) for v in trained["values"]])
+        now = torch.tensor(feature_fingerprint(target)["values"])
+        distance = float((was - now).norm() / now.norm().clamp_min(1e-12)) if was.shape == now.shape else 1.0
+        if distance <= FINGERPRINT_TOLERANCE:
+            return None
+        return (f"{path.name} learnt the features of a target stored as {trained.get('storage', '?')}; this "
+                f"target's ({storage}) differ from them by {distance:.1%}: its drafts are accepted less often "
+                f"(never wrongly); {retrain}")
+    was = manifest.get("feature_dtype")
+    if was and was != storage:
+        return (f"{path.name} learnt the features of the target stored as {was}; this one runs on {storage}, whose "
+                f"features differ: its drafts are accepted less often (never wrongly); {retrain}")
+    return None
 
 
 def save_heads(path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> None:

@@ -316,6 +316,8 @@ def _load_runners(bench_spec: BenchSpec, target, draft, log: Callable[[str], Non
                 runners[name] = RemotePeer(bench_spec.endpoints[name], target)
             else:
                 runners[name] = OurMethod(name, bench_spec.configs.get(name), target, draft)
+                for warning in runners[name].method.warnings:  # its records carry them too
+                    log(f"{name}: warning: {warning}")
         except Exception as exc:
             errors[name] = f"could not load: {_reason(exc)}"
             log(f"{name} {errors[name]}")

@@ -35,7 +35,7 @@ import torch
 from specplay.core.decoding.calibration import Calibration
 from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve
 from specplay.core.errors import ModelError
-from specplay.core.heads import draft_lm_rows, head_config, load_heads, resolve_heads_path
+from specplay.core.heads import draft_lm_rows, features_warning, head_config, load_heads, resolve_heads_path
 from specplay.core.heads.eagle import EagleDrafter
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.models.layers import rms_norm
@@ -165,6 +165,7 @@ class Eagle(Method):
         if not isinstance(target_lm, NativeDecoder):
             raise ModelError("EAGLE needs the native Llama/Qwen2 path (the head copies the target's layer shape)")
         self.manifest = manifest
+        self.warnings = tuple(w for w in (features_warning(manifest, target_lm, path),) if w)
         cfg = head_config(target_lm.cfg, manifest.get("intermediate_size"))
         try:
             self.drafter = EagleDrafter(cfg, tensors, storage_of(target_lm.info), target_lm.embed,

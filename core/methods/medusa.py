@@ -37,7 +37,7 @@ import torch
 from specplay.core.errors import ConfigError, ModelError
 from specplay.core.decoding.calibration import Calibration
 from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve
-from specplay.core.heads import MedusaHeads, draft_lm_rows, load_heads, resolve_heads_path
+from specplay.core.heads import MedusaHeads, draft_lm_rows, features_warning, load_heads, resolve_heads_path
 from specplay.core.heads.hydra import HydraHeads
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.decoding.tree import TreeSpec, choose_tree
@@ -113,6 +113,7 @@ class Medusa(Method):
         path = resolve_heads_path(config.heads, "medusa", target_id)
         tensors, manifest = load_heads(path, "medusa", target_lm)
         self.manifest = manifest
+        self.warnings = tuple(w for w in (features_warning(manifest, target_lm, path),) if w)
         num_heads = manifest["num_heads"]
         self.hydra = manifest.get("recipe") == "hydra"
         if self.hydra and config.tree == "dynamic":

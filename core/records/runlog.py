@@ -120,6 +120,7 @@ class RunRecord:
     repeatable: bool | None = None
     unrepeatable_because: str | None = None
     tokens_by_source: dict[str, int] | None = None
+    warnings: list[str] | None = None  # the method's (Method.warnings)
     time_split: dict[str, float] | None = None
     environment: dict | None = None
     events: list[dict] | None = None  # every step (event_to_dict), where the record keeps them
@@ -172,7 +173,7 @@ class RunRecord:
             acceptance_rate_per_position=[a / m.num_drafts for a in m.accepted_per_position] if m.num_drafts else [],
             stood_down_steps=m.stood_down_steps, repeatable=result.unrepeatable is None,
             unrepeatable_because=result.unrepeatable, tokens_by_source=tokens_by_source(result.events),
-            time_split={"draft": m.draft_s, "verify": m.verify_s, "other": m.other_s},
+            warnings=list(result.warnings), time_split={"draft": m.draft_s, "verify": m.verify_s, "other": m.other_s},
             environment=environment(target, draft),
             events=[event_to_dict(e) for e in result.events] if include_events else None,
             absent=ENDPOINT_ONLY | COMPARISON_ONLY | (set() if include_events else {"events"}),
@@ -189,7 +190,8 @@ _KEYS = tuple(f.name for f in fields(RunRecord) if f.name not in ("absent", "ext
 #: Keys only an endpoint's record carries, and only a local run's.
 ENDPOINT_ONLY = frozenset({"engine", "inter_token_latency", "spec_source"})
 LOCAL_ONLY = frozenset({"num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate_per_position",
-                        "stood_down_steps", "repeatable", "unrepeatable_because", "tokens_by_source"})
+                        "stood_down_steps", "repeatable", "unrepeatable_because", "tokens_by_source",
+                        "warnings"})
 #: Keys a comparison adds to its records (:func:`specplay.core.measure.compare.annotate`).
 COMPARISON_ONLY = frozenset({"speedup", "identical_to_baseline"})
 
@@ -211,6 +213,7 @@ def stats_line(record: RunRecord | dict) -> str:
     parts.append(f"stop: {r.stop_reason}")
     if r.lossy:
         parts.append("LOSSY")
+    parts += [f"warning: {w}" for w in r.warnings or ()]
     return " · ".join(parts)
 
 

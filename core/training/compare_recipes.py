@@ -272,7 +272,7 @@ def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor,
     data = {"total_tokens": record["data_tokens"], "answers": record["train_answers"],
             "sources": "the target's greedy answers in the committed corpus (assets/training/), "
                        "read once for its layers, final features and top-K"}
-    manifest = heads_manifest(kind, record["recipe"], target=model_id, info=model.info, vocab_ids=vocab_ids,
+    manifest = heads_manifest(kind, record["recipe"], target=model_id, model=model, vocab_ids=vocab_ids,
                               coverage=record["coverage"], command=record["command"], data=data,
                               settings=record["settings"], steps=record["steps"], train_seconds=record["train_wall_s"],
                               train_cpu_s=record["train_cpu_s"], tau_sim=round(record["tau_sim"], 4),

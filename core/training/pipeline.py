@@ -91,7 +91,7 @@ def train_heads(kind: str, target, data: DataSettings, settings: TrainSettings, 
     vocab_ids, coverage = held_out_vocabulary(features, draft_vocab, tuple(model.info.eos_token_ids),
                                               settings.eval_fraction)
     lm_rows = model.lm_head_weight()[vocab_ids]
-    manifest = heads_manifest(kind, "classic", target=target.model_id, info=model.info, vocab_ids=vocab_ids,
+    manifest = heads_manifest(kind, "classic", target=target.model_id, model=model, vocab_ids=vocab_ids,
                               coverage=round(coverage, 4), command=command, data=stats, settings=settings.to_dict())
     # Which training a checkpoint in the work folder must belong to to be resumed: these weights,
     # this data and vocabulary, heads of this shape (the folder may hold another target's training).

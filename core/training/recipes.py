@@ -122,7 +122,7 @@ def train_recipe(kind: str, recipe: str, target, data, settings: TrainSettings, 
         if on_step:
             on_step(p)
 
-    manifest = heads_manifest(kind, recipe, target=target.model_id, info=model.info, vocab_ids=vocab_ids,
+    manifest = heads_manifest(kind, recipe, target=target.model_id, model=model, vocab_ids=vocab_ids,
                               coverage=round(coverage, 4), command=command, data=stats, settings=settings.to_dict(),
                               teacher_weight=teacher_weight)
     # Which training a checkpoint in the work folder must belong to to be resumed (as the classic recipes')
