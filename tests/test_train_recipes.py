@@ -116,3 +116,31 @@ def test_compare_recipes_trains_both_heads_on_the_same_answers_and_judges_them_a
                 "intermediate_size": head.cfg.intermediate_size, "data": {"total_tokens": 99}, "train_seconds": 1.0})
     r = cmp.shipped(tmp_path / "e.safetensors")
     assert r["data_tokens"] == 99 and r["draft_vocab"] == info.vocab_size and len(r["top1_by_level"]) == 5
+
+
+def test_training_can_start_from_a_heads_file_and_its_draft_vocabulary(tmp_path):
+    """compare_recipes' ``--init``: a stage starts from a saved head (one learnt on another storage's
+    features, say) and its draft vocabulary, not afresh: its first losses are near the saved head's
+    last ones, well below a new head's first; a file of another recipe is refused."""
+    from specplay.core.training.compare_recipes import Comparison, save_trained
+    from test_eagle3 import LAYERS, teacher_set
+    from tiny import loaded, native_from_hf, tiny_hf_model
+
+    model = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64, layers=3))).model
+    g = torch.Generator().manual_seed(0)
+    seqs = [[4, 5, 6, 3] + torch.randint(3, 64, (36,), generator=g).tolist() for _ in range(8)]
+    data = [teacher_set(model, seqs[:6], [4] * 6), teacher_set(model, seqs[6:], [4] * 2)]
+    quiet = dict(log=lambda line: None, batch_size=4, lr=1e-2, warmup=1)
+    for recipe, steps in (("eagle3", 40), ("hydra", 60)):
+        cmp = Comparison(model, *data, window=16, windows=8, roots=20)
+        head, first = cmp.trained(recipe, steps=steps, **quiet)
+        path = tmp_path / f"{recipe}.safetensors"
+        save_trained(path, head, {**first, "command": "test"}, model, cmp.vocab_ids, "tiny", LAYERS)
+        again = Comparison(model, *data, draft_vocab=20, window=16, windows=8, roots=20)
+        assert again.vocab_ids.numel() < cmp.vocab_ids.numel()
+        start = again.start_from(path, recipe)
+        assert torch.equal(again.vocab_ids, cmp.vocab_ids)
+        _, resumed = again.trained(recipe, steps=4, start=start, **quiet)
+        assert resumed["loss_start"] < (first["loss_start"] + first["loss_end"]) / 2, (resumed, first)
+        with pytest.raises(ValueError, match="not classic heads|not medusa heads"):
+            again.start_from(path, "classic" if recipe == "eagle3" else "medusa")

@@ -33,6 +33,9 @@ the static tree those accuracies choose, at the same 600 roots.
     python -m specplay.core.training.compare_recipes classic --seconds S [--name classic-time]
     python -m specplay.core.training.compare_recipes medusa | hydra --steps N [--more] [--out FILE]
 
+A training stage with ``--init FILE`` starts from that heads file's head and draft vocabulary (a
+head learnt on one storage's features, trained on for a while on another's).
+
 Each writes ``<cache>/training/<target>/compare/<name or stage>.json`` and prints it; ``--out``
 saves the trained head as a heads file (what ``--heads`` and ``assets/heads/`` take) and judges
 it once more as saved (int8 rows).
@@ -155,8 +158,8 @@ class Comparison:
         return {"train_answers": self.train_answers, "train_tokens": self.cut,
                 "heldout_answers": self.held.starts.numel() - 1, "heldout_tokens": self.held.num_tokens}
 
-    def shipped(self, path: Path, kind: str = "eagle") -> dict:
-        """The head (``kind`` "eagle") or heads ("medusa") in a heads file, as they are."""
+    def _read(self, path: Path, kind: str):
+        """(the head or heads in a heads file of ``kind``, its draft vocabulary, its manifest)."""
         tensors, manifest = load_heads(path, kind, self.model)
         vocab_ids = tensors.pop("vocab_ids")
         recipe = manifest.get("recipe", "classic")
@@ -167,20 +170,37 @@ class Comparison:
             cfg = head_config(self.model.cfg, manifest.get("intermediate_size"))
             head = Eagle3Head(cfg, len(manifest["layers"])) if recipe == "eagle3" else EagleHead(cfg)
         head.load_state_dict(tensors)
+        return head, vocab_ids, manifest
+
+    def start_from(self, path: Path, recipe: str):
+        """The head (or heads) of a heads file of ``recipe``, to train on from there (:meth:`trained`'s
+        ``start``): the comparison then trains and judges on that file's draft vocabulary. A head learnt
+        on another storage's features adapts to this target's in a fraction of its first training."""
+        head, vocab_ids, manifest = self._read(path, RECIPES[recipe])
+        if manifest.get("recipe", "classic") != recipe:
+            raise ValueError(f"{path} holds {manifest.get('recipe', 'classic')} heads, not {recipe} heads")
+        self.vocab_ids = vocab_ids
+        return head
+
+    def shipped(self, path: Path, kind: str = "eagle") -> dict:
+        """The head (``kind`` "eagle") or heads ("medusa") in a heads file, as they are."""
+        head, vocab_ids, manifest = self._read(path, kind)
+        recipe = manifest.get("recipe", "classic")
         judged = self.judge(head, vocab_ids) if kind == "eagle" else self.judge_medusa(head, vocab_ids)
         return {"recipe": recipe, "head": str(path), "data_tokens": manifest["data"]["total_tokens"],
                 "steps": manifest["steps"], "train_wall_s": manifest["train_seconds"], "train_cpu_s": None,
                 **self.sizes(), **judged}
 
     def trained(self, recipe: str, steps: int | None = None, seconds: float | None = None, log=print,
-                **training) -> tuple[torch.nn.Module, dict]:
+                start=None, **training) -> tuple[torch.nn.Module, dict]:
         """(head, record): a head of ``recipe`` (:data:`RECIPES`) trained on the train answers for ``steps``
         or until ``seconds`` CPU seconds (steps then from a short timing; EAGLE recipes only), and its judging.
-        EAGLE heads start from the target's last layer, Medusa and Hydra heads as their trainers start them."""
+        Heads start from ``start`` (:meth:`start_from`; trained in place), else EAGLE heads from the
+        target's last layer, Medusa and Hydra heads as their trainers start them."""
         kind = RECIPES[recipe]
         bf16 = has_bf16_units()
         settings = {**(TRAINING if kind == "eagle" else MEDUSA_TRAINING), **training}
-        head = self._eagle_start(recipe) if kind == "eagle" else None
+        head = start if start is not None else self._eagle_start(recipe) if kind == "eagle" else None
         per_step = None
         if steps is None:
             if kind != "eagle":
@@ -236,10 +256,10 @@ class Comparison:
                         progress=progress, should_cancel=should_cancel)
         elif recipe == "hydra":
             head, _, _ = train_hydra(self.data, m.embed, lm_rows, *common, MEDUSA_HEADS, settings, progress=progress,
-                                     should_cancel=should_cancel)
+                                     should_cancel=should_cancel, heads=head)
         else:
             head, _, _ = train_medusa(self.data.features(), lm_rows, *common, MEDUSA_HEADS, settings,
-                                      progress=progress, should_cancel=should_cancel)
+                                      progress=progress, should_cancel=should_cancel, heads=head)
         return head
 
     def judge_medusa(self, heads, vocab_ids: torch.Tensor) -> dict:
@@ -321,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--more", action="store_true", help="train on the 'more' split too (capture it first)")
     p.add_argument("--out", type=Path, help="training stages: save the head there as a heads file (int8 rows, as "
                    "shipped) and judge it once more as saved")
+    p.add_argument("--init", type=Path, help="training stages: start from this heads file's head (of the stage's "
+                   "recipe) and its draft vocabulary, instead of afresh")
     args = p.parse_args(argv)
     if args.stage in RECIPES and not (args.steps or args.seconds):
         p.error("training stages need --steps or --seconds")
@@ -348,7 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         kind = "medusa" if args.stage == "shipped-medusa" else "eagle"
         record = cmp.shipped(shipped_path(kind, TARGET), kind)
     else:
-        head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log)
+        start = cmp.start_from(args.init, args.stage) if args.init else None
+        head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log, start=start)
+        if args.init:
+            record["init"] = str(args.init)
         if args.out:
             save_trained(args.out, head, {**record, "command": command}, model, cmp.vocab_ids, TARGET,
                          default_layers(model.cfg.num_layers))  # the layers capture() read

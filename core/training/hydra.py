@@ -83,12 +83,14 @@ def train_hydra(data: TeacherSet, embed, lm_rows: torch.Tensor, vocab_ids: torch
                 num_heads: int, settings: TrainSettings, teacher_weight: float = 1.0,
                 tau_sim: Callable[[HydraHeads, list[list[float]]], dict] | None = None,
                 workdir: Path | None = None, progress: ProgressFn | None = None,
-                should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None):
-    """Train ``num_heads`` Hydra heads; return (heads, held-out evaluation, steps). The evaluation
+                should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None,
+                heads: HydraHeads | None = None):
+    """Train ``num_heads`` Hydra heads (``heads`` from where they are, else new ones); return (heads, held-out
+    evaluation, steps). The evaluation
     has ``accuracy`` (as :meth:`HydraObjective.accuracy`), ``top1`` and what ``tau_sim(heads,
     accuracy)`` (:func:`specplay.core.training.tau.medusa_tau`) adds. ``identity``: which training a
     checkpoint must belong to to be resumed (:class:`Checkpoint`)."""
-    heads = HydraHeads(data.final.shape[1], num_heads)
+    heads = heads if heads is not None else HydraHeads(data.final.shape[1], num_heads)
     objective = HydraObjective(heads, data, embed, lm_rows.float(), vocab_ids, vocab_size, teacher_weight)
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
     eval_pos = eval_pos[torch.randperm(eval_pos.numel(), generator=torch.Generator().manual_seed(0))[:4096]]

@@ -70,12 +70,14 @@ class MedusaObjective:
 def train_medusa(data: FeatureSet, lm_rows: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int, num_heads: int,
                  settings: TrainSettings, workdir: Path | None = None, progress: ProgressFn | None = None,
                  should_cancel: Callable[[], bool] = lambda: False, resume: bool = False, identity: dict | None = None,
-                 tau_sim: Callable[[MedusaHeads, list[list[float]]], dict] | None = None):
-    """Train ``num_heads`` heads; return (heads, accuracy table on held-out sequences, steps).
+                 tau_sim: Callable[[MedusaHeads, list[list[float]]], dict] | None = None,
+                 heads: MedusaHeads | None = None):
+    """Train ``num_heads`` heads (``heads`` from where they are, else new ones); return (heads, accuracy table
+    on held-out sequences, steps).
 
     ``identity``: which training a checkpoint must belong to to be resumed (:class:`Checkpoint`);
     ``tau_sim(heads, accuracy)`` (:func:`specplay.core.training.tau.medusa_tau`) adds to each evaluation."""
-    heads = MedusaHeads(data.features.shape[1], num_heads)
+    heads = heads if heads is not None else MedusaHeads(data.features.shape[1], num_heads)
     objective = MedusaObjective(heads, data, lm_rows.float(), vocab_ids, vocab_size)
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
     eval_pos = eval_pos[torch.randperm(eval_pos.numel(), generator=torch.Generator().manual_seed(0))[:4096]]
