@@ -301,9 +301,11 @@ def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor,
     if kind == "medusa":
         manifest.update(num_heads=len(head.blocks), accuracy=record["accuracy"], top1=record["top1_by_head"],
                         top5=record["top5_by_head"], tau_sim_tree=record["tau_sim_tree"])
+        if "init" in record:
+            manifest["init"] = record["init"]
     else:
         manifest.update(intermediate_size=head.cfg.intermediate_size, window=record["window"], unroll=record["depth"],
-                        init="target", accuracy={"top1_by_level": record["top1_by_level"]})
+                        init=record.get("init", "target"), accuracy={"top1_by_level": record["top1_by_level"]})
         if record["recipe"] == "eagle3":
             manifest["layers"] = list(layers)
     save_heads(path, {**head.state_dict(), "vocab_ids": vocab_ids}, manifest)
@@ -372,8 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         start = cmp.start_from(args.init, args.stage) if args.init else None
         head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log, start=start)
-        if args.init:
-            record["init"] = str(args.init)
+        if args.init:  # what the head started from: the file, and what it had learnt
+            beside = args.init.with_suffix(".json")
+            was = json.loads(beside.read_text()) if beside.is_file() else {}
+            record["init"] = {"file": args.init.name, "feature_dtype": was.get("feature_dtype"),
+                              "answers": (was.get("data") or {}).get("answers"), "steps": was.get("steps")}
         if args.out:
             save_trained(args.out, head, {**record, "command": command}, model, cmp.vocab_ids, TARGET,
                          default_layers(model.cfg.num_layers))  # the layers capture() read
