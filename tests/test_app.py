@@ -631,6 +631,25 @@ def test_a_bad_method_setting_blocks_the_run_with_the_message(window, qtbot):
     assert "min n" in window.last_error and not steps
 
 
+def test_heads_learnt_on_another_targets_features_say_so_under_the_run(window, qtbot, tmp_path):
+    """Medusa heads whose manifest says they learnt an int8 target's features, run on this float32
+    target: the run goes on (its drafts are checked as any) and the line under it warns."""
+    import torch
+
+    from specplay.core.heads import MedusaHeads, save_heads
+
+    path = tmp_path / "int8-heads.safetensors"
+    save_heads(path, dict(MedusaHeads(32, 2).state_dict(), vocab_ids=torch.arange(64)),
+               {"kind": "medusa", "target": "tiny", "hidden_size": 32, "vocab_size": 64, "num_heads": 2,
+                "accuracy": [[0.5, 0.1], [0.3, 0.1]], "feature_dtype": "int8"})
+    window.methods_panel.set_method("medusa")
+    window.methods_panel.forms["medusa"].editors["heads"].set_value(str(path))
+    result = run(qtbot, window.run_single())
+    assert result is not None and len(result.token_ids) == 16
+    assert "warning: int8-heads.safetensors learnt the features of the target stored as int8; this one runs on " \
+           "float32" in window.live.stats.text()
+
+
 # ----------------------------------------------------------------------------------- stop and errors
 def test_stop_cancels_within_one_step(window, qtbot):
     from PySide6.QtCore import Qt as _Qt
