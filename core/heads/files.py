@@ -94,12 +94,12 @@ def features_warning(manifest: dict, target, path: Path) -> str | None:
         if distance <= FINGERPRINT_TOLERANCE:
             return None
         return (f"{path.name} learnt the features of a target stored as {trained.get('storage', '?')}; this "
-                f"target's ({storage}) differ from them by {distance:.1%}: its drafts are accepted less often "
+                f"target's ({storage}) differ from them by {distance:.1%}: its drafts may be accepted less often "
                 f"(never wrongly); {retrain}")
     was = manifest.get("feature_dtype")
     if was and was != storage:
         return (f"{path.name} learnt the features of the target stored as {was}; this one runs on {storage}, whose "
-                f"features differ: its drafts are accepted less often (never wrongly); {retrain}")
+                f"features differ: its drafts may be accepted less often (never wrongly); {retrain}")
     return None
 
 
