@@ -117,4 +117,5 @@ def test_heads_warn_on_a_target_whose_features_are_not_the_ones_they_learnt(tmp_
 
     old = _manifested_heads(tmp_path / "old.safetensors", target.model, features=None, feature_dtype="int8")
     warned = build_method("medusa", MedusaConfig(heads=str(old)), target).warnings
-    assert len(warned) == 1 and "learnt the features of the target stored as int8; this one runs on float64" in warned[0]
+    assert len(warned) == 1
+    assert "learnt the features of the target stored as int8; this one runs on float64" in warned[0]

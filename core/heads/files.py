@@ -81,7 +81,7 @@ def feature_fingerprint(model) -> dict:
 
 
 def features_warning(manifest: dict, target, path: Path) -> str | None:
-    """Why heads learnt on other features than ``target``'s will draft at a loss, or None: their
+    """Why heads learnt on other features than ``target``'s may draft at a loss, or None: their
     manifest's fingerprint (:func:`feature_fingerprint`) is not the target's, or, for a file without
     one, the storage it names is not the target's. Their drafts are checked as any (lossless)."""
     storage = target.info.dtype
