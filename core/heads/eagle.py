@@ -157,8 +157,7 @@ class EagleDrafter:
                                   ln_post=self._weight(weights, "post_attention_layernorm"))
         # On k-quant blocks the layer is one C call (norm, projections, RoPE, cache write, tree-masked
         # attention, MLP), as the target's are: torch's forty small operations cost more than its arithmetic.
-        self._fused = (FusedLayers(cfg, [self.layer])
-                       if storage == "kquant-draft" and FusedLayers.fits(cfg, [self.layer]) else None)
+        self._fused = FusedLayers(cfg, [self.layer]) if FusedLayers.fits(cfg, [self.layer]) else None
         self.inv_freq = torch.tensor(cfg.inv_freq, device=self.device)
         self.kv = torch.zeros(2, cfg.num_kv_heads, 256, cfg.head_dim, device=self.device)
         self.len = 0

@@ -172,15 +172,17 @@ class Comparison:
         head.load_state_dict(tensors)
         return head, vocab_ids, manifest
 
-    def start_from(self, path: Path, recipe: str):
-        """The head (or heads) of a heads file of ``recipe``, to train on from there (:meth:`trained`'s
-        ``start``): the comparison then trains and judges on that file's draft vocabulary. A head learnt
-        on another storage's features adapts to this target's in a fraction of its first training."""
+    def start_from(self, path: Path, recipe: str) -> tuple[torch.nn.Module, dict]:
+        """(the head or heads of a heads file of ``recipe``, what they had learnt as its manifest says), to
+        train on from there (:meth:`trained`'s ``start``): the comparison then trains and judges on that
+        file's draft vocabulary. A head learnt on another storage's features adapts to this target's in a
+        fraction of its first training."""
         head, vocab_ids, manifest = self._read(path, RECIPES[recipe])
         if manifest.get("recipe", "classic") != recipe:
             raise ValueError(f"{path} holds {manifest.get('recipe', 'classic')} heads, not {recipe} heads")
         self.vocab_ids = vocab_ids
-        return head
+        return head, {"file": Path(path).name, "feature_dtype": manifest.get("feature_dtype"),
+                      "answers": (manifest.get("data") or {}).get("answers"), "steps": manifest.get("steps")}
 
     def shipped(self, path: Path, kind: str = "eagle") -> dict:
         """The head (``kind`` "eagle") or heads ("medusa") in a heads file, as they are."""
@@ -301,13 +303,13 @@ def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor,
     if kind == "medusa":
         manifest.update(num_heads=len(head.blocks), accuracy=record["accuracy"], top1=record["top1_by_head"],
                         top5=record["top5_by_head"], tau_sim_tree=record["tau_sim_tree"])
-        if "init" in record:
-            manifest["init"] = record["init"]
     else:
         manifest.update(intermediate_size=head.cfg.intermediate_size, window=record["window"], unroll=record["depth"],
-                        init=record.get("init", "target"), accuracy={"top1_by_level": record["top1_by_level"]})
+                        init="target", accuracy={"top1_by_level": record["top1_by_level"]})
         if record["recipe"] == "eagle3":
             manifest["layers"] = list(layers)
+    if "init" in record:  # the heads file it started from (--init)
+        manifest["init"] = record["init"]
     save_heads(path, {**head.state_dict(), "vocab_ids": vocab_ids}, manifest)
 
 
@@ -372,13 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         kind = "medusa" if args.stage == "shipped-medusa" else "eagle"
         record = cmp.shipped(shipped_path(kind, TARGET), kind)
     else:
-        start = cmp.start_from(args.init, args.stage) if args.init else None
+        start, origin = cmp.start_from(args.init, args.stage) if args.init else (None, None)
         head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log, start=start)
-        if args.init:  # what the head started from: the file, and what it had learnt
-            beside = args.init.with_suffix(".json")
-            was = json.loads(beside.read_text()) if beside.is_file() else {}
-            record["init"] = {"file": args.init.name, "feature_dtype": was.get("feature_dtype"),
-                              "answers": (was.get("data") or {}).get("answers"), "steps": was.get("steps")}
+        if origin:  # what the head started from: the file, and what it had learnt
+            record["init"] = origin
         if args.out:
             save_trained(args.out, head, {**record, "command": command}, model, cmp.vocab_ids, TARGET,
                          default_layers(model.cfg.num_layers))  # the layers capture() read
