@@ -12,10 +12,18 @@ for nothing.
 did: where the accepted path reached a node, the chances its children in the draft were given
 (their sum: they are exclusive) against whether one of them was accepted. Its :attr:`factor`
 is the run's realized acceptance over the predicted one (decayed, newer steps weighing more,
-starting from the drafter's word), and :meth:`values` gives each node's calibrated chance of
+starting from half the drafter's word), and :meth:`values` gives each node's calibrated chance of
 being accepted: the product, along its path, of its conditional chances times the factor (each
 at most 1). A child's value never exceeds its parent's, so the sizing's ordered prefixes stay
 closed under parents.
+
+Before the run has shown anything, the drafter's word counts half (:data:`PRIOR_FACTOR`): the two
+ways of being wrong cost unequally. A tree sized by a head confident off its home ground is
+verified for nothing, and on a CPU each node costs a share of a step: the first drafting step of a
+run read 32 nodes, none accepted, at T(33)/T(1) of a step, on a reasoning question of 12 tokens.
+A tree sized too small where the head is right loses only the tokens its missing nodes would have
+added at one step, and the first verdicts restore the head's word (one step of a three-node chain
+accepted whole brings the factor from 0.5 to about 1).
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ from typing import Sequence
 
 #: Weight of each step's evidence after a newer step's: a memory of about ten drafting steps.
 DECAY = 0.9
-#: Pseudo-levels at which the drafter's own word is trusted before the run has shown anything.
-PRIOR = 1.0
+#: Pseudo-levels of evidence the run starts with, and the factor they say: half the drafter's own word.
+PRIOR, PRIOR_FACTOR = 1.0, 0.5
 
 
 class Calibration:
@@ -37,8 +45,8 @@ class Calibration:
 
     @property
     def factor(self) -> float:
-        """Realized over predicted acceptance per level, the drafter's word (1.0) before any evidence."""
-        return (self._realized + PRIOR) / (self._predicted + PRIOR)
+        """Realized over predicted acceptance per level; :data:`PRIOR_FACTOR` before any evidence."""
+        return (self._realized + PRIOR * PRIOR_FACTOR) / (self._predicted + PRIOR)
 
     def values(self, parents: Sequence[int], chances: Sequence[float]) -> list[float]:
         """Each node's calibrated chance of acceptance: along its path (``parents``, -1 the root;
