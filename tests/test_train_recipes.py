@@ -145,3 +145,15 @@ def test_training_can_start_from_a_heads_file_and_its_draft_vocabulary(tmp_path)
         assert resumed["loss_start"] < (first["loss_start"] + first["loss_end"]) / 2, (resumed, first)
         with pytest.raises(ValueError, match="not classic heads|not medusa heads"):
             again.start_from(path, "classic" if recipe == "eagle3" else "medusa")
+
+
+def test_the_comparison_never_learns_from_its_held_out_answers():
+    """The splits to learn from are disjoint from each other and from the held-out answers, and
+    together hold every answer before the held-out tail."""
+    from specplay.core.training.compare_recipes import SPLITS
+
+    learn = [set(SPLITS[name]) for name in ("train", "more", "rest")]
+    held = set(SPLITS["heldout"])
+    assert all(not (a & b) for i, a in enumerate(learn) for b in learn[i + 1:])
+    assert all(not (part & held) for part in learn)
+    assert set().union(*learn) == set(range(min(held)))

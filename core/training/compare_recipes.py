@@ -27,11 +27,11 @@ the inference tree replayed at 600 held-out answer roots). Medusa and Hydra head
 top-1 on 4,096 held-out positions, and τ_sim (:func:`~specplay.core.training.tau.medusa_tau`) with
 the static tree those accuracies choose, at the same 600 roots.
 
-    python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more]   # the shards, once
+    python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more,rest]   # the shards, once
     python -m specplay.core.training.compare_recipes shipped | shipped-medusa
-    python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--out FILE]
+    python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--rest] [--out FILE]
     python -m specplay.core.training.compare_recipes classic --seconds S [--name classic-time]
-    python -m specplay.core.training.compare_recipes medusa | hydra --steps N [--more] [--out FILE]
+    python -m specplay.core.training.compare_recipes medusa | hydra --steps N [--more] [--rest] [--out FILE]
 
 A training stage with ``--init FILE`` starts from that heads file's head and draft vocabulary (a
 head learnt on one storage's features, trained on for a while on another's).
@@ -71,8 +71,9 @@ from specplay.core.training.teacher import TeacherSet, capture_teacher, corpus_s
 TARGET = "qwen2.5-coder-1.5b-instruct"
 #: Which answers of the committed corpus (assets/training/) each split holds: the first 200 to
 #: learn from, 48 from the shipped head's own held-out tail (its last 5%, answers 1966-2073), and
-#: 800 more to learn from for the comparison at more data (``--more``).
-SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(200, 1000)}
+#: 800 more to learn from for the comparison at more data (``--more``), and the 966 after them up to the
+#: held-out tail (``--rest``: with both, every answer the held-out ones do not hold).
+SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(200, 1000), "rest": range(1000, 1966)}
 TRAINING = {"batch_size": 16, "lr": 3e-4}  # specplay train eagle's defaults
 MEDUSA_TRAINING = {"batch_size": 128, "lr": 1e-3}  # specplay train medusa's
 MEDUSA_HEADS = 4
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", help="result file name without .json (default: the stage)")
     p.add_argument("--splits", default="train,heldout", help="capture: the splits to read (of %s)" % ", ".join(SPLITS))
     p.add_argument("--more", action="store_true", help="train on the 'more' split too (capture it first)")
+    p.add_argument("--rest", action="store_true", help="train on the 'rest' split too (capture it first)")
     p.add_argument("--out", type=Path, help="training stages: save the head there as a heads file (int8 rows, as "
                    "shipped) and judge it once more as saved")
     p.add_argument("--init", type=Path, help="training stages: start from this heads file's head (of the stage's "
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown split {', '.join(sorted(unknown))}: the splits are {', '.join(SPLITS)}")
         capture(target, args.splits.split(","))
         return 0
-    splits = ("train", "more") if args.more else ("train",)
+    splits = ("train",) + (("more",) if args.more else ()) + (("rest",) if args.rest else ())
     cmp = Comparison(model, load_split(*(root / "teacher" / name for name in splits)),
                      load_split(root / "teacher" / "heldout"))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
