@@ -190,3 +190,45 @@ def test_the_draft_reads_as_much_of_a_long_prompt_as_the_answer_pays_for(monkeyp
     assert first.internals["read_prompt"] == reads and MIN_READ == 32
     plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
     assert res.token_ids == plain.token_ids
+
+
+def test_a_conversations_next_turn_finds_the_drafts_read_done(monkeypatch):
+    """A run whose prompt continues the last one (its prompt, its answer, five new tokens) reads only what
+    the draft's cache lacks: the new tokens and the answer's tail, not a window of 32. The same prompt
+    again reads afresh (a rerun or a warm-up must not find its read done), and so does a turn after
+    someone emptied the draft's cache. Every run's tokens are plain decoding's."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CorrectedCurve
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.methods import build_method
+    from specplay.core.methods.speculative import _HELD, MIN_READ, SpeculativeConfig
+    from tiny import loaded, on_a_clock, perturbed_copy
+
+    base = tiny_hf_model(seed=0, dtype=torch.float64)
+    target, draft = loaded(native_from_hf(base)), loaded(native_from_hf(perturbed_copy(base, 0.01)))
+    on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * (1 + PER_ROW * (n - 1)), draft.model: lambda n: 0.001})
+    monkeypatch.setitem(costmodel._CURVES, target.model, CorrectedCurve(CostCurve.linear(PER_ROW)))
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    method = build_method("speculative", SpeculativeConfig(), target, draft)
+
+    def run(prompt):
+        res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+        plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target),
+                               prompt, gen))
+        assert res.token_ids == plain.token_ids
+        return res, next(e for e in res.events if e.num_drafted).internals["read_prompt"]
+
+    first = [4 + (7 * i) % 50 for i in range(90)]
+    answer, read = run(first)
+    assert read == MIN_READ
+    second = first + answer.token_ids + [5, 9, 13, 17, 21]
+    held = _HELD[draft.model]  # the first run's context up to where the draft last drafted
+    assert held.tokens == second[held.offset:held.offset + len(held.tokens)]
+    _, read = run(second)
+    # What it lacks of the prompt, and the first (plain) step's token, the last one being the root.
+    assert read == len(second) - held.offset - len(held.tokens) < MIN_READ
+    assert run(second)[1] == MIN_READ  # the same prompt again
+    answer, _ = run(first)
+    draft.model.reset()  # someone else's use of the draft
+    assert run(first + answer.token_ids + [5, 9, 13, 17, 21])[1] == MIN_READ

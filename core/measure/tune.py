@@ -174,6 +174,7 @@ def draft_matches(method, prompt_ids: list[int], answer: list[int], vocab: int,
     raises to stop)."""
     check()
     started = time.perf_counter()
+    method.draft_model.reset()  # a fresh read: nothing kept from a run before
     method.start(SimpleNamespace(tokens=list(prompt_ids)))
     method.read_prompt(list(prompt_ids))
     prefill = time.perf_counter() - started
@@ -193,6 +194,7 @@ def _draft_timer(method, context_ids: list[int], vocab: int, check: Callable[[],
     them (``timed(n)``, after ``check``), run as the method runs it (its engine and head), its cache
     cropped back after."""
     check()
+    method.draft_model.reset()
     method.start(SimpleNamespace(tokens=list(context_ids)))
     method.read_prompt(list(context_ids))
     dm = method.draft_model

@@ -28,7 +28,10 @@ on the tokens it skipped in one pass.
 The draft reads the prompt at the first step that drafts, off the first token's path, and by default
 only its last tokens where the whole would cost more than it can earn back: as many as it reads in a
 tenth of the answer's plain decoding time (:meth:`Speculative.read_window`, from this run's timings).
-The draft then sees less context, which changes q only.
+The draft then sees less context, which changes q only. A run that continues the last one (a
+conversation's next turn: its prompt is the last prompt, then more) keeps what the draft's cache holds
+of it and reads only the rest (:data:`_HELD`); the same prompt again, or another, reads afresh, so a
+rerun or a warm-up never finds its read done.
 
 With a draft vocabulary (``draft_vocab``) the draft computes only those rows of its LM head, a
 quarter of a 0.5B draft's weights (FR-Spec; EAGLE-3's reduced vocabulary): the ids its target uses
@@ -47,6 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -120,7 +124,9 @@ class Speculative(Method):
         super().__init__(config)
         self.draft_model = draft_model
         self.gamma = config.gamma
-        self._offset = 0
+        self._offset = self._window_start = 0
+        self._unread = True
+        self._prompt: list[int] = []
         self.max_draft_nodes = config.max_gamma if (config.adaptive or config.sized) else config.gamma
         self.cost = cost_curve(target_lm) if (config.sized and target_lm is not None) else None
         # The draft's share of the target's multiply-adds: what its read of a token costs of the target's.
@@ -187,12 +193,14 @@ class Speculative(Method):
         self.gain = None
         if self.lookup is not None:
             self.lookup.start(ctx)
-        self.draft_model.reset()
         # The draft's cache holds ctx.tokens from this offset on. It reads the prompt at the first step
         # that drafts (read_prompt): where the stand-down gate makes the first step plain, its read
         # never delays the first token.
         window = self.config.draft_window
-        self._offset = max(0, len(ctx.tokens) - 1 - window) if window else 0
+        self._offset = self._window_start = max(0, len(ctx.tokens) - 1 - window) if window else 0
+        self._unread = True
+        self._prompt = list(ctx.tokens)
+        self._keep_held(ctx.tokens)
         prefill_s, config = getattr(ctx, "prefill_s", None), getattr(ctx, "config", None)
         self._read_plan = (prefill_s, len(ctx.tokens) - 1, config.max_new_tokens) if (
             not window and prefill_s and config is not None) else None
@@ -209,17 +217,47 @@ class Speculative(Method):
         per_token = prefill_s / read * self._read_share
         return max(MIN_READ, int(READ_SHARE * answer * step / per_token))
 
+    def _keep_held(self, prompt: list[int]) -> None:
+        """Start the run on what the draft's cache holds where ``prompt`` continues the last run's (see
+        :data:`_HELD`): its offset, and its tokens up to where they and the prompt part; else empty."""
+        dm, held = self.draft_model, _HELD.get(self.draft_model)
+        if (held is None or dm.cache_len != len(held.tokens) or len(prompt) <= len(held.prompt)
+                or prompt[:len(held.prompt)] != held.prompt):
+            dm.reset()
+            return
+        readable = self._readable(prompt[held.offset:-1])
+        same = 0
+        for a, b in zip(held.tokens, readable):
+            if a != b:
+                break
+            same += 1
+        dm.crop(same)
+        self._offset = held.offset
+        self._note_held(readable[:same])
+
+    def _note_held(self, fed: list[int]) -> None:
+        """Record what the draft's cache now holds: the first ``cache_len`` of ``fed`` (tokens from the
+        offset on, as read or drafted)."""
+        _HELD[self.draft_model] = _Held(tokens=fed[:self.draft_model.cache_len], offset=self._offset,
+                                        prompt=self._prompt)
+
     def read_prompt(self, tokens: list[int]) -> int:
-        """Into an empty draft cache, ``tokens`` from the window's start on, all but the last (the next
-        pass feeds that one), as one prefill; returns the tokens read."""
-        if self.draft_model.cache_len:
+        """Once a run, ``tokens`` from the window's start on, all but the last (the next pass feeds that
+        one), as one prefill after what the draft's cache kept of them; returns the tokens read."""
+        if not self._unread:
             return 0
+        self._unread = False
+        dm = self.draft_model
         window = self.read_window()
-        if window is not None:
-            self._offset = max(0, len(tokens) - 1 - window)
-        lacking = tokens[self._offset:-1]
+        start = max(0, len(tokens) - 1 - window) if window is not None else self._window_start
+        if dm.cache_len and self._offset + dm.cache_len < start:  # what it kept ends before the window
+            dm.reset()
+        if not dm.cache_len:
+            self._offset = start
+        lacking = tokens[self._offset + dm.cache_len:-1]
         if lacking:
-            self.draft_model.forward_chain(self._readable(lacking), logit_rows=[], prefill=True)
+            dm.forward_chain(self._readable(lacking), logit_rows=[], prefill=True)
+        self._note_held(self._readable(tokens[self._offset:-1]))
         return len(lacking)
 
     def _readable(self, tokens: list[int]) -> list[int]:
@@ -271,6 +309,7 @@ class Speculative(Method):
                 logits = self._next_logits([token], vocab)
                 forwards += 1
         self._sizing.drafted(time.perf_counter() - started, forwards)
+        self._note_held(self._readable(ctx.tokens[self._offset:]) + tokens)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
                            q_token=q_token, shown={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
                                                    "stopped_early": stopped_early, "gain": self.gain,
@@ -288,6 +327,7 @@ class Speculative(Method):
         # the old context plus the accepted ones. The next propose feeds what is missing.
         old_len = len(ctx.tokens) - len(outcome.new_tokens) - self._offset
         self.draft_model.crop(min(self.draft_model.cache_len, old_len + accepted))
+        self._note_held(self._readable(ctx.tokens[self._offset:]))
         if self.config.adaptive and drafted:
             if accepted == drafted:
                 self.gamma = min(self.gamma + 2, self.config.max_gamma)
@@ -299,6 +339,23 @@ class Speculative(Method):
             if sized is not None:
                 self.gamma, gain = sized
                 self.gain = round(gain, 3)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a draft model's cache holds as the last speculative run left it: ``tokens`` (as the draft
+    read them) from the context's ``offset`` on, the context starting with that run's ``prompt``."""
+
+    tokens: list[int]
+    offset: int
+    prompt: list[int]
+
+
+#: Each draft model's :class:`_Held`, written by the run that used it last. A run whose prompt is
+#: that run's prompt and more (a conversation's next turn: the last answer, a new question) keeps it
+#: where the draft's cache is still that long; any other run, or a cache someone else changed, reads
+#: afresh.
+_HELD: "weakref.WeakKeyDictionary[CausalLM, _Held]" = weakref.WeakKeyDictionary()
 
 
 class ChainAcceptance:
