@@ -34,7 +34,8 @@ the static tree those accuracies choose, at the same 600 roots.
     python -m specplay.core.training.compare_recipes medusa | hydra --steps N [--more] [--rest] [--out FILE]
 
 A training stage with ``--init FILE`` starts from that heads file's head and draft vocabulary (a
-head learnt on one storage's features, trained on for a while on another's).
+head learnt on one storage's features, trained on for a while on another's); ``--lr`` sets the peak
+learning rate (the recipe's own warms a trained head up to a rate that makes it forget first).
 
 Each writes ``<cache>/training/<target>/compare/<name or stage>.json`` and prints it; ``--out``
 saves the trained head as a heads file (what ``--heads`` and ``assets/heads/`` take) and judges
@@ -347,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rest", action="store_true", help="train on the 'rest' split too (capture it first)")
     p.add_argument("--out", type=Path, help="training stages: save the head there as a heads file (int8 rows, as "
                    "shipped) and judge it once more as saved")
+    p.add_argument("--lr", type=float, help="training stages: the peak learning rate (default: the recipe's; a "
+                   "head trained on from --init keeps more of what it learnt at a lower one)")
     p.add_argument("--init", type=Path, help="training stages: start from this heads file's head (of the stage's "
                    "recipe) and its draft vocabulary, instead of afresh")
     args = p.parse_args(argv)
@@ -377,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         record = cmp.shipped(shipped_path(kind, TARGET), kind)
     else:
         start, origin = cmp.start_from(args.init, args.stage) if args.init else (None, None)
-        head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log, start=start)
+        head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log, start=start,
+                                   **({"lr": args.lr} if args.lr else {}))
         if origin:  # what the head started from: the file, and what it had learnt
             record["init"] = origin
         if args.out:
