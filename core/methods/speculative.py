@@ -221,25 +221,30 @@ class Speculative(Method):
         """Start the run on what the draft's cache holds where ``prompt`` continues the last run's (see
         :data:`_HELD`): its offset, and its tokens up to where they and the prompt part; else empty."""
         dm, held = self.draft_model, _HELD.get(self.draft_model)
-        if (held is None or dm.cache_len != len(held.tokens) or len(prompt) <= len(held.prompt)
+        if held is None:
+            dm.reset()
+            return
+        kept = held.tokens
+        if (dm.cache_len != len(kept) or len(prompt) <= len(held.prompt)
                 or prompt[:len(held.prompt)] != held.prompt):
             dm.reset()
             return
         readable = self._readable(prompt[held.offset:-1])
         same = 0
-        for a, b in zip(held.tokens, readable):
+        for a, b in zip(self._readable(kept), readable):
             if a != b:
                 break
             same += 1
         dm.crop(same)
         self._offset = held.offset
-        self._note_held(readable[:same])
+        self._note_held(prompt, held.offset + same)
 
-    def _note_held(self, fed: list[int]) -> None:
-        """Record what the draft's cache now holds: the first ``cache_len`` of ``fed`` (tokens from the
-        offset on, as read or drafted)."""
-        _HELD[self.draft_model] = _Held(tokens=fed[:self.draft_model.cache_len], offset=self._offset,
-                                        prompt=self._prompt)
+    def _note_held(self, context: list[int], end: int, drafted: Sequence[int] = ()) -> None:
+        """Record what the draft's cache now holds: its first ``cache_len`` of ``context[offset:end]``
+        then ``drafted``. ``context`` is kept by reference (a run's context only grows) and read only when
+        the next run starts, so a step pays for no copy of it."""
+        _HELD[self.draft_model] = _Held(context, self._offset, end, tuple(drafted),
+                                        self.draft_model.cache_len, self._prompt)
 
     def read_prompt(self, tokens: list[int]) -> int:
         """Once a run, ``tokens`` from the window's start on, all but the last (the next pass feeds that
@@ -257,7 +262,7 @@ class Speculative(Method):
         lacking = tokens[self._offset + dm.cache_len:-1]
         if lacking:
             dm.forward_chain(self._readable(lacking), logit_rows=[], prefill=True)
-        self._note_held(self._readable(tokens[self._offset:-1]))
+        self._note_held(tokens, len(tokens) - 1)
         return len(lacking)
 
     def _readable(self, tokens: list[int]) -> list[int]:
@@ -309,7 +314,7 @@ class Speculative(Method):
                 logits = self._next_logits([token], vocab)
                 forwards += 1
         self._sizing.drafted(time.perf_counter() - started, forwards)
-        self._note_held(self._readable(ctx.tokens[self._offset:]) + tokens)
+        self._note_held(ctx.tokens, len(ctx.tokens), tokens)
         return Draft.chain(tokens, sampled=not sampling.greedy, q=torch.stack(q_rows) if q_rows else None,
                            q_token=q_token, shown={"source": "draft", "gamma": self.gamma, "drafted": len(tokens),
                                                    "stopped_early": stopped_early, "gain": self.gain,
@@ -327,7 +332,7 @@ class Speculative(Method):
         # the old context plus the accepted ones. The next propose feeds what is missing.
         old_len = len(ctx.tokens) - len(outcome.new_tokens) - self._offset
         self.draft_model.crop(min(self.draft_model.cache_len, old_len + accepted))
-        self._note_held(self._readable(ctx.tokens[self._offset:]))
+        self._note_held(ctx.tokens, len(ctx.tokens))
         if self.config.adaptive and drafted:
             if accepted == drafted:
                 self.gamma = min(self.gamma + 2, self.config.max_gamma)
@@ -343,12 +348,20 @@ class Speculative(Method):
 
 @dataclass(frozen=True)
 class _Held:
-    """What a draft model's cache holds as the last speculative run left it: ``tokens`` (as the draft
-    read them) from the context's ``offset`` on, the context starting with that run's ``prompt``."""
+    """What a draft model's cache holds as the last speculative run left it: :attr:`tokens`, from its
+    context's ``offset`` on, the context starting with that run's ``prompt``."""
 
-    tokens: list[int]
+    context: list[int]
     offset: int
+    end: int  # the context's tokens up to here were read, then the ``drafted`` ones
+    drafted: tuple[int, ...]
+    cache_len: int
     prompt: list[int]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens the draft's cache holds (ids as in the context: past the draft's rows too)."""
+        return (self.context[self.offset:self.end] + list(self.drafted))[:self.cache_len]
 
 
 #: Each draft model's :class:`_Held`, written by the run that used it last. A run whose prompt is
