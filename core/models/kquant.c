@@ -443,6 +443,16 @@ __attribute__((target(AVX512))) INLINE __m512i high512(__m512i v, int s) {
     return s == 0 ? _mm512_slli_epi16(v, 4) : s == 1 ? _mm512_slli_epi16(v, 2) : s == 2 ? v : _mm512_srli_epi16(v, 2);
 }
 
+/* Asks for the cache lines of each column's block AHEAD bytes on (past a column's end, the next
+ * group's column, which this thread takes next). A tile of several rows computes long enough per block
+ * that the hardware's prefetcher falls behind the weights' stream; a lone row is the stream alone, and
+ * runs without it (measured in docs/benchmarks.md). A prefetch past the last matrix never faults. */
+#define AHEAD 1024
+INLINE void ahead(const uint8_t *const *w, const int columns, int64_t size) {
+    _Pragma("GCC unroll 8") for (int k = 0; k < columns; k++)
+        for (int64_t line = 0; line < size; line += 64) _mm_prefetch((const char *)w[k] + AHEAD + line, _MM_HINT_T0);
+}
+
 /* A row's four slot sums per column, (s0 + s1) + (s2 + s3), stored for the ``ncols`` real columns
  * (``step`` outputs apart). */
 __attribute__((target(AVX512))) INLINE void store512(__m512 v, float *y, int64_t step, int ncols) {
@@ -462,6 +472,7 @@ __attribute__((target(AVX512))) INLINE void q4_tile512(const uint8_t *const col[
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w[4];
         _Pragma("GCC unroll 8") for (int k = 0; k < 4; k++) w[k] = col[k] + b * (int64_t)sizeof(block4);
+        if (mode != LOAD && R > 1) ahead(w, 4, sizeof(block4));
         __m512i *kb = keep + KEPT * b;
         __m512 slo, shi, wlo, whi;
         if (mode == LOAD) {
@@ -529,6 +540,7 @@ __attribute__((target(AVX512))) INLINE void q6_tile512(const uint8_t *const col[
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w[4];
         _Pragma("GCC unroll 8") for (int k = 0; k < 4; k++) w[k] = col[k] + b * (int64_t)sizeof(block6);
+        if (mode != LOAD && R > 1) ahead(w, 4, sizeof(block6));
         __m512i *kb = keep + KEPT * b;
         __m512 s[4];
         if (mode == LOAD) {
@@ -616,6 +628,7 @@ __attribute__((target(AVX2))) INLINE void q4_tile256(const uint8_t *const col[2]
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w[2];
         _Pragma("GCC unroll 8") for (int k = 0; k < 2; k++) w[k] = col[k] + b * (int64_t)sizeof(block4);
+        if (R > 1) ahead(w, 2, sizeof(block4));
         __m256i sm = lanes2(w, offsetof(block4, sc));
         __m256 dd = _mm256_castsi256_ps(lanes2(w, offsetof(block4, d)));
         __m256 d = _mm256_permute_ps(dd, 0x00), dmin = _mm256_permute_ps(dd, 0x55);
@@ -654,6 +667,7 @@ __attribute__((target(AVX2))) INLINE void q6_tile256(const uint8_t *const col[2]
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w[2];
         _Pragma("GCC unroll 8") for (int k = 0; k < 2; k++) w[k] = col[k] + b * (int64_t)sizeof(block6);
+        if (R > 1) ahead(w, 2, sizeof(block6));
         __m256i sc = lanes2(w, offsetof(block6, sc));
         __m256 d = _mm256_permute_ps(_mm256_castsi256_ps(lanes2(w, offsetof(block6, d))), 0x00), s[4];
         _Pragma("GCC unroll 8") for (int hu = 0; hu < 4; hu++)
