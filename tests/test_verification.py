@@ -191,3 +191,30 @@ def test_the_verdict_records_the_rule_applied_to_each_evaluated_node():
 def test_sampling_needs_a_generator():
     with pytest.raises(ValueError):
         verify(Draft(), _rows(0, 1), SamplingConfig(temperature=1.0), None)
+
+
+# ----------------------------------------------------------------------------- one draw
+def test_sample_draws_each_id_by_its_weight_across_blocks():
+    from specplay.core.decoding import sampling
+
+    n = 3 * sampling._SAMPLE_BLOCK + 5  # the last block not whole
+    ids = [0, 127, 128, 200, 383, 384, n - 1]  # both sides of block edges, and the tail
+    w = torch.zeros(n)
+    w[ids] = torch.tensor([0.5, 2.0, 1.0, 3.0, 0.25, 1.5, 0.75])  # weights, not summing to 1
+    g = torch.Generator().manual_seed(0)
+    draws = [sampling.sample(w, g) for _ in range(6000)]
+    exact = {i: float(w[i] / w.sum()) for i in ids}
+    assert set(draws) <= set(ids)  # an id of weight 0 is never drawn
+    assert chi_square_pvalue(draws, exact) > 1e-3
+    swapped = dict(exact)  # the control: the same draws fail against two ids' weights swapped
+    swapped[127], swapped[383] = exact[383], exact[127]
+    assert chi_square_pvalue(draws, swapped) < 1e-6
+
+
+def test_a_draw_rounded_past_the_total_takes_the_last_id_of_weight():
+    from specplay.core.decoding.sampling import _last_within
+
+    cumulative = torch.tensor([0.1, 0.4, 0.4], dtype=torch.float64)
+    assert _last_within(cumulative, 0.05) == 0
+    assert _last_within(cumulative, 0.1) == 1  # an id's interval holds its lower end
+    assert _last_within(cumulative, 0.4) == 1  # past the total: not the last id, of weight 0

@@ -50,9 +50,36 @@ def token_probability(logits_row: torch.Tensor, token: int) -> float:
     return float(torch.exp(x[token] - torch.logsumexp(x, dim=-1)))
 
 
+#: Ids per block of :func:`sample`'s two-level search.
+_SAMPLE_BLOCK = 128
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from a ``[vocab]`` distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token id from a ``[vocab]`` distribution (weights need not sum to 1) by inverting its
+    cumulative weight at a uniform draw, in float64: first over blocks of :data:`_SAMPLE_BLOCK` ids
+    (their sums), then inside the block the draw fell in. An id of weight 0 is never drawn.
+    ``torch.multinomial`` took 3 ms for one draw over a 152k vocabulary, a tenth of a target step,
+    paid by every sampled token and every draft token sampled."""
+    w = probs.reshape(-1)
+    n = w.numel()
+    if n % _SAMPLE_BLOCK:
+        w = torch.nn.functional.pad(w, (0, _SAMPLE_BLOCK - n % _SAMPLE_BLOCK))
+    totals = w.view(-1, _SAMPLE_BLOCK).sum(-1, dtype=torch.float64).cumsum(0)
+    point = uniform(generator) * float(totals[-1])
+    block = _last_within(totals, point)
+    start = block * _SAMPLE_BLOCK
+    inside = w[start:start + _SAMPLE_BLOCK].to(torch.float64).cumsum(0)
+    return start + _last_within(inside, point - (float(totals[block - 1]) if block else 0.0))
+
+
+def _last_within(cumulative: torch.Tensor, point: float) -> int:
+    """The first index whose cumulative weight exceeds ``point``; where rounding put ``point`` past the
+    total, the last index of positive weight."""
+    i = int(torch.searchsorted(cumulative, torch.tensor([point], dtype=torch.float64), right=True))
+    if i < cumulative.numel():
+        return i
+    steps = torch.diff(cumulative, prepend=cumulative.new_zeros(1))
+    return int(torch.nonzero(steps > 0)[-1])
 
 
 def uniform(generator: torch.Generator) -> float:
