@@ -152,9 +152,10 @@ def test_auto_size_grows_only_levels_that_can_pay(target, tmp_path, monkeypatch)
     head = make_head_file(tmp_path / "eagle.safetensors", target.model)
     cfg = EagleConfig(head=str(head), tree="dynamic", depth=5, top_k=3, total_tokens=40)
 
-    def steps(curve, prune=True):
+    def steps(curve, prune=True, level_cost=0.0):
         method = build_method("eagle", cfg, target)
         method.cost = curve
+        monkeypatch.setattr(method, "level_cost", lambda: level_cost)
         if not prune:
             monkeypatch.setattr(method, "_worth_adding", lambda values: 0.0)
         gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False, stand_down=False)
@@ -172,6 +173,26 @@ def test_auto_size_grows_only_levels_that_can_pay(target, tmp_path, monkeypatch)
     assert [t for t, _ in costly] == [t for t, _ in everything] and any(t["tokens"] for t, _ in costly)
     assert all(i["levels_grown"] == i["depth"] for _, i in everything)
     assert any(i["levels_grown"] < i["depth"] for _, i in costly)
+    # A level's own drafting is priced too: where growing one costs a whole step, verifying for free
+    # does not pay for a second level.
+    assert {i["levels_grown"] for _, i in steps(CostCurve.linear(0.0), level_cost=1.0)} == {1}
+
+
+def test_level_cost_is_the_runs_own_timing_over_its_step(target, tmp_path):
+    """A grown level's cost in steps: the prior before anything is timed, then the levels' timing over
+    the corrected curve's one-token pass, newer timings weighing more."""
+    from specplay.core.decoding.costmodel import CorrectedCurve, CostCurve
+
+    head = make_head_file(tmp_path / "eagle.safetensors", target.model)
+    method = build_method("eagle", EagleConfig(head=str(head)), target)
+    method.cost = CorrectedCurve(CostCurve.linear(0.1))
+    assert method.level_cost() == method.LEVEL_PRIOR
+    method.cost.observe(1, 0.040)
+    assert method.level_cost() == method.LEVEL_PRIOR  # no level timed yet
+    method._time_levels(0.006, 3)
+    assert method.level_cost() == pytest.approx(0.002 / 0.040)
+    method._time_levels(0.012, 3)  # the newest weighs LEVEL_NEWEST
+    assert method.level_cost() == pytest.approx((0.002 + method.LEVEL_NEWEST * 0.002) / 0.040)
 
 
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
@@ -245,15 +266,16 @@ def test_a_head_started_from_the_target_layer_computes_that_layer():
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_size_keeps_what_the_run_bears_out(target, knowing_head, tmp_path):
+def test_auto_size_keeps_what_the_run_bears_out(target, knowing_head, tmp_path, monkeypatch):
     """The kept tree is sized by the head's confidence as the run's verdicts calibrate it: a random
     head's confident guesses, never accepted, shrink to one node; a head that knows the answer keeps
-    a tree. The curve is pinned (5% a verified node)."""
+    a tree. The curve is pinned (5% a verified node), and a grown level costs nothing."""
     from specplay.core.decoding.costmodel import CostCurve
 
     def kept(head):
         method = build_method("eagle", EagleConfig(head=str(head), tree="dynamic", depth=4, top_k=3), target)
         method.cost = CostCurve.linear(0.05)
+        monkeypatch.setattr(method, "level_cost", lambda: 0.0)
         gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
         return [(e.num_drafted, e.internals.get("calibration")) for e in
                 generate(target.model, target.tokenizer, method, PROMPT, gen) if e.num_drafted]

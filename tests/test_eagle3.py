@@ -130,7 +130,9 @@ def test_the_drafting_step_equals_the_unrolled_training_step(target, tmp_path):
     head.load_state_dict({k: v for k, v in tensors.items() if k != "vocab_ids"})
     method = build_method("eagle", EagleConfig(head=str(path)), target)
     embeds = model.embed(torch.tensor(seq[1:])).float()[None]
-    levels = head.unrolled(embeds, head.fused(data.layers[:-1].float())[None], 3)
+    dtype = method.fuse.weight.dtype  # bfloat16 where the CPU multiplies it natively, as training's autocast does
+    head.fuse.to(dtype)
+    levels = head.unrolled(embeds, head.fused(data.layers[:-1].to(dtype)).float()[None], 3)
     assert method.feature_layers == LAYERS
 
     d = method.drafter
