@@ -91,7 +91,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog id, folder, .gguf file or cached hub id (default {DEFAULT_TARGET})")
     g.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model for 'speculative' (default {DEFAULT_DRAFT})")
     g.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU; int8 on x86 CPUs, else float32), float32, bfloat16, float16, float64, int8 (CPU), "
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU; on a CPU a GGUF target's own blocks where the exact kernel runs here, else int8 on x86, else float32), float32, bfloat16, float16, float64, int8 (CPU), "
                    "gguf (CPU: a GGUF target's own Q4_K/Q6_K blocks, exact; the draft keeps its fastest layers)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "transformers"], help=argparse.SUPPRESS)
     g.add_argument("--draft-backend", default="auto", choices=["auto", "native", "llamacpp"],
