@@ -33,7 +33,8 @@ class HydraHeads(nn.Module):
         """Head ``k`` (0-based) from the previous state and the embedding of the token before its own."""
         # The embeddings are a hundred times smaller than the final-norm states; normalised, both count.
         e = F.rms_norm(token_embeds.float(), (token_embeds.shape[-1],))
-        return state + F.silu(self.blocks[k](torch.cat([state, e], dim=-1)))
+        block = self.blocks[k]  # in its own dtype (bfloat16 where the method runs it so), added back in the state's
+        return state + F.silu(block(torch.cat([state, e], dim=-1).to(block.weight.dtype))).to(state.dtype)
 
     def forward(self, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
         """Teacher-forced: ``hidden`` ``[B, h]`` and the embeddings of x_{t+1..t+K} ``[K, B, h]`` -> ``[K, B, h]``."""

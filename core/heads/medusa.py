@@ -18,7 +18,8 @@ class ResBlock(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, x):
-        return x + nn.functional.silu(self.linear(x))
+        # In the block's dtype (bfloat16 where the method runs it so), added back in the input's.
+        return x + nn.functional.silu(self.linear(x.to(self.linear.weight.dtype))).to(x.dtype)
 
 
 class MedusaHeads(nn.Module):

@@ -39,7 +39,7 @@ from specplay.core.heads import draft_lm_rows, features_warning, head_config, lo
 from specplay.core.heads.eagle import EagleDrafter
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.models.layers import rms_norm
-from specplay.core.models.linear import has_bf16_units, make_linear, storage_of
+from specplay.core.models.linear import drafter_dtype, make_linear, storage_of
 from specplay.core.decoding.types import Draft
 
 
@@ -206,14 +206,13 @@ class Eagle(Method):
                 or any(not 0 <= i < target_lm.info.num_layers for i in layers):
             raise ModelError(f"{path}: an EAGLE-3 head needs fuse.weight, out_norm and the layers it fuses "
                              f"(within the target's {target_lm.info.num_layers})")
-        device = torch.device(target_lm.info.device)
+        device = target_lm.info.device
         # A floating kind whatever the target's storage: the int8 kernel quantizes each input row as a whole,
         # and the residual stream's few huge activations (thousands, against units) would flatten the rest.
-        # bfloat16 keeps each value's own exponent, and where the CPU multiplies it natively (AVX-512 BF16,
-        # AMX) reads half the bytes of float32: the fuse's 28 MB cost a drafting step 3.1 ms in float32
-        # and 0.4 ms in bfloat16 on the AMD EPYC model 17 (the head learnt it under bfloat16 autocast).
-        dtype = torch.bfloat16 if device.type == "cpu" and has_bf16_units() else torch.float32
-        fuse = make_linear(tensors["fuse.weight"].to(device=device, dtype=dtype), None, "float")
+        # bfloat16 (:func:`drafter_dtype`) keeps each value's own exponent: the fuse's 28 MB cost a drafting
+        # step 3.1 ms in float32 and 0.4 ms in bfloat16 on the AMD EPYC model 17 (the head learnt it under
+        # bfloat16 autocast).
+        fuse = make_linear(tensors["fuse.weight"].to(device=device, dtype=drafter_dtype(device)), None, "float")
         return fuse, tensors["out_norm"].float().to(device), layers
 
     # ------------------------------------------------------------------ feature bookkeeping

@@ -64,6 +64,13 @@ def has_bf16_units() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+def drafter_dtype(device: "torch.device | str") -> torch.dtype:
+    """The floating dtype a drafter's own small float matrices (EAGLE-3's fuse, Medusa's and Hydra's
+    blocks) run in: bfloat16 on a CPU that multiplies it natively, reading half the bytes of float32
+    (a drafter's numerics only change its drafts, never what the verifier accepts); float32 elsewhere."""
+    return torch.bfloat16 if torch.device(device).type == "cpu" and has_bf16_units() else torch.float32
+
+
 @dataclass
 class QuantizedWeight:
     """A matrix as int8 rows with one float32 scale per row (output channel): ``w ≈ q * scale``.
