@@ -232,3 +232,45 @@ def test_a_conversations_next_turn_finds_the_drafts_read_done(monkeypatch):
     answer, _ = run(first)
     draft.model.reset()  # someone else's use of the draft
     assert run(first + answer.token_ids + [5, 9, 13, 17, 21])[1] == MIN_READ
+
+
+def test_a_draft_resuming_after_plain_steps_reads_what_they_added_as_setup(monkeypatch):
+    """After plain steps (a stand-down), the draft reads what they added, all but the last token, in one
+    pass before it drafts, and the gate judges that step without the read, as it judges the prompt's:
+    on a clock where a draft pass costs 1 ms a token, the step after 8 plain ones reads 8 tokens and the
+    gate records it as long as a drafting step that read nothing. The tokens are plain decoding's."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CorrectedCurve
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.standdown import StandDownGate
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.methods import build_method
+    from specplay.core.methods.speculative import SpeculativeConfig
+    from tiny import loaded, on_a_clock, perturbed_copy
+
+    base = tiny_hf_model(seed=0, dtype=torch.float64)
+    target, draft = loaded(native_from_hf(base)), loaded(native_from_hf(perturbed_copy(base, 0.01)))
+    on_a_clock(monkeypatch, {target.model: lambda n: 0.010, draft.model: lambda n: 0.001 * n})
+    monkeypatch.setitem(costmodel._CURVES, target.model, CorrectedCurve(CostCurve.linear(PER_ROW)))
+    plan = [False] + [True] * 3 + [False] * 8 + [True] * 40  # the first step is plain, as the gate's is
+    recorded = []
+    monkeypatch.setattr(StandDownGate, "drafting", lambda self: plan[len(recorded)])
+    monkeypatch.setattr(StandDownGate, "record", lambda self, drafted, tokens, seconds, plain_estimate=None:
+                        recorded.append((drafted, seconds)))
+    prompt = [4 + (7 * i) % 50 for i in range(40)]
+    gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    res = drain(generate(target.model, target.tokenizer, build_method("speculative", SpeculativeConfig(gamma=1, cost_sized=False),
+                                                                      target, draft), prompt, gen))
+    plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
+    assert res.token_ids == plain.token_ids
+    drafting = [e for e in res.events if e.num_drafted]
+    resumed, before = res.events[12], res.events[3]
+    # Unfed: what the last drafting step left (its accepted draft and bonus, or its resampled token),
+    # then the 8 plain tokens; the drafting pass feeds the last.
+    unfed = (2 if before.num_accepted == before.num_drafted else 1) + 8
+    assert resumed.num_drafted and resumed.internals["caught_up"] == unfed - 1
+    assert not any("caught_up" in e.internals for e in drafting if e is not resumed)
+    # Every γ = 1 drafting step feeds the draft 1 or 2 tokens, then verifies 2 rows: the resumed one too,
+    # once its read is set aside; its draft time as shown holds the read.
+    assert recorded[12][1] == pytest.approx(recorded[2][1], abs=0.0011)
+    assert resumed.timing.draft_s == pytest.approx(0.001 * (resumed.internals["caught_up"] + 1))

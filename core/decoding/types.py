@@ -114,8 +114,9 @@ class Draft:
     memo: dict[str, Any] = field(default_factory=dict)
     #: Who proposed the nodes, ``{depth}`` filled in per node; empty: the method's ``draft_source``.
     source: str = ""
-    #: Seconds of once-a-run work inside this proposal (a draft model reading the prompt): part of the
-    #: step's time, but no later step pays it again, so the stand-down gate judges drafting without it.
+    #: Seconds of work inside this proposal that drafting pays once a run or once a pause (a draft model
+    #: reading the prompt, or what plain steps added while it stood down): part of the step's time, but
+    #: the steps drafting on do not pay it again, so the stand-down gate judges drafting without it.
     setup_s: float = 0.0
 
     def __post_init__(self):
