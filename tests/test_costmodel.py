@@ -259,8 +259,8 @@ def test_a_draft_resuming_after_plain_steps_reads_what_they_added_as_setup(monke
                         recorded.append((drafted, seconds)))
     prompt = [4 + (7 * i) % 50 for i in range(40)]
     gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
-    res = drain(generate(target.model, target.tokenizer, build_method("speculative", SpeculativeConfig(gamma=1, cost_sized=False),
-                                                                      target, draft), prompt, gen))
+    method = build_method("speculative", SpeculativeConfig(gamma=1, cost_sized=False), target, draft)
+    res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
     plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target), prompt, gen))
     assert res.token_ids == plain.token_ids
     drafting = [e for e in res.events if e.num_drafted]

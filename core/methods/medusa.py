@@ -128,7 +128,7 @@ class Medusa(Method):
         except RuntimeError as exc:
             raise ModelError(f"{path}: weights do not fit {num_heads} Medusa heads: {exc}") from None
         device = torch.device(target_lm.info.device)
-        # Each block is 9-19 MB in float32 (a Hydra block 1.4 ms a call on the AMD EPYC model 17).
+        # Each block is 9-19 MB in float32 (a Hydra block 0.82 ms a call, 0.24 in bfloat16, on the AMD EPYC model 17).
         self.heads.eval().to(device=device, dtype=drafter_dtype(device))
         self.vocab_ids = tensors["vocab_ids"].to(device)
         self.lm_rows = draft_lm_rows(target_lm, self.vocab_ids, path)

@@ -267,12 +267,12 @@ class Speculative(Method):
 
     def _catch_up(self, tokens: list[int]) -> int:
         """The tokens the draft did not see while plain steps ran (a stand-down, or copies proposed in its
-        stead), all but the last, as one read after the prompt's; returns the tokens read. A drafting step leaves at most one such
-        token (the bonus after its last draft): more means a pause, which drafting pays for once on
-        resuming, as it pays for the prompt's read, so the stand-down gate and the sizing judge drafting
-        without it (a probe after 8 plain steps fed 9 tokens in its first draft pass: 34 ms against 14
-        for one, on the AMD EPYC model 17, and the gate stood a draft right 85% of the time down for the
-        rest of the answer)."""
+        stead), all but the last, as one read after the prompt's; returns the tokens read. A drafting
+        step leaves at most one such token (the bonus after its last draft): more means a pause, which
+        drafting pays for once on resuming, as it pays for the prompt's read, so the stand-down gate and
+        the sizing judge drafting without it (a probe after 8 plain steps fed 9 tokens in its first
+        draft pass, 34 ms against 14 for one on the AMD EPYC model 17, and the gate stood a draft right
+        87% of the time down for the rest of the answer)."""
         dm = self.draft_model
         lacking = tokens[self._offset + dm.cache_len:-1]
         if len(lacking) < 2:
