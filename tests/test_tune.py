@@ -67,10 +67,10 @@ def test_speculative_replay_takes_the_steps_a_run_takes(pair, gamma, adaptive, s
     monkeypatch.undo()
     monkeypatch.setitem(costmodel._CURVES, target.model, curve)
     del fed[0]  # the prompt
-    first_passes = []  # each drafting step's first pass: what the draft's cache lacked
-    for event in run.events:
+    first_passes = []  # what the draft's cache lacked at each drafting step: its first pass, after its read
+    for event in run.events:  # of what copies added (``caught_up``) where they came before it
         if event.num_drafted and event.internals.get("source") == "draft":
-            first_passes.append(fed.pop(0))
+            first_passes.append((fed.pop(0) if event.internals.get("caught_up") else 0) + fed.pop(0))
             del fed[:event.num_drafted - 1]
     method = build_method("speculative", config, target, draft)
     runs, prefill = tuning.draft_matches(method, PROMPT, answer, target.model.info.vocab_size)

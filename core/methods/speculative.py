@@ -277,7 +277,7 @@ class Speculative(Method):
         lacking = tokens[self._offset + dm.cache_len:-1]
         if len(lacking) < 2:
             return 0
-        dm.forward_chain(self._readable(lacking), logit_rows=[], prefill=True)
+        dm.forward_chain(self._readable(lacking), logit_rows=[])  # a decoding pass, as the next one
         self._note_held(tokens, len(tokens) - 1)
         return len(lacking)
 
