@@ -259,11 +259,7 @@ class Speculative(Method):
             dm.reset()
         if not dm.cache_len:
             self._offset = start
-        lacking = tokens[self._offset + dm.cache_len:-1]
-        if lacking:
-            dm.forward_chain(self._readable(lacking), logit_rows=[], prefill=True)
-        self._note_held(tokens, len(tokens) - 1)
-        return len(lacking)
+        return self._feed_unseen(tokens, prefill=True)
 
     def _catch_up(self, tokens: list[int]) -> int:
         """The tokens the draft did not see while plain steps ran (a stand-down, or copies proposed in its
@@ -273,11 +269,16 @@ class Speculative(Method):
         the sizing judge drafting without it (a probe after 8 plain steps fed 9 tokens in its first
         draft pass, 34 ms against 14 for one on the AMD EPYC model 17, and the gate stood a draft right
         87% of the time down for the rest of the answer)."""
-        dm = self.draft_model
-        lacking = tokens[self._offset + dm.cache_len:-1]
-        if len(lacking) < 2:
+        if len(tokens) - 1 - (self._offset + self.draft_model.cache_len) < 2:
             return 0
-        dm.forward_chain(self._readable(lacking), logit_rows=[])  # a decoding pass, as the next one
+        return self._feed_unseen(tokens, prefill=False)  # a decoding pass, as the pass it was split from
+
+    def _feed_unseen(self, tokens: list[int], prefill: bool) -> int:
+        """Feed the draft, in one pass, the tokens it has not seen of ``tokens`` but the last (the next
+        pass feeds that one); returns how many."""
+        lacking = tokens[self._offset + self.draft_model.cache_len:-1]
+        if lacking:
+            self.draft_model.forward_chain(self._readable(lacking), logit_rows=[], prefill=prefill)
         self._note_held(tokens, len(tokens) - 1)
         return len(lacking)
 
