@@ -130,6 +130,12 @@ class CorrectedCurve:
         return {str(n): round(self(n), 3) for n in self.kept.sizes}
 
 
+def timed_step(curve) -> float | None:
+    """What a one-token pass of ``curve``'s model takes as its runs timed it; None for a curve that times
+    nothing (a plain :class:`CostCurve`, as a test pins one) or before any pass was timed."""
+    return curve.step_seconds() if isinstance(curve, CorrectedCurve) else None
+
+
 _CURVES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 

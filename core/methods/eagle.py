@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from specplay.core.decoding.calibration import Calibration
-from specplay.core.decoding.costmodel import CorrectedCurve, CostCurve, best_size, cost_curve
+from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve, timed_step
 from specplay.core.errors import ModelError
 from specplay.core.heads import draft_lm_rows, features_warning, head_config, load_heads, resolve_heads_path
 from specplay.core.heads.eagle import EagleDrafter
@@ -339,7 +339,7 @@ class Eagle(Method):
     def level_cost(self) -> float:
         """What growing one tree level costs, in one-token target steps: the levels this method has grown,
         as timed (newer weighing more), over the verify curve's one-token pass; :data:`LEVEL_PRIOR` before both."""
-        step = self.cost.step_seconds() if isinstance(self.cost, CorrectedCurve) else None
+        step = timed_step(self.cost)
         if self._level_s is None or not step:
             return self.LEVEL_PRIOR
         return self._level_s / step

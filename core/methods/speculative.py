@@ -56,7 +56,7 @@ from typing import Sequence
 
 import torch
 
-from specplay.core.decoding.costmodel import CorrectedCurve, best_size, cost_curve
+from specplay.core.decoding.costmodel import best_size, cost_curve, timed_step
 from specplay.core.errors import ConfigError
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.methods.prompt_lookup import PromptLookup, PromptLookupConfig
@@ -210,7 +210,7 @@ class Speculative(Method):
         it reads in :data:`READ_SHARE` of the answer's plain decoding time, its read of a token priced at
         the target's (timed in this run's prefill) times the draft's share of the multiply-adds, the
         answer's plain steps at the target's one-token pass (timed by this run's first step)."""
-        step = self.cost.step_seconds() if isinstance(self.cost, CorrectedCurve) else None  # a pinned curve times nothing
+        step = timed_step(self.cost)
         if self._read_plan is None or not step or not self._read_share:
             return None
         prefill_s, read, answer = self._read_plan
