@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+from specplay.core.weights.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from specplay.core.paths import data_dir
 
 DEFAULT_PROMPT = "Write a Python function that merges two sorted lists into one sorted list."

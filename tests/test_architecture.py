@@ -69,6 +69,8 @@ print([name for name in ("core", "app", "assets") if importlib.util.find_spec(na
 LAYERS = (
     ("the helpers", ("specplay.core", "specplay.core.errors", "specplay.core.paths", "specplay.core.atomic",
                      "specplay.core.text", "specplay.core.progress", "specplay.core.memory")),
+    ("kernels", ("specplay.core.kernels",)),
+    ("weights", ("specplay.core.weights",)),
     ("models", ("specplay.core.models",)),
     ("heads", ("specplay.core.heads",)),
     ("the decoding step", ("specplay.core.decoding",)),

@@ -194,7 +194,7 @@ def _check_int8_assistant(tmp_path, **draft_info):
     from dataclasses import replace
 
     from specplay.core.measure.peers import HFPeer
-    from specplay.core.models.linear import int8_supported
+    from specplay.core.kernels.linear import int8_supported
     from specplay.core.models.loader import LoadedModel, load_model
     from specplay.core.decoding.types import GenerationConfig
     from tiny import save_tiny_model

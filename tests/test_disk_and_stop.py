@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import require_or_skip
-from specplay.core.models import kquant
+from specplay.core.kernels import kquant
 
 
 def test_a_full_disk_after_the_drafts_fit_still_loads_it_and_fits_again_next_time(tmp_path, monkeypatch, caplog):
@@ -18,7 +18,7 @@ def test_a_full_disk_after_the_drafts_fit_still_loads_it_and_fits_again_next_tim
     import io
 
     from specplay.core.models import loader
-    from specplay.core.models.cache import KQUANT_DRAFT_WEIGHTS, check_weights
+    from specplay.core.weights.cache import KQUANT_DRAFT_WEIGHTS, check_weights
     from tiny import tiny_hf_model, write_tiny_gguf
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
@@ -45,7 +45,7 @@ def test_a_full_disk_while_storing_an_int4_drafts_layers_is_a_safetensors_error_
     import safetensors.torch
     from safetensors import SafetensorError
 
-    from specplay.core.models import cache
+    from specplay.core.weights import cache
     from test_model_cache import TOKENS, draft_logits, int8_cache_folder
 
     folder = int8_cache_folder(tmp_path)

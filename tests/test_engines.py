@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from specplay.core.models import engines, linear
+from specplay.core.kernels import linear
+
+from specplay.core.models import engines
 
 
 def test_the_report_proves_each_engine_row_exact_and_times_it(tmp_path, monkeypatch):

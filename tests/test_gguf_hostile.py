@@ -210,7 +210,7 @@ def _outcome(call, path, *phrases: str) -> str | None:
 
 
 def _index(path):
-    from specplay.core.models.gguf_index import GGUFIndex
+    from specplay.core.weights.gguf_index import GGUFIndex
 
     GGUFIndex(path)
 
@@ -261,8 +261,8 @@ def test_a_bfloat16_vector_is_read_as_its_values(tmp_path):
     """bfloat16 is float32's upper half: a BF16 norm reads as its values, not as its bytes cast to floats."""
     import gguf
 
-    from specplay.core.models.gguf_index import GGUFIndex
-    from specplay.core.models.kquant import GGUFBlocksReader
+    from specplay.core.weights.gguf_index import GGUFIndex
+    from specplay.core.kernels.kquant import GGUFBlocksReader
 
     values = np.array([1.0, -2.5, 0.15625, 3e38, -1e-20, 0.0, 7.0, 1.5], np.float32)
     path = tmp_path / "bf16.gguf"
@@ -309,7 +309,7 @@ LIES = {
 
 
 def test_a_truthful_tiny_file_passes_the_check(tmp_path):
-    from specplay.core.models.gguf_check import check_gguf
+    from specplay.core.weights.gguf_check import check_gguf
 
     check_gguf(tiny_gguf(tmp_path / "tiny.gguf"))
 
@@ -334,9 +334,9 @@ def test_every_storage_refuses_a_file_whose_metadata_disagrees(tmp_path, monkeyp
 @pytest.fixture(scope="module")
 def target_file():
     """The default target's GGUF (assembled into the cache once) and its header's bytes and fields."""
-    from specplay.core.models.catalog import DEFAULT_TARGET, get_entry
-    from specplay.core.models.gguf_index import GGUFIndex
-    from specplay.core.models.prepare import catalog_gguf
+    from specplay.core.weights.catalog import DEFAULT_TARGET, get_entry
+    from specplay.core.weights.gguf_index import GGUFIndex
+    from specplay.core.weights.prepare import catalog_gguf
 
     entry = get_entry(DEFAULT_TARGET)
     if not entry.installed():

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import require_or_skip
 from specplay.core import atomic
-from specplay.core.models import kernel_build
+from specplay.core.kernels import kernel_build
 
 _CC = shutil.which("cc") or shutil.which("gcc")
 

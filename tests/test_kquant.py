@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import require_or_skip
-from specplay.core.models import kquant
-from specplay.core.models.kquant import PROVED_ROWS, Q4_K, Q6_K, KQuantLinear, KQuantWeight
+from specplay.core.kernels import kquant
+from specplay.core.kernels.kquant import PROVED_ROWS, Q4_K, Q6_K, KQuantLinear, KQuantWeight
 
 if kquant.unavailable() is not None:  # no C compiler, say: the module skips, or fails where CI requires the kernel
     require_or_skip("SPECPLAY_REQUIRE_KERNEL", f"no k-quant kernel: {kquant.unavailable()}")
@@ -281,7 +281,8 @@ def test_a_draft_matrix_fitted_into_q4_k_blocks_keeps_its_values_and_pads_its_ro
 
 
 def test_fitted_blocks_are_kept_read_back_and_fitted_again_under_another_kernel(tmp_path, monkeypatch):
-    from specplay.core.models import cache, kernel_build
+    from specplay.core.kernels import kernel_build
+    from specplay.core.weights import cache
 
     q = KQuantWeight.quantize(torch.randn(8, 300))
     dest = tmp_path / cache.KQUANT_DRAFT_WEIGHTS
@@ -308,7 +309,7 @@ def test_a_damaged_blocks_file_is_found_out_and_never_mapped(tmp_path, damage):
     """Cut short, its index overwritten or its magic lost: the cache's check calls it damaged (the
     size or checksum differs from the record), and a reader refuses it with the file's name."""
     from specplay.core.errors import ModelError
-    from specplay.core.models import cache
+    from specplay.core.weights import cache
 
     dest = tmp_path / cache.KQUANT_WEIGHTS
     kquant.save_blocks({"a.weight": KQuantWeight.quantize(torch.randn(8, 256)), "n.weight": torch.ones(3)}, dest)
@@ -334,7 +335,7 @@ def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly
     from specplay.core.methods import build_method
     from specplay.core.methods.speculative import SpeculativeConfig
     from specplay.core.models import loader
-    from specplay.core.models.cache import KQUANT_DRAFT_WEIGHTS, check_weights
+    from specplay.core.weights.cache import KQUANT_DRAFT_WEIGHTS, check_weights
     from specplay.core.decoding.types import GenerationConfig
     from tiny import loaded, native_from_hf, tiny_hf_model, write_tiny_gguf
 
@@ -394,7 +395,7 @@ def test_the_gguf_index_reads_what_gguf_reader_reads_and_refuses_a_cut_file(tmp_
     from gguf import GGUFReader
 
     from specplay.core.errors import ModelError
-    from specplay.core.models.gguf_index import GGUFIndex
+    from specplay.core.weights.gguf_index import GGUFIndex
     from tiny import tiny_hf_model, write_tiny_gguf
 
     paths = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
@@ -437,7 +438,7 @@ def test_an_embedding_beside_a_head_of_its_own_is_read_row_by_row_from_the_files
     too) and a draft's stay in memory."""
     import gguf
 
-    from specplay.core.models.kquant import GGUFBlocksReader, GGUFDraftReader, MappedRows
+    from specplay.core.kernels.kquant import GGUFBlocksReader, GGUFDraftReader, MappedRows
 
     embedding, head = random_blocks(Q4_K, 64, 256, 1), random_blocks(Q6_K, 64, 256, 2)
     read = {}

@@ -13,8 +13,8 @@ import torch
 
 from conftest import require_or_skip
 from specplay.core.errors import ModelError
-from specplay.core.models import kquant
-from specplay.core.models.kquant import Q4_K, Q6_K, KQuantLinear, KQuantWeight
+from specplay.core.kernels import kquant
+from specplay.core.kernels.kquant import Q4_K, Q6_K, KQuantLinear, KQuantWeight
 from test_kquant import random_blocks, weight
 
 if kquant.unavailable() is not None:  # the module skips, or fails where CI requires the kernel
@@ -154,7 +154,7 @@ def test_heads_the_c_layer_does_not_run_load_on_torchs_layers_and_a_lie_in_them_
 def test_embedding_rows_outside_the_matrix_are_refused(tmp_path):
     """Ids are checked against the embedding's real rows, repacked or read from the file (the kernel
     read past the matrix; the file's rows wrapped a negative id round to the last row)."""
-    from specplay.core.models.kquant import GGUFBlocksReader, MappedRows
+    from specplay.core.kernels.kquant import GGUFBlocksReader, MappedRows
 
     path = tmp_path / "rows.gguf"
     _write_embedding_gguf(path)
@@ -180,7 +180,7 @@ def test_a_draft_whose_fit_fails_stores_no_blocks(tmp_path, monkeypatch):
     are written to the cache (they had been stored as good weights, uninitialised, and trusted at every
     later load)."""
     from specplay.core.models import loader
-    from specplay.core.models.cache import KQUANT_DRAFT_WEIGHTS
+    from specplay.core.weights.cache import KQUANT_DRAFT_WEIGHTS
     from tiny import tiny_hf_model, write_tiny_gguf
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
@@ -211,8 +211,8 @@ import os, sys
 from pathlib import Path
 import torch
 from specplay.core.errors import ModelError
-from specplay.core.models.gguf_index import GGUFIndex
-from specplay.core.models.kquant import GGUFBlocksReader
+from specplay.core.weights.gguf_index import GGUFIndex
+from specplay.core.kernels.kquant import GGUFBlocksReader
 
 path = Path(sys.argv[1])
 start = GGUFIndex(path).tensors["token_embd.weight"].offset

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "core" / "models" / "kquant.c", ROOT / "core" / "models" / "kquant_layer.c",
+SOURCES = [ROOT / "core" / "kernels" / "kquant.c", ROOT / "core" / "kernels" / "kquant_layer.c",
            ROOT / "tests" / "fixtures" / "kquant_driver.c"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 FLAGS = ["-O0", "-g", "-fopenmp", "-ffp-contract=off", *SANITIZE]

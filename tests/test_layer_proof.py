@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import require_or_skip
-from specplay.core.models import kquant, layer_proof
-from specplay.core.models.kquant import Q4_K, Q6_K, FusedLayers, KQuantLinear
+from specplay.core.kernels import kquant
+from specplay.core.models import layer_proof
+from specplay.core.kernels.kquant import Q4_K, Q6_K, FusedLayers, KQuantLinear
 from specplay.core.models.layers import DecoderConfig, LayerWeights
 from test_kquant import ISAS, random_blocks, weight
 from tiny import tiny_hf_config
@@ -148,7 +149,7 @@ def test_the_proof_runs_the_first_layer_of_each_mix_with_the_sizes_the_metadata_
 def test_the_target_is_offered_its_blocks_only_once_its_layers_are_proved_and_an_old_verdict_is_proved_again(
         tmp_path, monkeypatch):
     from specplay.core.models import engines, loader
-    from specplay.core.models.kernel_build import library_digest
+    from specplay.core.kernels.kernel_build import library_digest
 
     monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measurements"))
     path = tmp_path / "mixes.gguf"

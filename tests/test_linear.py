@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specplay.core.models.linear import Int8RowExactLinear, int8_supported
+from specplay.core.kernels.linear import Int8RowExactLinear, int8_supported
 from tiny import block_and_singles, native_from_hf, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="no x86 quantized engine")
@@ -35,7 +35,7 @@ def test_int8_model_verifies_like_it_decodes():
 
 
 def test_the_draft_layers_approximate_the_float_layer():
-    from specplay.core.models.linear import Int4DraftLinear, Int8DraftLinear, QuantizedWeight
+    from specplay.core.kernels.linear import Int4DraftLinear, Int8DraftLinear, QuantizedWeight
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 64, generator=g) * 0.05

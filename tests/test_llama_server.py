@@ -189,7 +189,7 @@ def _need_server():
 
 def _need_default_models():
     from conftest import require_or_skip
-    from specplay.core.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET
+    from specplay.core.weights.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET
 
     if not (CATALOG[DEFAULT_TARGET].installed() and CATALOG[DEFAULT_DRAFT].installed()):
         require_or_skip("SPECPLAY_REQUIRE_REAL_MODELS", "the default models are not installed")
@@ -224,7 +224,7 @@ def test_the_servers_chat_template_gives_our_prompt_tokens():
     _need_default_models()
     from specplay.core.measure.peers import gguf_file
     from specplay.core.models import load_model
-    from specplay.core.models.catalog import DEFAULT_TARGET
+    from specplay.core.weights.catalog import DEFAULT_TARGET
     from specplay.core.remote.transport import Connection
     from specplay.core.text import encode_messages
 
@@ -277,7 +277,7 @@ def test_the_two_server_peers_in_a_bench_report_their_drafts_and_leave_no_proces
     from specplay.core.measure.bench import BenchSpec, run_bench
     from specplay.core.measure.prompts import Question
     from specplay.core.models import load_model
-    from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specplay.core.weights.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
     # A short calibration, over two of the types, chooses the n-gram type for this test.
     monkeypatch.setattr(peers, "NGRAM_CALIBRATION_TOKENS", 8)

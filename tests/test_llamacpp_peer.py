@@ -28,7 +28,7 @@ def test_llamacpp_decodes_the_default_target_in_the_bench(tmp_path):
     from specplay.core.measure.bench import BenchSpec, run_bench
     from specplay.core.measure.prompts import Question
     from specplay.core.models import load_model
-    from specplay.core.models.catalog import DEFAULT_TARGET, get_entry
+    from specplay.core.weights.catalog import DEFAULT_TARGET, get_entry
     from tiny import need_llama_cpp
 
     need_llama_cpp()

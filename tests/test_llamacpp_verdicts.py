@@ -71,7 +71,7 @@ def test_models_measure_forgets_this_hosts_measurements_and_measures_the_int8_ke
         children, tmp_path, monkeypatch, capsys):
     """It also times the default draft's engines against each other (what a first load skips)."""
     from specplay.core.models import loader
-    from specplay.core.models.catalog import DEFAULT_DRAFT
+    from specplay.core.weights.catalog import DEFAULT_DRAFT
 
     compared = []
     monkeypatch.setattr(loader, "compare_draft_engines", lambda model_id, progress=None: compared.append(model_id)

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specplay.core.models import cache, load_model, prepare
-from specplay.core.models.catalog import CatalogEntry, Part
-from specplay.core.models.linear import int8_supported
+from specplay.core.weights import cache, prepare
+
+from specplay.core.models import load_model
+from specplay.core.weights.catalog import CatalogEntry, Part
+from specplay.core.kernels.linear import int8_supported
 from tiny import save_tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="no x86 quantized engine")
@@ -300,7 +302,7 @@ def test_a_new_conversion_keeps_the_draft_files_the_old_entry_made_from_the_same
     """The llama.cpp draft and the packed int4 layers take minutes to make and are not written by a
     conversion: a new conversion of the same source keeps them (with the int4 file's record), one
     of another source does not (they would not match its weights)."""
-    from specplay.core.models.cache import DRAFT_GGUF
+    from specplay.core.weights.cache import DRAFT_GGUF
 
     entry = converted_folder(tmp_path / "models" / "m", "a" * 64)
     (entry / cache.INT4_WEIGHTS).write_bytes(b"packed int4 layers")
@@ -351,7 +353,7 @@ def int8_cache_folder(root):
 
 
 def test_an_int4_draft_is_packed_once_then_read_packed_from_the_cache(tmp_path, monkeypatch):
-    from specplay.core.models.linear import Int4DraftLinear
+    from specplay.core.kernels.linear import Int4DraftLinear
 
     folder = int8_cache_folder(tmp_path)
     first = draft_logits(folder, monkeypatch)

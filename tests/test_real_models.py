@@ -11,7 +11,7 @@ import torch
 
 from conftest import require_or_skip
 from specplay.core.methods.speculative import SpeculativeConfig
-from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
+from specplay.core.weights.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
 
 METHODS = ["autoregressive", "speculative", "prompt_lookup", "lookahead", "medusa", "eagle"]
 # The tests assert how far drafts are accepted: γ fixed, since cost-sized γ follows this machine's timings
@@ -59,7 +59,8 @@ def default_target():
 @pytest.fixture(scope="module")
 def default_pair(default_target):
     """The default target and draft, nothing asked for, where the k-quant kernel runs."""
-    from specplay.core.models import kquant, load_model
+    from specplay.core.kernels import kquant
+    from specplay.core.models import load_model
 
     _require(DEFAULT_DRAFT)
     if kquant.unavailable() is not None:
@@ -151,7 +152,7 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
     are within a few milliseconds a token (33.7 against 29.3 for the int4 layers, one run)."""
     from specplay.core.measure.compare import compare_methods
     from specplay.core.models import check_draft_compatible, load_model
-    from specplay.core.models.linear import int8_supported
+    from specplay.core.kernels.linear import int8_supported
     from specplay.core.text import encode_prompt
     from specplay.core.decoding.types import GenerationConfig
     from tiny import need_llama_cpp
@@ -187,8 +188,9 @@ def test_the_default_models_run_on_the_ggufs_blocks_and_every_method_stays_exact
 def test_a_later_load_of_the_target_maps_its_kept_blocks_and_computes_the_same_logits(default_target):
     """The first load kept the kernel's repack of the target's matrices in the cache; the next one
     maps that file (nothing repacked, nothing copied) and gives the first load's logits bit for bit."""
-    from specplay.core.models import kquant, load_model
-    from specplay.core.models.cache import check_weights
+    from specplay.core.kernels import kquant
+    from specplay.core.models import load_model
+    from specplay.core.weights.cache import check_weights
 
     if default_target.model.info.dtype != "gguf":
         pytest.skip("the target is not on the GGUF's blocks here")
@@ -209,7 +211,7 @@ def test_a_later_load_of_the_target_maps_its_kept_blocks_and_computes_the_same_l
 def test_cancelling_the_first_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     """Cancel while the child process dequantizes: Cancelled, no model folder, no temporary files."""
     from specplay.core.errors import Cancelled
-    from specplay.core.models.prepare import models_root, prepare_catalog_model
+    from specplay.core.weights.prepare import models_root, prepare_catalog_model
 
     _require(DEFAULT_DRAFT)
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path))

@@ -565,8 +565,8 @@ def test_llamacpp_server_with_and_without_its_draft(tmp_path):
     if missing:
         require_or_skip("SPECPLAY_REQUIRE_PEERS", f"llama-cpp-python's server is not installed ({', '.join(missing)} "
                         "missing): pip install -e \".[peers]\"")
-    from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
-    from specplay.core.models.prepare import catalog_gguf
+    from specplay.core.weights.catalog import CATALOG, DEFAULT_TARGET
+    from specplay.core.weights.prepare import catalog_gguf
 
     if not CATALOG[DEFAULT_TARGET].installed():
         require_or_skip("SPECPLAY_REQUIRE_REAL_MODELS", "the default target is not installed")

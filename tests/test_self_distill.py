@@ -266,7 +266,7 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
     hashed once and remembered until a file changes; a hub snapshot by the names of its blobs."""
     import shutil
 
-    from specplay.core.models.cache import write_marker
+    from specplay.core.weights.cache import write_marker
     from specplay.core.training import data
     from tests.tiny import save_tiny_model
 
@@ -299,7 +299,7 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
 def test_the_committed_corpus_is_read_for_the_default_target_alone():
     """The project's corpus predates corpora recording their target's weights: it is taken for the
     default target as the catalog pins it, not for other weights that share its name."""
-    from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
+    from specplay.core.weights.catalog import CATALOG, DEFAULT_TARGET
     from specplay.core.training.data import load_corpus
     from specplay.core.paths import shipped_corpus
 

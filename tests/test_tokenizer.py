@@ -11,9 +11,9 @@ import json
 import pytest
 
 from specplay.core.errors import ModelError
-from specplay.core.models.gguf_config import config_from_gguf, read_config
-from specplay.core.models.gguf_index import GGUFIndex
-from specplay.core.models.tokenizer import from_gguf, read_tokenizer, unbuilt_reason
+from specplay.core.weights.gguf_config import config_from_gguf, read_config
+from specplay.core.weights.gguf_index import GGUFIndex
+from specplay.core.weights.tokenizer import from_gguf, read_tokenizer, unbuilt_reason
 
 #: Text that tends to break tokenizers: combining marks (NFC joins them), ligatures, astral planes,
 #: emoji with joiners, right-to-left text, control characters, the special tokens written as text.
@@ -144,8 +144,8 @@ def default_files(tmp_path_factory):
     by transformers from the GGUF, saved, and read back (its class then normalizes text to NFC,
     which the conversion's own object does not)."""
     from conftest import require_or_skip
-    from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
-    from specplay.core.models.prepare import source_gguf
+    from specplay.core.weights.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
+    from specplay.core.weights.prepare import source_gguf
 
     for model_id in (DEFAULT_TARGET, DEFAULT_DRAFT):
         if not get_entry(model_id).installed():

@@ -210,8 +210,8 @@ def _run_remote(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from specplay.core.models.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
-    from specplay.core.models.prepare import cached_entries, catalog_status, models_root, prepare_catalog_model, prune
+    from specplay.core.weights.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
+    from specplay.core.weights.prepare import cached_entries, catalog_status, models_root, prepare_catalog_model, prune
 
     if args.models_command == "list":
         sizes = cached_entries()
@@ -243,9 +243,9 @@ def cmd_models(args) -> int:
 def _measure_again() -> None:
     """Forget this machine's measurements and llama.cpp verdicts; measure the int8 kernels and the
     default draft's engines (llama.cpp's against the native one) now."""
-    from specplay.core.models.catalog import DEFAULT_DRAFT
+    from specplay.core.weights.catalog import DEFAULT_DRAFT
     from specplay.core.models.engines import describe_quant_engine, forget_measurements, quant_engine
-    from specplay.core.models.linear import int8_supported
+    from specplay.core.kernels.linear import int8_supported
     from specplay.core.models.llamacpp import available, forget_verdicts
     from specplay.core.models.loader import compare_draft_engines
 
@@ -364,7 +364,7 @@ def _temperatures(text: str) -> tuple[float, ...]:
 
 
 def cmd_train(args) -> int:
-    from specplay.core.models.linear import has_bf16_units
+    from specplay.core.kernels.linear import has_bf16_units
     from specplay.core.models.loader import load_model
     from specplay.core.training.common import TrainSettings
     from specplay.core.training.pipeline import DataSettings, train_heads

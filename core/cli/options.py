@@ -85,7 +85,7 @@ def config_for(method: str, args: argparse.Namespace):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    from specplay.core.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specplay.core.weights.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
     g = p.add_argument_group("models")
     g.add_argument("--target", default=DEFAULT_TARGET, help=f"target model: catalog id, folder, .gguf file or cached hub id (default {DEFAULT_TARGET})")

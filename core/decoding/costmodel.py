@@ -210,7 +210,7 @@ def observe(model, rows: int, seconds: float) -> None:
 
 def _kept_curve(model) -> CostCurve:
     from specplay.core import __version__
-    from specplay.core.models import kernel_build
+    from specplay.core.kernels import kernel_build
     from specplay.core.models.engines import measured
 
     info = model.info

@@ -19,8 +19,8 @@ from torch import nn
 
 from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, apply_rope, attention_kernels,
                                          layer_forward, rms_norm, rope_tables)
-from specplay.core.models.kquant import FusedLayers
-from specplay.core.models.linear import make_linear
+from specplay.core.kernels.kquant import FusedLayers
+from specplay.core.kernels.linear import make_linear
 
 
 def head_config(target_cfg: DecoderConfig, intermediate: int | None = None) -> DecoderConfig:
@@ -142,7 +142,7 @@ class EagleDrafter:
     """The head at inference: its own KV cache, explicit positions and tree masks (batch size 1).
 
     Built from a head's weights (a head file's tensors, or :meth:`from_head`), with its layers in
-    ``storage`` (:func:`specplay.core.models.linear.make_linear`) and computed in float32; ``embed``
+    ``storage`` (:func:`specplay.core.kernels.linear.make_linear`) and computed in float32; ``embed``
     is the target's token embedding.
     """
 

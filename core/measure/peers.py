@@ -349,7 +349,7 @@ def ngram_type(gguf: Path, threads: int, settings, tokenizer) -> dict:
 
 def gguf_file(target) -> Path:
     """The GGUF file a target was loaded from: a ``.gguf`` path, or a catalog model's assembled file."""
-    from specplay.core.models.prepare import source_gguf
+    from specplay.core.weights.prepare import source_gguf
 
     gguf = source_gguf(target.model_id)
     if gguf is not None:

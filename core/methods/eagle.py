@@ -39,7 +39,7 @@ from specplay.core.heads import draft_lm_rows, features_warning, head_config, lo
 from specplay.core.heads.eagle import EagleDrafter
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.models.layers import rms_norm
-from specplay.core.models.linear import drafter_dtype, make_linear, storage_of
+from specplay.core.kernels.linear import drafter_dtype, make_linear, storage_of
 from specplay.core.decoding.types import Draft
 
 

@@ -39,7 +39,7 @@ from specplay.core.decoding.calibration import Calibration
 from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve
 from specplay.core.heads import MedusaHeads, draft_lm_rows, features_warning, load_heads, resolve_heads_path
 from specplay.core.heads.hydra import HydraHeads
-from specplay.core.models.linear import drafter_dtype
+from specplay.core.kernels.linear import drafter_dtype
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.decoding.tree import TreeSpec, choose_tree
 from specplay.core.decoding.types import Draft

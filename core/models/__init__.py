@@ -1,8 +1,8 @@
 """Models: the interface speculation drives (:class:`CausalLM`), the native decoder and its layers,
-the exact k-quant kernel and the other linear kinds, the transformers fallback, llama.cpp's engine,
-and loading a model by name or path (its weights made ready on disk and cached once).
+the transformers fallback, llama.cpp's engine, this machine's measurements of them, and loading a
+model by name or path.
 
-May import: the helpers in ``specplay.core`` only (the bottom room of the house).
+May import: the helpers in ``specplay.core``, :mod:`specplay.core.kernels` and :mod:`specplay.core.weights`.
 """
 
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo

@@ -117,7 +117,7 @@ class CausalLM(ABC):
     def head_rows(self, rows: "int | Sequence[int]"):
         """A linear layer for the LM head's first ``rows`` outputs, or for the outputs of the ids ``rows`` in
         that order (a draft vocabulary), in this model's storage."""
-        from specplay.core.models.linear import make_linear
+        from specplay.core.kernels.linear import make_linear
 
         storage = {"int8": "int8-draft", "int4": "int4-draft"}.get(self.info.dtype, "float")
         weight = self.lm_head_weight()

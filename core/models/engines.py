@@ -65,7 +65,7 @@ def _host_id() -> str:
 def host_key() -> str:
     """This host and CPU: its model name, a digest of its feature flags (what decides which
     kernels run) and :func:`_host_id`."""
-    from specplay.core.models.exactness import cpu_flags
+    from specplay.core.kernels.exactness import cpu_flags
 
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
     return f"{cpu_name() or 'unknown CPU'} [{flags}] host {_host_id()}"
@@ -154,8 +154,8 @@ def measured(key: str, measure: Callable[[], dict], valid: Callable[[dict], bool
 def _engine_report(progress=None) -> dict:
     """Each candidate engine's exactness on :data:`PROVED_SHAPES` and fastest time per block size
     on the first (a 1536 x 8960 layer)."""
-    from specplay.core.models.exactness import blocks_match, rows_one_at_a_time
-    from specplay.core.models.linear import Int8RowExactLinear, QuantizedWeight
+    from specplay.core.kernels.exactness import blocks_match, rows_one_at_a_time
+    from specplay.core.kernels.linear import Int8RowExactLinear, QuantizedWeight
 
     if progress:
         progress("Measuring this machine's int8 kernels (once)", None)

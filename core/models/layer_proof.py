@@ -1,10 +1,10 @@
 """The C decoder layer (``kquant_layer.c``) proved exact as the k-quant kernel is, on a file's own layers.
 
-:func:`specplay.core.models.kquant.prove` proves the kernel's matrices; a target decodes and
-verifies through :class:`~specplay.core.models.kquant.FusedLayers`, whose norm, RoPE, cache
+:func:`specplay.core.kernels.kquant.prove` proves the kernel's matrices; a target decodes and
+verifies through :class:`~specplay.core.kernels.kquant.FusedLayers`, whose norm, RoPE, cache
 write, attention and threads are C of their own. Before a target is offered the file's blocks,
 :func:`prove_layers` runs one real layer of each mix of shapes and block types the file holds
-(:func:`proof_layers`) over every block of 1 to :data:`~specplay.core.models.kquant.PROVED_ROWS`
+(:func:`proof_layers`) over every block of 1 to :data:`~specplay.core.kernels.kquant.PROVED_ROWS`
 rows, put into the cache as verification puts them, against the same rows decoded one at a time
 (:func:`layer_exact`), at one and two threads.
 """
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specplay.core.models.kquant import PROVED_ROWS, FusedLayers, GGUFBlocksReader, KQuantLinear, adversarial_rows, \
+from specplay.core.kernels.kquant import PROVED_ROWS, FusedLayers, GGUFBlocksReader, KQuantLinear, adversarial_rows, \
     use_threads
 from specplay.core.models.layers import FUSED, LayerWeights, rope_frequencies, rope_tables
 

@@ -11,7 +11,7 @@ with integer dot products, where torch's CPU int4 kernel widens every weight to 
 The model is a chain drafter: tokens are appended after the committed cache, a prefix of them
 is kept, the cache is cropped back after a rejection. Only the last new token's logits are
 computed (all a chain draft reads). Its 4-bit weights file is made once into the model's cache
-folder (:func:`specplay.core.models.prepare.make_draft_gguf`).
+folder (:func:`specplay.core.weights.prepare.make_draft_gguf`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 
 from specplay.core.errors import ModelError
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo
-from specplay.core.models.cache import DRAFT_GGUF
+from specplay.core.weights.cache import DRAFT_GGUF
 from specplay.core.models.llamacpp import LlamaCppFileError, LlamaCppSession, LlamaSettings, ProbeResult, usable_settings
-from specplay.core.models.prepare import make_draft_gguf
+from specplay.core.weights.prepare import make_draft_gguf
 from specplay.core.progress import Progress, log_progress
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Load what the user named (catalog id, folder, ``.gguf`` file, cached hub id) for decoding.
 
-Its weights are first made ready on disk (:func:`specplay.core.models.prepare.resolve`); this
+Its weights are first made ready on disk (:func:`specplay.core.weights.prepare.resolve`); this
 module only chooses how to run them and loads them. The native decoder is used for the
 architectures it implements; anything else runs through ``transformers`` behind the same
 interface, and the load notes say so.
@@ -17,17 +17,17 @@ import torch
 
 from specplay.core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
 from specplay.core.memory import release_freed_memory
-from specplay.core.models import kquant
+from specplay.core.kernels import kquant
 from specplay.core.models.base import CausalLM
-from specplay.core.models.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, KQUANT_WEIGHTS, MARKER,
+from specplay.core.weights.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, KQUANT_WEIGHTS, MARKER,
                                         OLD_MADE_FILES, CachedWeightsReader, check_weights, read_marker)
-from specplay.core.models.gguf_check import check_gguf
-from specplay.core.models.gguf_config import read_config
-from specplay.core.models.kernel_build import build_soon
-from specplay.core.models.linear import has_bf16_units, int8_supported
-from specplay.core.models.prepare import (float_weights_dir, has_gguf_source, resolve, store_int4_layers,
+from specplay.core.weights.gguf_check import check_gguf
+from specplay.core.weights.gguf_config import read_config
+from specplay.core.kernels.kernel_build import build_soon
+from specplay.core.kernels.linear import has_bf16_units, int8_supported
+from specplay.core.weights.prepare import (float_weights_dir, has_gguf_source, resolve, store_int4_layers,
                                           store_kquant_blocks)
-from specplay.core.models.tokenizer import read_tokenizer
+from specplay.core.weights.tokenizer import read_tokenizer
 from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
 
 def _config_and_tokenizer(model_id: str, path: Path):
     """A folder's config and tokenizer: a converted folder's without transformers (its config as
-    attributes, its tokenizer on ``tokenizers`` where :mod:`specplay.core.models.tokenizer` reads
+    attributes, its tokenizer on ``tokenizers`` where :mod:`specplay.core.weights.tokenizer` reads
     its kind), any other folder's through transformers."""
     converted = (path / MARKER).is_file()
     try:
@@ -293,8 +293,8 @@ def _exact_gguf_reader(model_id: str, progress):
     else (None, why not)."""
     from specplay.core.models import layer_proof
     from specplay.core.models.engines import measured
-    from specplay.core.models.kernel_build import library_digest
-    from specplay.core.models.prepare import source_gguf
+    from specplay.core.kernels.kernel_build import library_digest
+    from specplay.core.weights.prepare import source_gguf
 
     if not has_gguf_source(model_id):
         return None, "it runs a GGUF file's own blocks; name a catalog id or a .gguf file"
@@ -466,7 +466,7 @@ def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress)
     int4 draft's packed layers when the cache has them (checked), the cache's int8 rows, or the
     folder's safetensors."""
     if storage == "kquant-draft":
-        from specplay.core.models.prepare import source_gguf
+        from specplay.core.weights.prepare import source_gguf
 
         status = check_weights(path, "kquant-draft")
         if status == "ok":
@@ -540,7 +540,7 @@ def quantize_hf_linears(hf_model) -> None:
     This gives the ``transformers`` peers in benchmarks the same weights and kernels as the
     native path, so comparisons measure the decoding method, not the storage.
     """
-    from specplay.core.models.linear import Int8RowExactLinear
+    from specplay.core.kernels.linear import Int8RowExactLinear
 
     class _Int8(torch.nn.Module):
         def __init__(self, linear: torch.nn.Linear):

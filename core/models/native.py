@@ -3,7 +3,7 @@
 It loads the same weights as ``transformers`` and is tested against it, but owns what
 speculation needs: a preallocated KV cache written by slot, explicit positions and masks,
 commit of any subset of a block (chain prefix or tree path), and the choice of weight
-storage (float, or row-exact int8 on x86 CPUs; see :mod:`specplay.core.models.linear`). A
+storage (float, or row-exact int8 on x86 CPUs; see :mod:`specplay.core.kernels.linear`). A
 layer's arithmetic is :mod:`specplay.core.models.layers`'; this module reads the weights into
 layers and runs them over its cache.
 
@@ -30,8 +30,8 @@ from specplay.core.errors import ModelError
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
 from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, attention_kernels, layer_forward, rms_norm,
                                          rope_tables)
-from specplay.core.models.kquant import FusedLayers, KQuantLinear, KQuantWeight, MappedRows, check_shapes
-from specplay.core.models.linear import EXACT_QUANTIZED, Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
+from specplay.core.kernels.kquant import FusedLayers, KQuantLinear, KQuantWeight, MappedRows, check_shapes
+from specplay.core.kernels.linear import EXACT_QUANTIZED, Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
 
 log = logging.getLogger(__name__)
 

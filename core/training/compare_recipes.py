@@ -59,7 +59,7 @@ from specplay.core.heads import (EagleHead, MedusaHeads, head_config, heads_mani
 from specplay.core.heads.eagle import init_from_target_layer
 from specplay.core.heads.eagle3 import Eagle3Head
 from specplay.core.heads.hydra import HydraHeads
-from specplay.core.models.linear import has_bf16_units
+from specplay.core.kernels.linear import has_bf16_units
 from specplay.core.training.common import TrainSettings, held_out_vocabulary
 from specplay.core.training.eagle import EagleObjective, train_eagle
 from specplay.core.training.eagle3 import Eagle3Objective, train_eagle3

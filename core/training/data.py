@@ -29,9 +29,9 @@ import torch
 
 from specplay.core.atomic import replacing, write_text_atomic
 from specplay.core.errors import Cancelled, ModelError, SpecPlayError
-from specplay.core.models.cache import read_marker
-from specplay.core.models.catalog import CATALOG, DEFAULT_TARGET
-from specplay.core.models.prepare import sha256_file
+from specplay.core.weights.cache import read_marker
+from specplay.core.weights.catalog import CATALOG, DEFAULT_TARGET
+from specplay.core.weights.prepare import sha256_file
 from specplay.core.paths import cache_dir
 from specplay.core.progress import Progress
 

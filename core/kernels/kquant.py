@@ -1,7 +1,7 @@
 """The exact k-quant target: a GGUF's own Q4_K and Q6_K blocks, multiplied bit-exactly at any block size.
 
 The C kernel (``kquant.c`` beside this file) is compiled once per machine with the system's C
-compiler into the user cache (:mod:`specplay.core.models.kernel_build`, which loads it only while
+compiler into the user cache (:mod:`specplay.core.kernels.kernel_build`, which loads it only while
 it is this user's), and loaded with ``ctypes`` after torch, so its OpenMP threads are torch's own.
 It has two paths, chosen here from the CPU's flags: AVX-512 with VNNI, and AVX2 with
 FMA; both give the same bits. It is offered only after :func:`prove` has found every block of 1
@@ -31,8 +31,8 @@ import torch
 
 from specplay.core.atomic import replacing
 from specplay.core.errors import ModelError
-from specplay.core.models.exactness import blocks_match, cpu_flags, rows_one_at_a_time
-from specplay.core.models.kernel_build import load_library
+from specplay.core.kernels.exactness import blocks_match, cpu_flags, rows_one_at_a_time
+from specplay.core.kernels.kernel_build import load_library
 
 log = logging.getLogger(__name__)
 
@@ -474,7 +474,7 @@ class GGUFBlocksReader:
     GGUF stores unpermuted, is read (llama's are permuted for llama.cpp's RoPE)."""
 
     def __init__(self, path: Path):
-        from specplay.core.models.gguf_index import GGUFIndex
+        from specplay.core.weights.gguf_index import GGUFIndex
 
         try:
             index = GGUFIndex(path)

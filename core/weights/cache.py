@@ -17,7 +17,7 @@ and the weights in the form the model runs on:
   kernel with another layout fits them again.
 * ``weights-kquant.blocks`` for a target on its GGUF's own blocks: its matrices as the kernel
   repacked them at the first load (its embedding is read by rows from the GGUF), kept by the same
-  digest. Both blocks files are memory-mapped (:class:`~specplay.core.models.kquant.BlocksFileReader`):
+  digest. Both blocks files are memory-mapped (:class:`~specplay.core.kernels.kquant.BlocksFileReader`):
   a later start neither repacks nor copies them, and a mapped file is only ever replaced by a
   rename, never rewritten.
 * ``model.safetensors``, float32, written only when a float dtype is asked for.
@@ -30,7 +30,7 @@ the size and time recorded is the one written (files here are replaced by rename
 place): only another one is read through for its checksum, which costs a second per 1.5 GB. A folder written
 by an older SpecPlay (format 1: a float32 file, nothing recorded) still loads, and gets its
 int8 file when int8 is first asked for. What writes them, and when, is
-:mod:`specplay.core.models.prepare`'s.
+:mod:`specplay.core.weights.prepare`'s.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _made_by(kind: str) -> dict:
     if kind == "int4-draft":
         return {"torch": torch.__version__}
     if kind in ("kquant-draft", "kquant"):
-        from specplay.core.models.kernel_build import library_digest
+        from specplay.core.kernels.kernel_build import library_digest
 
         return {"kquant": library_digest()}
     return {}
@@ -146,7 +146,7 @@ def write_int8_weights(tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]
     """Write (name, float tensor) pairs as an int8 weights file: matrices quantized per row."""
     from safetensors.torch import save_file
 
-    from specplay.core.models.linear import QuantizedWeight
+    from specplay.core.kernels.linear import QuantizedWeight
 
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors():
@@ -204,7 +204,7 @@ class CachedWeightsReader:
         return list(self._entries)
 
     def get(self, name: str):
-        from specplay.core.models.linear import Int4Packed, QuantizedWeight
+        from specplay.core.kernels.linear import Int4Packed, QuantizedWeight
 
         if name + _Q in self._entries:
             return QuantizedWeight(self.read(name + _Q), self.read(name + _SCALE))

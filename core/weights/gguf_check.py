@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specplay.core.errors import ModelError
-from specplay.core.models.gguf_index import GGUFIndex
+from specplay.core.weights.gguf_index import GGUFIndex
 from specplay.core.models.layers import NATIVE_ARCHITECTURES
 
 #: Architectures whose config takes its head size from ``rope.dimension_count`` (``transformers``' GGUF mapping);

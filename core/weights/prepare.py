@@ -1,7 +1,7 @@
 """Make a model's weights ready on disk: what the user named becomes a folder a loader can read.
 
 The one place that writes the model cache (the files' layout and checks are
-:mod:`specplay.core.models.cache`'s; loading a ready folder is :mod:`specplay.core.models.loader`'s).
+:mod:`specplay.core.weights.cache`'s; loading a ready folder is :mod:`specplay.core.models.loader`'s).
 Read top-down:
 
 1. :func:`resolve` turns a catalog id, a folder, a ``.gguf`` file or a cached hub id into a folder
@@ -46,15 +46,15 @@ from safetensors import SafetensorError
 
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled, ModelError
-from specplay.core.models.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS,
+from specplay.core.weights.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS,
                                         KQUANT_WEIGHTS, MARKER, OLD_DRAFT_GGUFS, OLD_MADE_FILES, WEIGHT_KINDS,
                                         CachedWeightsReader, add_int8_weights, check_weights, folder_size, read_marker,
                                         record_weights, weights_name, write_int4_weights, write_int8_weights,
                                         write_marker)
-from specplay.core.models.catalog import CATALOG, CatalogEntry, get_entry
-from specplay.core.models.folder_files import copy_tokenizer, gguf_tokenizer, write_folder, write_from_metadata
-from specplay.core.models.gguf_index import GGUFIndex
-from specplay.core.models.tokenizer import unbuilt_reason as tokenizer_unbuilt
+from specplay.core.weights.catalog import CATALOG, CatalogEntry, get_entry
+from specplay.core.weights.folder_files import copy_tokenizer, gguf_tokenizer, write_folder, write_from_metadata
+from specplay.core.weights.gguf_index import GGUFIndex
+from specplay.core.weights.tokenizer import unbuilt_reason as tokenizer_unbuilt
 from specplay.core.paths import cache_dir
 from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 
@@ -87,7 +87,7 @@ def resolve(model_id: str, progress: Progress = log_progress, should_cancel: Sho
 
     A catalog model or a ``.gguf`` file is converted into the cache with ``weights``
     (``"int8"``, ``"float32"``, ``"int4-draft"``: its packed layers if already made, else
-    int8; see :mod:`specplay.core.models.cache`; or ``"none"``: the config and tokenizer alone,
+    int8; see :mod:`specplay.core.weights.cache`; or ``"none"``: the config and tokenizer alone,
     for a model that runs on its GGUF's own blocks).
     """
     if not model_id or not model_id.strip():
@@ -202,7 +202,7 @@ def _convert_gguf(gguf: Path, target: Path, work: Path, name: str, sha: str, pro
                   should_cancel: ShouldCancel, kinds: set[str]) -> None:
     """Convert into ``work`` and install the result as ``target``. A folder without weights whose
     config and tokenizer the GGUF's metadata gives is written in this process in about a second
-    (:func:`~specplay.core.models.folder_files.write_from_metadata`); anything else in a child
+    (:func:`~specplay.core.weights.folder_files.write_from_metadata`); anything else in a child
     process: it can be cancelled at any moment (the parent terminates it), its float32 copy of the
     model is returned to the system when it exits, and if the system kills it for lack of memory
     the app survives and says so."""
@@ -393,7 +393,7 @@ def store_kquant_blocks(tensors: dict, path: Path, progress: Progress, kind: str
     """Keep a model's k-quant blocks in the cache in the kernel's layout (a draft's fitted ones, a
     target's repacked ones: ``kind``), so that the next load maps them; a failure (a full disk)
     leaves nothing half-written and only costs the fitting or repacking again."""
-    from specplay.core.models.kquant import save_blocks
+    from specplay.core.kernels.kquant import save_blocks
 
     what = "k-quant draft blocks" if kind == "kquant-draft" else "repacked blocks"
     progress(f"Storing the {what} of {path.name} (once)", None)

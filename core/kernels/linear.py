@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specplay.core.errors import ConfigError
-from specplay.core.models.exactness import cpu_flags
+from specplay.core.kernels.exactness import cpu_flags
 
 
 class FloatLinear:
@@ -294,7 +294,7 @@ def storage_of(info) -> str:
 
 
 #: Weight storage kinds: float (the compute dtype), row-exact int8, the GGUF's own k-quant blocks
-#: (exact, :mod:`specplay.core.models.kquant`), and int8, int4 or the k-quant kernel's Q4_K blocks
+#: (exact, :mod:`specplay.core.kernels.kquant`), and int8, int4 or the k-quant kernel's Q4_K blocks
 #: fitted to a draft's weights, for drafts only.
 STORAGES = ("float", "int8", "gguf", "int8-draft", "int4-draft", "kquant-draft")
 #: The quantized storages whose results are bit-exact across block sizes (a target's).
@@ -309,7 +309,7 @@ def make_linear(weight: "torch.Tensor | QuantizedWeight | Int4Packed", bias: tor
     float matrix, fitted into Q4_K blocks here.
     """
     if storage in ("gguf", "kquant-draft"):
-        from specplay.core.models.kquant import KQuantLinear, KQuantWeight
+        from specplay.core.kernels.kquant import KQuantLinear, KQuantWeight
 
         if storage == "kquant-draft" and isinstance(weight, torch.Tensor):
             weight = KQuantWeight.quantize(weight.detach().float().cpu())

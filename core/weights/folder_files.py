@@ -1,8 +1,8 @@
 """A converted folder's small files: its config, generation config, tokenizer and marker, made from a GGUF.
 
-:mod:`specplay.core.models.prepare` decides when a folder is made and installs it; this writes what
+:mod:`specplay.core.weights.prepare` decides when a folder is made and installs it; this writes what
 goes in one. Where the GGUF's metadata gives the config and the tokenizer
-(:mod:`~specplay.core.models.gguf_config`, :mod:`~specplay.core.models.tokenizer`) a folder without
+(:mod:`~specplay.core.weights.gguf_config`, :mod:`~specplay.core.weights.tokenizer`) a folder without
 weights is written in about a second, in the caller's process; otherwise transformers reads them in
 the conversion's child. A tokenizer already cached for another model with the same one (the draft of
 the target's family) is copied rather than built.
@@ -15,10 +15,10 @@ import shutil
 import time
 from pathlib import Path
 
-from specplay.core.models.cache import read_marker, write_marker
-from specplay.core.models.gguf_config import config_from_gguf, generation_config
-from specplay.core.models.gguf_index import GGUFIndex
-from specplay.core.models.tokenizer import TEMPLATE_FILE, ChatTokenizer, from_gguf, unbuilt_reason
+from specplay.core.weights.cache import read_marker, write_marker
+from specplay.core.weights.gguf_config import config_from_gguf, generation_config
+from specplay.core.weights.gguf_index import GGUFIndex
+from specplay.core.weights.tokenizer import TEMPLATE_FILE, ChatTokenizer, from_gguf, unbuilt_reason
 from specplay.core.progress import Progress
 
 #: A converted folder's tokenizer, as ``save_pretrained`` and :meth:`ChatTokenizer.save` write it
