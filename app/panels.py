@@ -16,9 +16,9 @@ from specplay.app.worker import LoadRequest, RemoteRequest, RunRequest
 from specplay.core.errors import ConfigError
 from specplay.core.memory import memory_text
 from specplay.core.methods import METHODS, method_title
+from specplay.core.models.loader import DEVICES, DTYPES
 from specplay.core.weights.catalog import CATALOG
 from specplay.core.weights.prepare import catalog_status
-from specplay.core.models.loader import DEVICES, DTYPES
 
 log = logging.getLogger(__name__)
 

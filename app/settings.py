@@ -13,8 +13,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from specplay.core.weights.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 from specplay.core.paths import data_dir
+from specplay.core.weights.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
 
 DEFAULT_PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
 VERSION = 1

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
+from specplay.core.errors import ConfigError
 from specplay.core.measure.bench import BenchSpec, format_summary, run_bench, summarize
 from specplay.core.measure.prompts import Question, load_questions
-from specplay.core.errors import ConfigError
 from tiny import loaded, native_from_hf, tiny_hf_model
 
 QUESTIONS = [Question(1, "code", ("a",)), Question(2, "code", ("b",)), Question(3, "qa", ("c", "d"))]
@@ -162,9 +162,9 @@ def test_a_run_that_runs_out_of_memory_is_a_failure_not_an_answer(tmp_path, monk
 def test_the_transformers_peers_ignore_the_model_folders_generation_settings(tmp_path, monkeypatch):
     from transformers import GenerationConfig as HFGenerationConfig
 
+    from specplay.core.decoding.types import GenerationConfig, SamplingConfig
     from specplay.core.measure.peers import HFPeer
     from specplay.core.models.loader import load_model
-    from specplay.core.decoding.types import GenerationConfig, SamplingConfig
     from tiny import save_tiny_model
 
     folder = save_tiny_model(tmp_path / "m")
@@ -193,10 +193,10 @@ def _check_int8_assistant(tmp_path, **draft_info):
     with the output of plain greedy generation."""
     from dataclasses import replace
 
-    from specplay.core.measure.peers import HFPeer
-    from specplay.core.kernels.linear import int8_supported
-    from specplay.core.models.loader import LoadedModel, load_model
     from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.kernels.linear import int8_supported
+    from specplay.core.measure.peers import HFPeer
+    from specplay.core.models.loader import LoadedModel, load_model
     from tiny import save_tiny_model
 
     if not int8_supported():
@@ -239,8 +239,8 @@ def fake_endpoints(monkeypatch, target, suffix=None):
     """Endpoints answer with the target's own greedy text (``suffix``: name -> text appended), with no server."""
     import specplay.core.remote.runs as remote
     from specplay.core.decoding.engine import drain, generate
-    from specplay.core.methods import build_method
     from specplay.core.decoding.types import GenerationConfig, SamplingConfig
+    from specplay.core.methods import build_method
 
     def stream_completion(endpoint, prompt, max_tokens, **_):
         ids = target.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -508,9 +508,9 @@ def test_an_endpoint_is_identical_when_its_text_is_the_baselines(tmp_path, monke
 def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_what_it_did(tmp_path):
     import torch
 
-    from specplay.core.measure.bench import format_sweep
     from specplay.core.cli.commands import _temperatures
     from specplay.core.errors import SpecPlayError
+    from specplay.core.measure.bench import format_sweep
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float32)), model_id="tiny")
     questions = [Question(7, "code", ("ab cd ab",)), Question(8, "qa", ("ab ab cd",))]

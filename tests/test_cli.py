@@ -227,8 +227,8 @@ def test_the_transformers_fallback_keeps_float_weights_and_refuses_int8(folders)
 
 
 def test_a_draft_loads_with_the_fast_layers_and_a_target_with_the_row_exact_ones(folders):
-    from specplay.core.models import load_model
     from specplay.core.kernels.linear import has_bf16_units
+    from specplay.core.models import load_model
 
     draft = load_model(str(folders["draft"]), device="cpu", dtype="int8", role="draft")
     target = load_model(str(folders["draft"]), device="cpu", dtype="int8")

@@ -18,6 +18,7 @@ def test_a_full_disk_after_the_drafts_fit_still_loads_it_and_fits_again_next_tim
     import io
 
     from specplay.core.models import loader
+    from specplay.core.weights import gguf_blocks
     from specplay.core.weights.cache import KQUANT_DRAFT_WEIGHTS, check_weights
     from tiny import tiny_hf_model, write_tiny_gguf
 
@@ -30,7 +31,7 @@ def test_a_full_disk_after_the_drafts_fit_still_loads_it_and_fits_again_next_tim
             super().write(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(kquant, "open", lambda name, mode="r": FullDisk(name, mode) if "w" in mode else open(name, mode),
+    monkeypatch.setattr(gguf_blocks, "open", lambda name, mode="r": FullDisk(name, mode) if "w" in mode else open(name, mode),
                         raising=False)
     with caplog.at_level(logging.WARNING):
         draft = loader.load_model(str(path), dtype="int8", role="draft", backend="native")
@@ -77,11 +78,11 @@ def test_stop_during_the_predictor_is_honoured_within_a_pass_and_no_proof_runs(p
     """The predictor times and replays for many passes before the proof's runs: Stop pressed during
     any of them (here: after pass ``stop_at``) ends the tune with ``Cancelled`` at the next pass
     (EAGLE: once the tree being grown is done), and no proof run starts."""
+    from specplay.core.decoding.types import GenerationConfig
     from specplay.core.errors import Cancelled
     from specplay.core.heads.eagle import EagleDrafter
     from specplay.core.measure import tune as tuning
     from specplay.core.methods.eagle import EagleConfig
-    from specplay.core.decoding.types import GenerationConfig
     from test_eagle import make_head_file
 
     target, draft = pair

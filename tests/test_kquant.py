@@ -7,6 +7,7 @@ import torch
 from conftest import require_or_skip
 from specplay.core.kernels import kquant
 from specplay.core.kernels.kquant import PROVED_ROWS, Q4_K, Q6_K, KQuantLinear, KQuantWeight
+from specplay.core.weights import gguf_blocks
 
 if kquant.unavailable() is not None:  # no C compiler, say: the module skips, or fails where CI requires the kernel
     require_or_skip("SPECPLAY_REQUIRE_KERNEL", f"no k-quant kernel: {kquant.unavailable()}")
@@ -191,9 +192,9 @@ def test_the_c_layer_computes_torchs_layer():
 
 def test_speculation_on_a_gguf_target_emits_greedy_decodings_tokens():
     from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
     from specplay.core.methods import build_method
     from specplay.core.methods.speculative import SpeculativeConfig
-    from specplay.core.decoding.types import GenerationConfig
     from tiny import loaded
 
     target = loaded(_tiny_gguf_decoder(seed=0))
@@ -286,13 +287,13 @@ def test_fitted_blocks_are_kept_read_back_and_fitted_again_under_another_kernel(
 
     q = KQuantWeight.quantize(torch.randn(8, 300))
     dest = tmp_path / cache.KQUANT_DRAFT_WEIGHTS
-    kquant.save_blocks({"a.weight": q, "n.weight": torch.ones(3)}, dest)
+    gguf_blocks.save_blocks({"a.weight": q, "n.weight": torch.ones(3)}, dest)
     cache.record_weights(tmp_path, "kquant-draft")
     cache._checked.clear()  # as in a new process: the file of the recorded size and time is not read again
     monkeypatch.setattr(cache, "file_record", lambda path: pytest.fail("read through"))
     assert cache.check_weights(tmp_path, "kquant-draft") == "ok"
     monkeypatch.undo()
-    reader = kquant.BlocksFileReader(dest)
+    reader = gguf_blocks.BlocksFileReader(dest)
     back = reader.get("a.weight")
     assert (back.type, back.rows, back.cols, back.width) == (Q4_K, 8, 512, 300) and torch.equal(back.data, q.data)
     assert torch.equal(reader.get("n.weight"), torch.ones(3)) and reader.get("b.weight") is None
@@ -312,7 +313,7 @@ def test_a_damaged_blocks_file_is_found_out_and_never_mapped(tmp_path, damage):
     from specplay.core.weights import cache
 
     dest = tmp_path / cache.KQUANT_WEIGHTS
-    kquant.save_blocks({"a.weight": KQuantWeight.quantize(torch.randn(8, 256)), "n.weight": torch.ones(3)}, dest)
+    gguf_blocks.save_blocks({"a.weight": KQuantWeight.quantize(torch.randn(8, 256)), "n.weight": torch.ones(3)}, dest)
     cache.record_weights(tmp_path, "kquant")
     data = bytearray(dest.read_bytes())
     if damage == "cut":
@@ -324,7 +325,7 @@ def test_a_damaged_blocks_file_is_found_out_and_never_mapped(tmp_path, damage):
     dest.write_bytes(bytes(data))  # written in place: another modification time, so its checksum is read
     assert cache.check_weights(tmp_path, "kquant") == "damaged"
     with pytest.raises(ModelError, match=cache.KQUANT_WEIGHTS):
-        kquant.BlocksFileReader(dest).get("a.weight")
+        gguf_blocks.BlocksFileReader(dest).get("a.weight")
 
 
 def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly(tmp_path, monkeypatch):
@@ -332,11 +333,11 @@ def test_a_gguf_draft_runs_on_fitted_blocks_fits_them_once_and_drafts_losslessly
     blocks fitted and kept in the cache at the first load, read back at the next; speculation with
     it emits greedy's tokens."""
     from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
     from specplay.core.methods import build_method
     from specplay.core.methods.speculative import SpeculativeConfig
     from specplay.core.models import loader
     from specplay.core.weights.cache import KQUANT_DRAFT_WEIGHTS, check_weights
-    from specplay.core.decoding.types import GenerationConfig
     from tiny import loaded, native_from_hf, tiny_hf_model, write_tiny_gguf
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
@@ -438,7 +439,8 @@ def test_an_embedding_beside_a_head_of_its_own_is_read_row_by_row_from_the_files
     too) and a draft's stay in memory."""
     import gguf
 
-    from specplay.core.kernels.kquant import GGUFBlocksReader, GGUFDraftReader, MappedRows
+    from specplay.core.kernels.kquant import MappedRows
+    from specplay.core.weights.gguf_blocks import GGUFBlocksReader, GGUFDraftReader
 
     embedding, head = random_blocks(Q4_K, 64, 256, 1), random_blocks(Q6_K, 64, 256, 2)
     read = {}

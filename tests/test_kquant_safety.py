@@ -154,7 +154,8 @@ def test_heads_the_c_layer_does_not_run_load_on_torchs_layers_and_a_lie_in_them_
 def test_embedding_rows_outside_the_matrix_are_refused(tmp_path):
     """Ids are checked against the embedding's real rows, repacked or read from the file (the kernel
     read past the matrix; the file's rows wrapped a negative id round to the last row)."""
-    from specplay.core.kernels.kquant import GGUFBlocksReader, MappedRows
+    from specplay.core.kernels.kquant import MappedRows
+    from specplay.core.weights.gguf_blocks import GGUFBlocksReader
 
     path = tmp_path / "rows.gguf"
     _write_embedding_gguf(path)
@@ -211,8 +212,8 @@ import os, sys
 from pathlib import Path
 import torch
 from specplay.core.errors import ModelError
+from specplay.core.weights.gguf_blocks import GGUFBlocksReader
 from specplay.core.weights.gguf_index import GGUFIndex
-from specplay.core.kernels.kquant import GGUFBlocksReader
 
 path = Path(sys.argv[1])
 start = GGUFIndex(path).tensors["token_embd.weight"].offset

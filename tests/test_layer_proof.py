@@ -7,9 +7,10 @@ import torch
 
 from conftest import require_or_skip
 from specplay.core.kernels import kquant
-from specplay.core.models import layer_proof
 from specplay.core.kernels.kquant import Q4_K, Q6_K, FusedLayers, KQuantLinear
+from specplay.core.models import layer_proof
 from specplay.core.models.layers import DecoderConfig, LayerWeights
+from specplay.core.weights import gguf_blocks
 from test_kquant import ISAS, random_blocks, weight
 from tiny import tiny_hf_config
 
@@ -134,7 +135,7 @@ def _kquant_gguf(path, layers: int = 3) -> None:
 def test_the_proof_runs_the_first_layer_of_each_mix_with_the_sizes_the_metadata_states(tmp_path):
     path = tmp_path / "mixes.gguf"
     _kquant_gguf(path)
-    reader = kquant.GGUFBlocksReader(path)
+    reader = gguf_blocks.GGUFBlocksReader(path)
     cfg, layers = layer_proof.proof_layers(reader)
     assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == \
         (HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, INTER)
@@ -148,8 +149,8 @@ def test_the_proof_runs_the_first_layer_of_each_mix_with_the_sizes_the_metadata_
 
 def test_the_target_is_offered_its_blocks_only_once_its_layers_are_proved_and_an_old_verdict_is_proved_again(
         tmp_path, monkeypatch):
-    from specplay.core.models import engines, loader
     from specplay.core.kernels.kernel_build import library_digest
+    from specplay.core.models import engines, loader
 
     monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measurements"))
     path = tmp_path / "mixes.gguf"

@@ -56,9 +56,9 @@ def test_the_draft_layers_approximate_the_float_layer():
 def test_a_fast_draft_with_a_reduced_vocabulary_keeps_speculation_exact(storage):
     """Draft layers that are not batch-invariant, a float32 cache, the first 40 of 64 ids: still exact."""
     from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
     from specplay.core.methods import build_method
     from specplay.core.methods.speculative import SpeculativeConfig
-    from specplay.core.decoding.types import GenerationConfig
     from tiny import loaded, perturbed_copy
 
     base = tiny_hf_model(seed=0, dtype=torch.float64)
@@ -81,9 +81,9 @@ def test_an_int8_prompt_prefill_attends_in_float32_and_every_method_still_agrees
     import torch.nn.functional as F
 
     from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
     from specplay.core.methods import build_method
     from specplay.core.methods.prompt_lookup import PromptLookupConfig
-    from specplay.core.decoding.types import GenerationConfig
     from tiny import loaded
 
     target = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64), dtype=torch.float32, storage="int8"))

@@ -224,9 +224,9 @@ def test_the_servers_chat_template_gives_our_prompt_tokens():
     _need_default_models()
     from specplay.core.measure.peers import gguf_file
     from specplay.core.models import load_model
-    from specplay.core.weights.catalog import DEFAULT_TARGET
     from specplay.core.remote.transport import Connection
     from specplay.core.text import encode_messages
+    from specplay.core.weights.catalog import DEFAULT_TARGET
 
     target = load_model(DEFAULT_TARGET, "cpu")
     gguf, tok = gguf_file(target), target.tokenizer

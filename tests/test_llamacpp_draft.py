@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from specplay.core.decoding.engine import drain, generate
+from specplay.core.decoding.types import GenerationConfig
 from specplay.core.errors import ModelError
 from specplay.core.methods import build_method
 from specplay.core.methods.speculative import SpeculativeConfig
 from specplay.core.models import llamacpp_draft
-from specplay.core.weights.cache import DRAFT_GGUF
 from specplay.core.models.llamacpp_draft import LlamaCppDraft, load_llamacpp_draft
+from specplay.core.weights.cache import DRAFT_GGUF
 from specplay.core.weights.prepare import prepare_draft_gguf
-from specplay.core.decoding.types import GenerationConfig
 from tiny import loaded, native_from_hf, need_llama_cpp, perturbed_copy, tiny_hf_model, write_tiny_gguf
 
 

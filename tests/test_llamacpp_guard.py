@@ -9,8 +9,8 @@ import torch
 
 from specplay.core.errors import ModelError
 from specplay.core.models import llamacpp, loader
-from specplay.core.weights.cache import DRAFT_GGUF
 from specplay.core.models.llamacpp import LlamaCppFileError, LlamaSettings, probe, usable_settings
+from specplay.core.weights.cache import DRAFT_GGUF
 from specplay.core.weights.prepare import prepare_draft_gguf
 from tiny import need_llama_cpp, tiny_hf_model, write_tiny_gguf
 

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from specplay.core.measure.peers import LlamaCppPeer, gguf_file
 from specplay.core.errors import ConfigError
+from specplay.core.measure.peers import LlamaCppPeer, gguf_file
 
 
 def test_without_the_peers_extra_the_message_names_the_install(monkeypatch):
@@ -71,8 +71,8 @@ def _tiny_target(tmp_path):
 def test_llamacpp_generate_decodes_greedily_and_survives_a_crashing_setting(tmp_path, monkeypatch):
     import torch
 
-    from specplay.core.errors import ModelError
     from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.errors import ModelError
     from test_llamacpp_guard import _crash_with_extra_buffers
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))

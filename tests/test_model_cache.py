@@ -14,9 +14,9 @@ import torch
 
 from specplay.core.weights import cache, prepare
 
+from specplay.core.kernels.linear import int8_supported
 from specplay.core.models import load_model
 from specplay.core.weights.catalog import CatalogEntry, Part
-from specplay.core.kernels.linear import int8_supported
 from tiny import save_tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="no x86 quantized engine")

@@ -32,7 +32,7 @@ def test_reading_a_models_matrices_counts_their_bytes_not_their_number():
 
     import numpy as np
 
-    from specplay.core.kernels.kquant import CountedReads
+    from specplay.core.weights.gguf_blocks import CountedReads
 
     tensors = {"token_embd.weight": np.zeros(300, np.uint8), "output_norm.weight": np.zeros(100, np.uint8)}
     reader = SimpleNamespace(tensors={k: SimpleNamespace(data=v) for k, v in tensors.items()},

@@ -83,10 +83,10 @@ def _every_method_emits_greedy_decodings_tokens(target, draft, prompt: str):
     """Each method as it drafts (standing down follows timings; here what the drafts do is asserted)
     emits greedy decoding's tokens, and the draft model and the shipped Medusa and EAGLE heads draft
     tokens the target accepts. Returns the comparison."""
+    from specplay.core.decoding.types import GenerationConfig
     from specplay.core.measure.compare import compare_methods
     from specplay.core.models import check_draft_compatible
     from specplay.core.text import encode_prompt
-    from specplay.core.decoding.types import GenerationConfig
 
     assert check_draft_compatible(target, draft) == []
     ids = encode_prompt(target.tokenizer, prompt)
@@ -126,9 +126,9 @@ def test_autoregressive_equals_transformers_generate(draft_f32):
     from transformers import AutoModelForCausalLM
 
     from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
     from specplay.core.methods import build_method
     from specplay.core.text import encode_prompt
-    from specplay.core.decoding.types import GenerationConfig
 
     ids = encode_prompt(draft_f32.tokenizer, "Implement binary search in Python.")
     ours = drain(generate(draft_f32.model, draft_f32.tokenizer, build_method("autoregressive", None, draft_f32), ids,
@@ -150,11 +150,11 @@ def test_the_default_draft_runs_on_llama_cpp_in_4_bits_and_speculation_stays_exa
     decoding's tokens. Asked for by name: with ``auto`` the draft takes whichever engine measured
     faster here, and on an Intel Xeon whose llama.cpp must run without its extra buffers the two
     are within a few milliseconds a token (33.7 against 29.3 for the int4 layers, one run)."""
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.kernels.linear import int8_supported
     from specplay.core.measure.compare import compare_methods
     from specplay.core.models import check_draft_compatible, load_model
-    from specplay.core.kernels.linear import int8_supported
     from specplay.core.text import encode_prompt
-    from specplay.core.decoding.types import GenerationConfig
     from tiny import need_llama_cpp
 
     need_llama_cpp()

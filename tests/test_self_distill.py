@@ -266,8 +266,8 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
     hashed once and remembered until a file changes; a hub snapshot by the names of its blobs."""
     import shutil
 
-    from specplay.core.weights.cache import write_marker
     from specplay.core.training import data
+    from specplay.core.weights.cache import write_marker
     from tests.tiny import save_tiny_model
 
     def quiet(stage, fraction):
@@ -299,9 +299,9 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
 def test_the_committed_corpus_is_read_for_the_default_target_alone():
     """The project's corpus predates corpora recording their target's weights: it is taken for the
     default target as the catalog pins it, not for other weights that share its name."""
-    from specplay.core.weights.catalog import CATALOG, DEFAULT_TARGET
-    from specplay.core.training.data import load_corpus
     from specplay.core.paths import shipped_corpus
+    from specplay.core.training.data import load_corpus
+    from specplay.core.weights.catalog import CATALOG, DEFAULT_TARGET
 
     path = shipped_corpus(DEFAULT_TARGET)
     assert len(load_corpus(path, DEFAULT_TARGET, CATALOG[DEFAULT_TARGET].sha256)) > 2000

@@ -115,11 +115,11 @@ def cmd_compare(args) -> int:
 
 
 def cmd_tune(args) -> int:
+    from specplay.core.measure import tune_server
+    from specplay.core.measure.tune import format_tune, tune
     from specplay.core.methods import get_spec
     from specplay.core.records.runlog import dumps
     from specplay.core.text import encode_prompt
-    from specplay.core.measure import tune_server
-    from specplay.core.measure.tune import format_tune, tune
 
     server = args.method == tune_server.NAME  # llama-server's own draft size, not a method of SpecPlay's
     method_config = None if server else config_for(args.method, args)
@@ -149,9 +149,9 @@ def cmd_tune(args) -> int:
 
 
 def _compare_remote(args) -> int:
+    from specplay.core.records.runlog import RunRecord, dumps
     from specplay.core.remote.endpoint import Endpoint
     from specplay.core.remote.runs import compare_endpoints, format_remote_table
-    from specplay.core.records.runlog import RunRecord, dumps
 
     if args.methods:
         raise SpecPlayError("compare either local methods (--methods) or endpoints (--engine), not both in one run")
@@ -179,9 +179,9 @@ def _compare_remote(args) -> int:
 
 
 def _run_remote(args) -> int:
+    from specplay.core.records.runlog import RunRecord, dumps, stats_line
     from specplay.core.remote.endpoint import Endpoint
     from specplay.core.remote.runs import remote_record, stream_completion
-    from specplay.core.records.runlog import RunRecord, dumps, stats_line
 
     endpoint = Endpoint.parse(args.engine)
     prompt = prompt_text(args)
@@ -243,11 +243,11 @@ def cmd_models(args) -> int:
 def _measure_again() -> None:
     """Forget this machine's measurements and llama.cpp verdicts; measure the int8 kernels and the
     default draft's engines (llama.cpp's against the native one) now."""
-    from specplay.core.weights.catalog import DEFAULT_DRAFT
-    from specplay.core.models.engines import describe_quant_engine, forget_measurements, quant_engine
     from specplay.core.kernels.linear import int8_supported
+    from specplay.core.models.engines import describe_quant_engine, forget_measurements, quant_engine
     from specplay.core.models.llamacpp import available, forget_verdicts
     from specplay.core.models.loader import compare_draft_engines
+    from specplay.core.weights.catalog import DEFAULT_DRAFT
 
     measurements, verdicts = forget_measurements(), forget_verdicts()
     print(f"forgot {measurements} measurement{'s' * (measurements != 1)} and {verdicts} llama.cpp "
@@ -324,11 +324,11 @@ def cmd_bench(args) -> int:
 
 
 def cmd_audit(args) -> int:
+    from specplay.core.decoding.types import SamplingConfig
     from specplay.core.measure.audit import DEFAULT_PROMPT, AuditConfig, audit_record, format_audit, run_audit
     from specplay.core.methods import get_spec
     from specplay.core.records.runlog import dumps
     from specplay.core.text import encode_prompt
-    from specplay.core.decoding.types import SamplingConfig
 
     method_spec = get_spec(args.method)
     method_config = config_for(args.method, args)

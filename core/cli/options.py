@@ -40,8 +40,8 @@ class LineProgress:
 
 def method_options() -> dict[str, dict]:
     """Every method option across methods: flag -> {dest, type, help, fields: [(method, field)]}."""
-    from specplay.core.methods import METHODS
     from specplay.core.decoding.method import field_type
+    from specplay.core.methods import METHODS
 
     opts: dict[str, dict] = {}
     for method_spec in METHODS.values():

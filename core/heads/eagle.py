@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, apply_rope, attention_kernels,
-                                         layer_forward, rms_norm, rope_tables)
 from specplay.core.kernels.kquant import FusedLayers
 from specplay.core.kernels.linear import make_linear
+from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, apply_rope, attention_kernels,
+                                         layer_forward, rms_norm, rope_tables)
 
 
 def head_config(target_cfg: DecoderConfig, intermediate: int | None = None) -> DecoderConfig:

@@ -34,13 +34,13 @@ import torch
 
 from specplay.core.decoding.calibration import Calibration
 from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve, timed_step
+from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
+from specplay.core.decoding.types import Draft
 from specplay.core.errors import ModelError
 from specplay.core.heads import draft_lm_rows, features_warning, head_config, load_heads, resolve_heads_path
 from specplay.core.heads.eagle import EagleDrafter
-from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
-from specplay.core.models.layers import rms_norm
 from specplay.core.kernels.linear import drafter_dtype, make_linear, storage_of
-from specplay.core.decoding.types import Draft
+from specplay.core.models.layers import rms_norm
 
 
 def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.Tensor], vocab_ids: torch.Tensor,

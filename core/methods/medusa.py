@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
-from specplay.core.errors import ConfigError, ModelError
 from specplay.core.decoding.calibration import Calibration
 from specplay.core.decoding.costmodel import CostCurve, best_size, cost_curve
-from specplay.core.heads import MedusaHeads, draft_lm_rows, features_warning, load_heads, resolve_heads_path
-from specplay.core.heads.hydra import HydraHeads
-from specplay.core.kernels.linear import drafter_dtype
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
 from specplay.core.decoding.tree import TreeSpec, choose_tree
 from specplay.core.decoding.types import Draft
+from specplay.core.errors import ConfigError, ModelError
+from specplay.core.heads import MedusaHeads, draft_lm_rows, features_warning, load_heads, resolve_heads_path
+from specplay.core.heads.hydra import HydraHeads
+from specplay.core.kernels.linear import drafter_dtype
 
 NAMED_TREES = {"auto": "the most valuable paths by measured accuracy, as many as pay for their verification here "
                        "(each step, by how far the run's target bears the accuracies out)",

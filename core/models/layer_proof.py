@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import torch
 
-from specplay.core.kernels.kquant import PROVED_ROWS, FusedLayers, GGUFBlocksReader, KQuantLinear, adversarial_rows, \
-    use_threads
+from specplay.core.kernels.kquant import PROVED_ROWS, FusedLayers, KQuantLinear, adversarial_rows, use_threads
 from specplay.core.models.layers import FUSED, LayerWeights, rope_frequencies, rope_tables
+from specplay.core.weights.gguf_blocks import GGUFBlocksReader
 
 #: The cache a proved block is put after: tokens the layer itself wrote.
 PROOF_CONTEXT = 8

@@ -23,10 +23,10 @@ import torch
 
 from specplay.core.errors import ModelError
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo
-from specplay.core.weights.cache import DRAFT_GGUF
 from specplay.core.models.llamacpp import LlamaCppFileError, LlamaCppSession, LlamaSettings, ProbeResult, usable_settings
-from specplay.core.weights.prepare import make_draft_gguf
 from specplay.core.progress import Progress, log_progress
+from specplay.core.weights.cache import DRAFT_GGUF
+from specplay.core.weights.prepare import make_draft_gguf
 
 log = logging.getLogger(__name__)
 

@@ -16,19 +16,20 @@ from pathlib import Path
 import torch
 
 from specplay.core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
-from specplay.core.memory import release_freed_memory
 from specplay.core.kernels import kquant
-from specplay.core.models.base import CausalLM
-from specplay.core.weights.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, KQUANT_WEIGHTS, MARKER,
-                                        OLD_MADE_FILES, CachedWeightsReader, check_weights, read_marker)
-from specplay.core.weights.gguf_check import check_gguf
-from specplay.core.weights.gguf_config import read_config
 from specplay.core.kernels.kernel_build import build_soon
 from specplay.core.kernels.linear import has_bf16_units, int8_supported
-from specplay.core.weights.prepare import (float_weights_dir, has_gguf_source, resolve, store_int4_layers,
-                                          store_kquant_blocks)
-from specplay.core.weights.tokenizer import read_tokenizer
+from specplay.core.memory import release_freed_memory
+from specplay.core.models.base import CausalLM
 from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
+from specplay.core.weights import gguf_blocks
+from specplay.core.weights.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS, KQUANT_WEIGHTS, MARKER,
+                                         OLD_MADE_FILES, CachedWeightsReader, check_weights, read_marker)
+from specplay.core.weights.gguf_check import check_gguf
+from specplay.core.weights.gguf_config import read_config
+from specplay.core.weights.prepare import (float_weights_dir, has_gguf_source, resolve, store_int4_layers,
+                                           store_kquant_blocks)
+from specplay.core.weights.tokenizer import read_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,9 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     dev = pick_device(device)
     compute_dtype, storage = pick_dtype(dtype, dev)
     if model_id.lower().endswith(".gguf"):  # a catalog model's file is the catalog's, checked by its sha256
-        check_gguf(Path(model_id).expanduser())
+        from specplay.core.models.layers import NATIVE_ARCHITECTURES
+
+        check_gguf(Path(model_id).expanduser(), NATIVE_ARCHITECTURES)
     if torch.device(dev).type == "cpu" and has_gguf_source(model_id) and kquant.isa() is not None:
         build_soon()  # the kernel compiles while the model's file is assembled
     if role == "draft" and storage in ("int8", "gguf"):
@@ -291,9 +294,9 @@ def _exact_gguf_reader(model_id: str, progress):
     kernel is built here, reads every matrix of the file and was proved exact on its real matrices
     and, as the C layer runs them, its real decoder layers (:mod:`specplay.core.models.layer_proof`);
     else (None, why not)."""
+    from specplay.core.kernels.kernel_build import library_digest
     from specplay.core.models import layer_proof
     from specplay.core.models.engines import measured
-    from specplay.core.kernels.kernel_build import library_digest
     from specplay.core.weights.prepare import source_gguf
 
     if not has_gguf_source(model_id):
@@ -302,7 +305,7 @@ def _exact_gguf_reader(model_id: str, progress):
     if not source.is_file():
         raise ModelError(f"GGUF file not found: {source}")
     why = kquant.unavailable()
-    reader = kquant.GGUFBlocksReader(source) if why is None else None
+    reader = gguf_blocks.GGUFBlocksReader(source) if why is None else None
     why = why or reader.unreadable()
     if why is None:
         def measure() -> dict:
@@ -470,13 +473,13 @@ def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress)
 
         status = check_weights(path, "kquant-draft")
         if status == "ok":
-            return kquant.BlocksFileReader(path / KQUANT_DRAFT_WEIGHTS)
+            return gguf_blocks.BlocksFileReader(path / KQUANT_DRAFT_WEIGHTS)
         if status != "missing":
             log.warning("%s: the cached k-quant draft blocks are %s; fitting them again", path.name, status)
         fitting = counting_down(progress, f"Fitting {model_id}'s matrices into k-quant blocks (once)")
         fitting(0.0)
-        reader = kquant.GGUFDraftReader(source_gguf(model_id, progress))
-        return kquant.KeptBlocks(kquant.CountedReads(reader, fitting))
+        reader = gguf_blocks.GGUFDraftReader(source_gguf(model_id, progress))
+        return gguf_blocks.KeptBlocks(gguf_blocks.CountedReads(reader, fitting))
     if storage == "float" or not (path / INT8_WEIGHTS).is_file():
         return _SafetensorsReader(path)
     if storage == "int4-draft":
@@ -500,10 +503,10 @@ def _target_blocks_reader(model_id: str, path: Path, gguf_reader, progress: Prog
     each kept to be stored."""
     status = check_weights(path, "kquant")
     if status == "ok":
-        return kquant.FirstOf(kquant.BlocksFileReader(path / KQUANT_WEIGHTS), gguf_reader)
+        return gguf_blocks.FirstOf(gguf_blocks.BlocksFileReader(path / KQUANT_WEIGHTS), gguf_reader)
     if status != "missing":
         log.warning("%s: the kept repacked blocks are %s; repacking them again", path.name, status)
-    return kquant.KeptBlocks(kquant.CountedReads(gguf_reader, counting_down(progress, f"Repacking {model_id}'s blocks")))
+    return gguf_blocks.KeptBlocks(gguf_blocks.CountedReads(gguf_reader, counting_down(progress, f"Repacking {model_id}'s blocks")))
 
 
 def _check_fallback_storage(model_id: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:

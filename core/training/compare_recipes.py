@@ -98,8 +98,8 @@ def load_split(*folders: Path) -> TeacherSet:
 def capture(target, splits: list[str]) -> None:
     """Read the target's layers, final features and top-K once for each of ``splits``' answers, into
     resumable shards (a stopped capture goes on where it stopped)."""
-    from specplay.core.progress import log_progress
     from specplay.core.paths import shipped_corpus
+    from specplay.core.progress import log_progress
     from specplay.core.training.data import chat_prompt_ids, instruction_prompts, load_corpus, target_key
 
     key = target_key(target.path, log_progress)

@@ -29,11 +29,11 @@ import torch
 
 from specplay.core.atomic import replacing, write_text_atomic
 from specplay.core.errors import Cancelled, ModelError, SpecPlayError
+from specplay.core.paths import cache_dir
+from specplay.core.progress import Progress
 from specplay.core.weights.cache import read_marker
 from specplay.core.weights.catalog import CATALOG, DEFAULT_TARGET
 from specplay.core.weights.prepare import sha256_file
-from specplay.core.paths import cache_dir
-from specplay.core.progress import Progress
 
 log = logging.getLogger(__name__)
 

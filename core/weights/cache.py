@@ -17,7 +17,7 @@ and the weights in the form the model runs on:
   kernel with another layout fits them again.
 * ``weights-kquant.blocks`` for a target on its GGUF's own blocks: its matrices as the kernel
   repacked them at the first load (its embedding is read by rows from the GGUF), kept by the same
-  digest. Both blocks files are memory-mapped (:class:`~specplay.core.kernels.kquant.BlocksFileReader`):
+  digest. Both blocks files are memory-mapped (:class:`~specplay.core.kernels.gguf_blocks.BlocksFileReader`):
   a later start neither repacks nor copies them, and a mapped file is only ever replaced by a
   rename, never rewritten.
 * ``model.safetensors``, float32, written only when a float dtype is asked for.

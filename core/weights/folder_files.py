@@ -15,11 +15,11 @@ import shutil
 import time
 from pathlib import Path
 
+from specplay.core.progress import Progress
 from specplay.core.weights.cache import read_marker, write_marker
 from specplay.core.weights.gguf_config import config_from_gguf, generation_config
 from specplay.core.weights.gguf_index import GGUFIndex
 from specplay.core.weights.tokenizer import TEMPLATE_FILE, ChatTokenizer, from_gguf, unbuilt_reason
-from specplay.core.progress import Progress
 
 #: A converted folder's tokenizer, as ``save_pretrained`` and :meth:`ChatTokenizer.save` write it
 #: (the chat template beside it).

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from specplay.core.errors import ModelError
 from specplay.core.weights.gguf_index import GGUFIndex
-from specplay.core.models.layers import NATIVE_ARCHITECTURES
 
 #: Architectures whose config takes its head size from ``rope.dimension_count`` (``transformers``' GGUF mapping);
 #: the others' is the embedding length over the head count.
@@ -25,12 +24,12 @@ class _Disagreement(Exception):
     """What is wrong, in a sentence; :func:`check_gguf` adds the file."""
 
 
-def check_gguf(path: Path) -> None:
+def check_gguf(path: Path, architectures: tuple[str, ...]) -> None:
     """Raise a :class:`ModelError` naming ``path`` and the first disagreement between its metadata
-    and its tensors (or what is malformed in its header). Only the architectures the native
-    decoder runs are held to their layout; ``transformers`` checks the others' shapes as it loads."""
+    and its tensors (or what is malformed in its header). Only ``architectures`` (those the native
+    decoder runs) are held to their layout; ``transformers`` checks the others' shapes as it loads."""
     index = GGUFIndex(path)
-    if index.architecture not in NATIVE_ARCHITECTURES:
+    if index.architecture not in architectures:
         return
     try:
         _check(index)

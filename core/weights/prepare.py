@@ -46,17 +46,17 @@ from safetensors import SafetensorError
 
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled, ModelError
+from specplay.core.paths import cache_dir
+from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 from specplay.core.weights.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS,
-                                        KQUANT_WEIGHTS, MARKER, OLD_DRAFT_GGUFS, OLD_MADE_FILES, WEIGHT_KINDS,
-                                        CachedWeightsReader, add_int8_weights, check_weights, folder_size, read_marker,
-                                        record_weights, weights_name, write_int4_weights, write_int8_weights,
-                                        write_marker)
+                                         KQUANT_WEIGHTS, MARKER, OLD_DRAFT_GGUFS, OLD_MADE_FILES, WEIGHT_KINDS,
+                                         CachedWeightsReader, add_int8_weights, check_weights, folder_size, read_marker,
+                                         record_weights, weights_name, write_int4_weights, write_int8_weights,
+                                         write_marker)
 from specplay.core.weights.catalog import CATALOG, CatalogEntry, get_entry
 from specplay.core.weights.folder_files import copy_tokenizer, gguf_tokenizer, write_folder, write_from_metadata
 from specplay.core.weights.gguf_index import GGUFIndex
 from specplay.core.weights.tokenizer import unbuilt_reason as tokenizer_unbuilt
-from specplay.core.paths import cache_dir
-from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +393,7 @@ def store_kquant_blocks(tensors: dict, path: Path, progress: Progress, kind: str
     """Keep a model's k-quant blocks in the cache in the kernel's layout (a draft's fitted ones, a
     target's repacked ones: ``kind``), so that the next load maps them; a failure (a full disk)
     leaves nothing half-written and only costs the fitting or repacking again."""
-    from specplay.core.kernels.kquant import save_blocks
+    from specplay.core.weights.gguf_blocks import save_blocks
 
     what = "k-quant draft blocks" if kind == "kquant-draft" else "repacked blocks"
     progress(f"Storing the {what} of {path.name} (once)", None)
