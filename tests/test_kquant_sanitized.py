@@ -1,6 +1,6 @@
 """The k-quant kernel's C entries under AddressSanitizer and UndefinedBehaviorSanitizer.
 
-``tests/fixtures/kquant_driver.c`` calls every entry of ``kquant.c`` and ``kquant_layer.c`` with edge
+``tests/fixtures/kquant_driver.c`` calls every entry of the kernel (``core/kernels/kquant.h``) with edge
 shapes (one row, a block's tail, the largest ids) and with arguments that disagree (ids past the
 matrix, a layer whose output projection has more rows than its hidden size, more key/value heads than
 heads, ...), each buffer at its exact size. Built here with the sanitizers (unoptimised, so that it
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = [ROOT / "core" / "kernels" / "kquant.c", ROOT / "core" / "kernels" / "kquant_layer.c",
-           ROOT / "tests" / "fixtures" / "kquant_driver.c"]
+KERNELS = ROOT / "core" / "kernels"
+SOURCES = [KERNELS / "blocks.c", KERNELS / "gemm_x86.c", KERNELS / "layer.c", ROOT / "tests" / "fixtures" / "kquant_driver.c"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 FLAGS = ["-O0", "-g", "-fopenmp", "-ffp-contract=off", *SANITIZE]
 #: Reports end the run (UBSan's would go on), and the fit that cannot have its memory gets a null, not an abort.
@@ -39,7 +39,7 @@ def driver(tmp_path_factory) -> Path:
         pytest.skip(f"{_compiler()} cannot build with -fsanitize=address,undefined: "
                     f"{(tried.stderr.strip().splitlines() or ['its program does not run'])[-1][:200]}")
     exe = folder / "driver"
-    built = subprocess.run([_compiler(), *FLAGS, "-o", str(exe), *map(str, SOURCES), "-lm"], capture_output=True,
+    built = subprocess.run([_compiler(), *FLAGS, f"-I{KERNELS}", "-o", str(exe), *map(str, SOURCES), "-lm"], capture_output=True,
                            text=True)
     assert built.returncode == 0, built.stderr[-2000:]
     return exe

@@ -81,6 +81,15 @@ def test_wheel_carries_every_asset(setuptools_dist):
     assert {"prompts", "icons"} <= kinds
 
 
+def test_wheel_carries_the_kernels_c_sources_and_header(setuptools_dist):
+    """The kernel compiles on the user's machine at first use: every C file beside it must ship."""
+    _, data = setuptools_dist
+    shipped = set(data.get("specplay.core.kernels", []))
+    on_disk = {p.resolve() for p in (ROOT / "core" / "kernels").iterdir() if p.suffix in (".c", ".h")}
+    assert {p.suffix for p in on_disk} == {".c", ".h"}
+    assert on_disk <= shipped, f"C files the wheel would leave out: {sorted(p.name for p in on_disk - shipped)}"
+
+
 def test_package_data_globs_cover_heads_before_they_exist():
     globs = bundle_data.asset_globs()
     for needed in ("heads/*.safetensors", "heads/*.json", "training/*.safetensors", "prompts/*.jsonl", "icons/*.png",

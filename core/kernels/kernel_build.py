@@ -31,7 +31,9 @@ from specplay.core.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCES = (Path(__file__).with_name("kquant.c"), Path(__file__).with_name("kquant_layer.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("blocks.c", "gemm_x86.c", "layer.c"))
+#: What every source includes (its bytes are the library's too).
+_HEADERS = (Path(__file__).with_name("kquant.h"),)
 _FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 #: Tried after ``CC`` and the compiler Python was built with, in this order.
 _FALLBACKS = ("cc", "gcc", "clang")
@@ -66,14 +68,14 @@ def _compiler_identity(command: tuple[str, ...], program: tuple[int, int]) -> st
 
 
 def library_digest() -> str:
-    """The kernel's sources, build flags and compiler (what its proof of exactness is kept under)."""
+    """The kernel's sources (its header too), build flags and compiler (what its proof of exactness is kept under)."""
     cc = _compiler()
     if cc:
         st = os.stat(cc[0])
         compiler = _compiler_identity(tuple(cc), (st.st_ino, st.st_mtime_ns))
     else:
         compiler = "no compiler"
-    return hashlib.sha256(b"".join(s.read_bytes() for s in _SOURCES)
+    return hashlib.sha256(b"".join(s.read_bytes() for s in (*_HEADERS, *_SOURCES))
                           + f"{' '.join(_FLAGS)}|{compiler}".encode()).hexdigest()[:16]
 
 

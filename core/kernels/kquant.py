@@ -1,6 +1,6 @@
 """The exact k-quant target: a GGUF's own Q4_K and Q6_K blocks, multiplied bit-exactly at any block size.
 
-The C kernel (``kquant.c`` beside this file) is compiled once per machine with the system's C
+The C kernel (``kquant.h`` and its sources beside this file) is compiled once per machine with the system's C
 compiler into the user cache (:mod:`specplay.core.kernels.kernel_build`, which loads it only while
 it is this user's), and loaded with ``ctypes`` after torch, so its OpenMP threads are torch's own.
 It has two paths, chosen here from the CPU's flags: AVX-512 with VNNI, and AVX2 with
@@ -68,14 +68,14 @@ def _lib() -> ctypes.CDLL:
     lib.sp_dequantize_rows.argtypes = [cint, vp, i64, i64, vp, i64, vp]
     lib.sp_quantize_q4k.argtypes = [vp, i64, i64, i64, vp]
     lib.sp_fit_q4k_from.argtypes = [cint, vp, i64, i64, i64, vp]
-    lib.sp_linear.argtypes = [cint, cint, vp, vp, vp, i64, i64, vp, i64, i64, vp, vp, i64]
+    lib.sp_linear.argtypes = [cint, vp, vp, i64, i64, vp, vp, i64]
     lib.sp_layer_scratch.argtypes = [vp, i64]
     lib.sp_layer_scratch.restype = i64
     lib.sp_layer.argtypes = [cint, vp, vp, i64, vp, vp, vp, i64, i64, vp, cint, vp]
     return lib
 
 
-#: What the kernel's entries return besides 0 (``kquant.c``): their outputs are then thrown away.
+#: What the kernel's entries return besides 0 (``kquant.h``): their outputs are then thrown away.
 _BAD_ARGUMENTS, _OUT_OF_MEMORY, _ID_OUT_OF_RANGE = -1, -2, -3
 
 
@@ -240,14 +240,13 @@ class KQuantLinear:
             raise ValueError(f"fused k-quant matrices must share their input size, got {sorted(sizes)}")
         self.in_features, self._cols = sizes.pop()
         self._out = sum(p.rows for p in self.parts)
-        self.bias = None if bias is None else bias.detach().to(torch.float32)
+        if len(self.parts) > 3:
+            raise ValueError(f"the kernel fuses at most 3 matrices into one projection, got {len(self.parts)}")
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         if self.bias is not None and self.bias.numel() != self._out:
             raise ValueError(f"a bias of {self.bias.numel()} values for a layer of {self._out} outputs")
         self._isa = isa()
-        n = len(self.parts)  # the kernel's arguments for the parts, made once
-        self._types = (ctypes.c_int * n)(*[p.type for p in self.parts])
-        self._ptrs = (ctypes.c_void_p * n)(*[p.data.data_ptr() for p in self.parts])
-        self._rows = (ctypes.c_int64 * n)(*[p.rows for p in self.parts])
+        self.projection = _Projection.of(self)  # the kernel's description of this layer, made once
 
     @property
     def out_features(self) -> int:
@@ -260,11 +259,9 @@ class KQuantLinear:
         lib = _lib()
         xq = torch.empty(m * (self._cols // QK) * lib.sp_sizeof_blockx(), dtype=torch.uint8)
         y = torch.empty(m, self._out)
-        _checked(lib.sp_linear(self._isa, len(self.parts), self._types, self._ptrs, self._rows, self._cols,
-                               self.in_features, x2.data_ptr(), m, self.in_features, xq.data_ptr(), y.data_ptr(),
-                               self._out), f"multiply {m} rows by a {self._out} x {self.in_features} matrix")
-        if self.bias is not None:
-            y.add_(self.bias)
+        _checked(lib.sp_linear(self._isa, ctypes.byref(self.projection), x2.data_ptr(), m, self.in_features,
+                               xq.data_ptr(), y.data_ptr(), self._out),
+                 f"multiply {m} rows by a {self._out} x {self.in_features} matrix")
         return y.reshape(*shape[:-1], self._out)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -292,25 +289,27 @@ class KQuantLinear:
         return KQuantLinear(chosen, None if self.bias is None else self.bias[ids])
 
 
-class _Projection(ctypes.Structure):  # kquant_layer.c's sp_linear_t
+class _Projection(ctypes.Structure):  # kquant.h's sp_linear_t
     _fields_ = [("parts", ctypes.c_int32), ("types", ctypes.c_int32 * 3), ("ws", ctypes.c_void_p * 3),
                 ("ns", ctypes.c_int64 * 3), ("k", ctypes.c_int64), ("width", ctypes.c_int64), ("out", ctypes.c_int64),
                 ("bias", ctypes.c_void_p)]
 
+    @classmethod
+    def of(cls, layer: "KQuantLinear") -> "_Projection":
+        """A k-quant layer as the kernel takes it: its matrices side by side, then its bias (the
+        layer keeps the tensors alive)."""
+        parts = layer.parts
+        return cls(len(parts), (ctypes.c_int32 * 3)(*[p.type for p in parts]),
+                   (ctypes.c_void_p * 3)(*[p.data.data_ptr() for p in parts]),
+                   (ctypes.c_int64 * 3)(*[p.rows for p in parts]), layer._cols, layer.in_features,
+                   layer.out_features, None if layer.bias is None else layer.bias.data_ptr())
 
-class _Layer(ctypes.Structure):  # kquant_layer.c's sp_layer_t
+
+class _Layer(ctypes.Structure):  # kquant.h's sp_layer_t
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
                 ("unused", ctypes.c_int32), ("ln_in", ctypes.c_void_p), ("ln_post", ctypes.c_void_p),
                 ("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection), ("down", _Projection)]
-
-
-def _projection(layer: KQuantLinear) -> _Projection:
-    parts = layer.parts
-    return _Projection(len(parts), (ctypes.c_int32 * 3)(*[p.type for p in parts]),
-                       (ctypes.c_void_p * 3)(*[p.data.data_ptr() for p in parts]),
-                       (ctypes.c_int64 * 3)(*[p.rows for p in parts]), layer._cols, layer.in_features,
-                       layer.out_features, None if layer.bias is None else layer.bias.data_ptr())
 
 
 _PROJECTIONS = {"qkv": "q/k/v projection", "o": "attention output", "gate_up": "gate/up projection",
@@ -351,15 +350,15 @@ def check_shapes(cfg, layers: list, head: KQuantLinear, name: str) -> None:
 
 
 class FusedLayers:
-    """A decoder's layers on the kernel as one C call each (``kquant_layer.c``): norm, projections,
+    """A decoder's layers on the kernel as one C call each (``layer.c``): norm, projections,
     RoPE, cache write, attention and MLP without torch's per-operation cost (a third of a small
     model's token). Row-invariant like the kernel, so a target may decode and verify on it alike."""
 
     def __init__(self, cfg, layers: list):
         self._norms = [(l.ln_in.float().contiguous(), l.ln_post.float().contiguous()) for l in layers]
         self._layers = [_Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                               cfg.rms_norm_eps, 0, ln_in.data_ptr(), ln_post.data_ptr(), _projection(l.qkv),
-                               _projection(l.o), _projection(l.gate_up), _projection(l.down))
+                               cfg.rms_norm_eps, 0, ln_in.data_ptr(), ln_post.data_ptr(), l.qkv.projection,
+                               l.o.projection, l.gate_up.projection, l.down.projection)
                         for l, (ln_in, ln_post) in zip(layers, self._norms)]
         self._isa = isa()
 

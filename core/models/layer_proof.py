@@ -1,4 +1,4 @@
-"""The C decoder layer (``kquant_layer.c``) proved exact as the k-quant kernel is, on a file's own layers.
+"""The C decoder layer (``core/kernels/layer.c``) proved exact as the k-quant kernel is, on a file's own layers.
 
 :func:`specplay.core.kernels.kquant.prove` proves the kernel's matrices; a target decodes and
 verifies through :class:`~specplay.core.kernels.kquant.FusedLayers`, whose norm, RoPE, cache

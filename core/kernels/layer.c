@@ -13,37 +13,10 @@
  */
 #include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-void sp_quantize_rows(const float *x, int64_t m, int64_t k, int64_t width, int64_t ldx, void *out);
-void sp_gemm_rows(int isa, int type, const void *w, int64_t n, int64_t k, const void *x, int64_t m, float *y,
-                  int64_t ldy);
-int sp_sizeof_blockx(void);
-int sp_sizeof_block(int type);
-
-enum { SP_OK = 0, SP_BAD_ARGUMENTS = -1, SP_OUT_OF_MEMORY = -2 }; /* kquant.c's statuses */
-
-/* The largest size of any dimension: keeps every product of sizes (a scratch's bytes) inside int64. */
-#define MOST_SIZE ((int64_t)1 << 24)
-
-typedef struct { /* one (fused) projection: up to three k-quant matrices side by side */
-    int32_t parts;
-    int32_t types[3];
-    const void *ws[3];
-    int64_t ns[3];
-    int64_t k, width, out; /* stored inputs (a multiple of 256), real inputs, outputs */
-    const float *bias;     /* or NULL */
-} sp_linear_t;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter;
-    float eps;
-    int32_t unused;
-    const float *ln_in, *ln_post;
-    sp_linear_t qkv, o, gate_up, down;
-} sp_layer_t;
+#include "kquant.h"
 
 #define VEC "avx2,fma"
 
@@ -71,13 +44,6 @@ static void rope(float *x, const float *c, const float *s, int64_t d) {
     memcpy(x, t, (size_t)d * sizeof(float));
 }
 
-static void project(int isa, const sp_linear_t *l, const float *in, int64_t m, int64_t ldin, void *xq, float *out) {
-    sp_quantize_rows(in, m, l->k, l->width, ldin, xq);
-    int64_t col = 0;
-    for (int i = 0; i < l->parts; col += l->ns[i], i++)
-        sp_gemm_rows(isa, l->types[i], l->ws[i], l->ns[i], l->k, xq, m, out + col, l->out);
-}
-
 static int64_t most_blocks(const sp_layer_t *L) {
     int64_t k = L->qkv.k;
     if (L->o.k > k) k = L->o.k;
@@ -87,17 +53,9 @@ static int64_t most_blocks(const sp_layer_t *L) {
 }
 
 /* Whether a projection is not ``width`` inputs (``k``: rounded up to whole blocks of 256) to ``out``
- * outputs in 1 to 3 k-quant matrices whose rows add up to ``out``. */
+ * outputs in 1 to 3 k-quant matrices whose rows add up to ``out`` (sp_bad_linear). */
 static int bad_projection(const sp_linear_t *l, int64_t width, int64_t out) {
-    if (l->parts < 1 || l->parts > 3 || l->width != width || l->out != out || l->k % 256 || l->k < width ||
-        l->k - width >= 256)
-        return 1;
-    int64_t rows = 0;
-    for (int i = 0; i < l->parts; i++) {
-        if (sp_sizeof_block(l->types[i]) < 0 || l->ns[i] < 0 || l->ns[i] > out || !l->ws[i]) return 1;
-        rows += l->ns[i];
-    }
-    return rows != out;
+    return sp_bad_linear(l) || l->width != width || l->out != out || l->k - width >= QK;
 }
 
 /* Whether a layer's sizes disagree with each other, or are ones the layer does not run (heads of
@@ -157,7 +115,7 @@ int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos
     int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, I = L->inter;
     float *h = (float *)scratch, *qkv = h + m * H, *att = qkv + m * L->qkv.out, *gu = att + m * nq,
           *act = gu + m * 2 * I, *y = act + m * I;
-    void *xq = (void *)(((uintptr_t)(y + m * H) + 63) & ~(uintptr_t)63);
+    blockx *xq = (blockx *)(((uintptr_t)(y + m * H) + 63) & ~(uintptr_t)63);
     int64_t slots = base + m;
     int failed = 0;
 #pragma omp parallel
@@ -169,12 +127,10 @@ int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) rms_norm_row(x + r * H, L->ln_in, H, L->eps, h + r * H);
-        project(isa, &L->qkv, h, m, H, xq, qkv);
+        sp_project(isa, &L->qkv, h, m, H, xq, qkv, L->qkv.out);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
             float *row = qkv + r * L->qkv.out;
-            if (L->qkv.bias)
-                for (int64_t j = 0; j < L->qkv.out; j++) row[j] += L->qkv.bias[j];
             for (int64_t hq = 0; hq < L->heads; hq++) rope(row + hq * d, cos + r * d, sin + r * d, d);
             for (int64_t g = 0; g < L->kv_heads; g++) {
                 float *k = row + nq + g * d;
@@ -188,24 +144,23 @@ int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos
             int64_t r = p / L->heads, hq = p % L->heads;
             if (sc) attend(L, qkv + r * L->qkv.out + hq * d, kv, cap, r, hq, slots, mask, causal, base, sc, att + r * nq + hq * d);
         }
-        project(isa, &L->o, att, m, nq, xq, y);
+        sp_project(isa, &L->o, att, m, nq, xq, y, H);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) {
-            for (int64_t j = 0; j < H; j++) x[r * H + j] += L->o.bias ? y[r * H + j] + L->o.bias[j] : y[r * H + j];
+            for (int64_t j = 0; j < H; j++) x[r * H + j] += y[r * H + j];
             rms_norm_row(x + r * H, L->ln_post, H, L->eps, h + r * H);
         }
-        project(isa, &L->gate_up, h, m, H, xq, gu);
+        sp_project(isa, &L->gate_up, h, m, H, xq, gu, 2 * I);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
             for (int64_t j = 0; j < I; j++) {
                 float g = gu[r * 2 * I + j], u = gu[r * 2 * I + I + j];
-                if (L->gate_up.bias) g += L->gate_up.bias[j], u += L->gate_up.bias[I + j];
                 act[r * I + j] = g / (1.0f + expf(-g)) * u;
             }
-        project(isa, &L->down, act, m, I, xq, y);
+        sp_project(isa, &L->down, act, m, I, xq, y, H);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
-            for (int64_t j = 0; j < H; j++) x[r * H + j] += L->down.bias ? y[r * H + j] + L->down.bias[j] : y[r * H + j];
+            for (int64_t j = 0; j < H; j++) x[r * H + j] += y[r * H + j];
         free(sc);
     }
     return failed ? SP_OUT_OF_MEMORY : SP_OK;
