@@ -9,7 +9,7 @@ import threading
 import time
 
 from specplay.core.atomic import replacing
-from specplay.core.models import engines
+from specplay.core.models import measurements
 
 
 def test_a_measurement_a_full_or_read_only_cache_cannot_keep_is_kept_in_memory_with_one_warning(
@@ -21,12 +21,12 @@ def test_a_measurement_a_full_or_read_only_cache_cannot_keep_is_kept_in_memory_w
 
     monkeypatch.setattr(os, "fsync", no_space)
     calls = []
-    with caplog.at_level(logging.WARNING, logger=engines.__name__):
+    with caplog.at_level(logging.WARNING, logger=measurements.__name__):
         for _ in range(2):
-            assert engines.measured("memory bandwidth", lambda: calls.append(1) or {"read_gb_per_s": 9.0}) \
+            assert measurements.measured("memory bandwidth", lambda: calls.append(1) or {"read_gb_per_s": 9.0}) \
                 == {"read_gb_per_s": 9.0}
-        assert engines.measured("native draft", lambda: {"ms_per_token": 3.0}) == {"ms_per_token": 3.0}
-    assert len(calls) == 1 and engines.has_measured("memory bandwidth")
+        assert measurements.measured("native draft", lambda: {"ms_per_token": 3.0}) == {"ms_per_token": 3.0}
+    assert len(calls) == 1 and measurements.has_measured("memory bandwidth")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
     assert os.listdir(tmp_path / "measured") in ([], [".engines.json.lock"])  # no temporary left behind
@@ -45,7 +45,7 @@ def test_two_threads_measuring_different_things_keep_both(tmp_path, monkeypatch)
             return {"by": key}
 
         try:
-            engines.measured(key, timed)
+            measurements.measured(key, timed)
         except Exception as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)
 
@@ -55,13 +55,13 @@ def test_two_threads_measuring_different_things_keep_both(tmp_path, monkeypatch)
     for t in threads:
         t.join(timeout=20)
     assert errors == []
-    assert {key.split("|", 1)[1]: value for key, value in engines.read_table(engines._file()).items()} \
+    assert {key.split("|", 1)[1]: value for key, value in measurements.read_table(measurements._file()).items()} \
         == {"cost curve": {"by": "cost curve"}, "native draft": {"by": "native draft"}}
 
 
 def test_two_threads_replacing_one_file_never_tear_it(tmp_path):
     """Written a chunk at a time, as the serializers do; hammered for about a second."""
-    path = tmp_path / "engines.json"
+    path = tmp_path / "measurements.json"
     texts = {"long": "a" * 200_000, "short": "b" * 30_000}
     path.write_text(texts["long"])
     deadline = time.monotonic() + 1.0
@@ -86,4 +86,4 @@ def test_two_threads_replacing_one_file_never_tear_it(tmp_path):
         if (read := path.read_text()) not in texts.values():
             torn.append(len(read))
     assert errors == [] and torn == []
-    assert path.read_text() in texts.values() and [p.name for p in tmp_path.iterdir()] == ["engines.json"]
+    assert path.read_text() in texts.values() and [p.name for p in tmp_path.iterdir()] == ["measurements.json"]

@@ -371,7 +371,7 @@ def test_a_first_load_runs_the_kquant_draft_without_trying_llamacpp_unless_it_wa
                                                                                              monkeypatch):
     """No 4-bit file to make and no child process on the critical path: ``auto`` runs the kernel's
     draft at once, and tries llama.cpp's only where `specplay models measure` timed it faster here."""
-    from specplay.core.models import engines, llamacpp, llamacpp_draft, loader
+    from specplay.core.models import llamacpp, llamacpp_draft, loader, measurements
     from tiny import tiny_hf_model, write_tiny_gguf
 
     monkeypatch.setenv("SPECPLAY_CACHE_DIR", str(tmp_path / "cache"))
@@ -384,7 +384,7 @@ def test_a_first_load_runs_the_kquant_draft_without_trying_llamacpp_unless_it_wa
     first = loader.load_model(str(path), dtype="auto", role="draft")
     assert first.model.storage == "kquant-draft" and tried == []
     assert any("specplay models measure" in note for note in first.notes)
-    engines.measured(loader._draft_choice_key(str(path)), lambda: {"llamacpp_won": True})
+    measurements.measured(loader._draft_choice_key(str(path)), lambda: {"llamacpp_won": True})
     loader.load_model(str(path), dtype="auto", role="draft")
     assert len(tried) == 1
 

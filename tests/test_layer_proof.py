@@ -150,13 +150,13 @@ def test_the_proof_runs_the_first_layer_of_each_mix_with_the_sizes_the_metadata_
 def test_the_target_is_offered_its_blocks_only_once_its_layers_are_proved_and_an_old_verdict_is_proved_again(
         tmp_path, monkeypatch):
     from specplay.core.kernels.kernel_build import library_digest
-    from specplay.core.models import engines, loader
+    from specplay.core.models import loader, measurements
 
     monkeypatch.setenv("SPECPLAY_MEASUREMENTS_DIR", str(tmp_path / "measurements"))
     path = tmp_path / "mixes.gguf"
     _kquant_gguf(path)
     # What an earlier version kept: the matrices' verdict alone.
-    engines.measured(f"kquant exact {library_digest()} {path.name}", lambda: {"exact": True})
+    measurements.measured(f"kquant exact {library_digest()} {path.name}", lambda: {"exact": True})
     proved = []
     real = layer_proof.prove_layers
     monkeypatch.setattr(layer_proof, "prove_layers", lambda cfg, layers: proved.append(len(layers)) or False)

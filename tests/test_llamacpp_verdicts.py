@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from specplay.core import cli
-from specplay.core.models import engines, llamacpp
+from specplay.core.models import llamacpp, measurements
 from specplay.core.models.llamacpp import CANDIDATES, LlamaSettings, probe, usable_settings
 from specplay.core.paths import cache_dir
 
@@ -59,12 +59,12 @@ def test_a_probe_past_its_time_is_transient(tmp_path, monkeypatch):
 
 def test_verdicts_and_measurements_are_kept_per_host(children, tmp_path, monkeypatch):
     usable_settings(tmp_path / "m.gguf", threads=1)
-    engines.measured("memory bandwidth", lambda: {"read_gb_per_s": 9.0})
+    measurements.measured("memory bandwidth", lambda: {"read_gb_per_s": 9.0})
     probed = len(children)
     monkeypatch.setattr(socket, "gethostname", lambda: "a-copy-of-this-home-elsewhere")
     usable_settings(tmp_path / "m.gguf", threads=1)
     assert len(children) == probed + len(CANDIDATES)  # another host: nothing read back
-    assert not engines.has_measured("memory bandwidth")
+    assert not measurements.has_measured("memory bandwidth")
 
 
 def test_models_measure_forgets_this_hosts_measurements_and_measures_the_int8_kernels_again(
@@ -77,11 +77,11 @@ def test_models_measure_forgets_this_hosts_measurements_and_measures_the_int8_ke
     monkeypatch.setattr(loader, "compare_draft_engines", lambda model_id, progress=None: compared.append(model_id)
                         or ["weights: ...", "draft engine native kquant-draft: 20.0 ms/token against llama.cpp's 30.0"])
     usable_settings(tmp_path / "m.gguf", threads=1)
-    engines.measured("memory bandwidth", lambda: {"read_gb_per_s": 9.0})
+    measurements.measured("memory bandwidth", lambda: {"read_gb_per_s": 9.0})
     other = {"another host [0] torch 2 1 threads|memory bandwidth": {"read_gb_per_s": 1.0}}
-    engines.write_table(engines._file(), {**engines._read(), **other})
+    measurements.write_table(measurements._file(), {**measurements._read(), **other})
     fake = {"x86": {"exact": True, "ms": {"1": 0.2, "8": 0.6, "16": 1.4}}}
-    monkeypatch.setattr(engines, "_engine_report", lambda progress=None: fake)
+    monkeypatch.setattr(measurements, "_engine_report", lambda progress=None: fake)
     assert cli.main(["models", "measure"]) == 0
     out = capsys.readouterr().out
     assert "forgot 1 measurement and 2 llama.cpp verdicts of this machine" in out
@@ -90,17 +90,17 @@ def test_models_measure_forgets_this_hosts_measurements_and_measures_the_int8_ke
         assert compared == [DEFAULT_DRAFT] and f"{DEFAULT_DRAFT}: draft engine native kquant-draft: 20.0" in out
     else:
         assert compared == [] and "measured again on the next load" in out
-    assert llamacpp._read_verdicts() == {} and not engines.has_measured("memory bandwidth")
-    assert engines.has_measured(engines.QUANT_KEY) and other.keys() <= engines._read().keys()
+    assert llamacpp._read_verdicts() == {} and not measurements.has_measured("memory bandwidth")
+    assert measurements.has_measured(measurements.QUANT_KEY) and other.keys() <= measurements._read().keys()
 
 
 def test_tests_keep_their_measurements_out_of_the_model_cache():
-    assert not engines._file().is_relative_to(cache_dir())
+    assert not measurements._file().is_relative_to(cache_dir())
     assert not llamacpp._probe_file().is_relative_to(cache_dir())
 
 
 def _prefix() -> str:
-    return f"{engines.machine_key()}|a llama.cpp build|type 1|1 llama.cpp threads|"
+    return f"{measurements.machine_key()}|a llama.cpp build|type 1|1 llama.cpp threads|"
 
 
 MALFORMED = {  # what a damaged or hand-edited verdict file may hold instead of a verdict, setting by setting
@@ -118,7 +118,7 @@ def test_entries_of_a_malformed_verdict_file_are_dropped_and_probed_again(childr
     assert usable_settings(tmp_path / "m.gguf", threads=1)[0] == LlamaSettings(False, False)
     assert len(children) == len(CANDIDATES)
     table = {_prefix() + s.label: entry for s, entry in MALFORMED.items()}
-    engines.write_table(llamacpp._probe_file(), table)
+    measurements.write_table(llamacpp._probe_file(), table)
     assert llamacpp.known_verdicts() == []
     settings, results = usable_settings(tmp_path / "m.gguf", threads=1)
     assert settings == LlamaSettings(False, False) and len(children) == 2 * len(CANDIDATES)
@@ -130,7 +130,7 @@ def test_the_settings_of_a_verdict_must_be_those_of_its_key(children, tmp_path):
     table = llamacpp._read_verdicts()
     ok = table[_prefix() + "extra buffers off, flash attention off"]
     table[_prefix() + "extra buffers off, flash attention on"] = ok  # the ok of another setting
-    engines.write_table(llamacpp._probe_file(), table)
+    measurements.write_table(llamacpp._probe_file(), table)
     _, results = usable_settings(tmp_path / "m.gguf", threads=1)
     assert "SIGILL" in {r.settings: r for r in results}[LlamaSettings(False, True)].reason  # probed again
 
@@ -141,8 +141,8 @@ def test_models_list_reads_a_malformed_verdict_file_without_a_traceback(children
     usable_settings(tmp_path / "m.gguf", threads=1)
     table = llamacpp._read_verdicts()
     table.update({_prefix() + s.label: entry for s, entry in MALFORMED.items() if s.extra_buffers})
-    table[engines.machine_key() + "|no build or settings"] = {"ok": True, "ms_per_token": 1.0}
-    engines.write_table(llamacpp._probe_file(), table)
+    table[measurements.machine_key() + "|no build or settings"] = {"ok": True, "ms_per_token": 1.0}
+    measurements.write_table(llamacpp._probe_file(), table)
     assert cli.main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "type 1|1 llama.cpp threads|extra buffers off, flash attention off: ok, 5.0 ms/token" in out

@@ -244,9 +244,9 @@ def _measure_again() -> None:
     """Forget this machine's measurements and llama.cpp verdicts; measure the int8 kernels and the
     default draft's engines (llama.cpp's against the native one) now."""
     from specplay.core.kernels.linear import int8_supported
-    from specplay.core.models.engines import describe_quant_engine, forget_measurements, quant_engine
     from specplay.core.models.llamacpp import available, forget_verdicts
     from specplay.core.models.loader import compare_draft_engines
+    from specplay.core.models.measurements import describe_quant_engine, forget_measurements, quant_engine
     from specplay.core.weights.catalog import DEFAULT_DRAFT
 
     measurements, verdicts = forget_measurements(), forget_verdicts()
@@ -265,8 +265,8 @@ def _measure_again() -> None:
 
 def _print_engines() -> None:
     """What was measured and chosen on this machine: the int8 kernel, llama.cpp's probes."""
-    from specplay.core.models.engines import QUANT_KEY, cpu_name, describe_quant_engine, has_measured
     from specplay.core.models.llamacpp import available, known_verdicts
+    from specplay.core.models.measurements import QUANT_KEY, cpu_name, describe_quant_engine, has_measured
 
     print(f"this machine: {cpu_name() or 'unknown CPU'}")
     print("  " + (describe_quant_engine() if has_measured(QUANT_KEY)

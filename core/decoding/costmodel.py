@@ -211,7 +211,7 @@ def observe(model, rows: int, seconds: float) -> None:
 def _kept_curve(model) -> CostCurve:
     from specplay.core import __version__
     from specplay.core.kernels import kernel_build
-    from specplay.core.models.engines import measured
+    from specplay.core.models.measurements import measured
 
     info = model.info
     # What the curve depends on besides the machine (in the measurements' key already): the model,

@@ -388,7 +388,7 @@ def _settings(bench_spec: BenchSpec, target, draft) -> dict:
     (``--dtype``, ``--device`` and ``--draft-backend`` resolve to them), beside the machine, its
     int8 kernel and threads, and the SpecPlay version that made the answer."""
     from specplay.core import __version__
-    from specplay.core.models.engines import cpu_name
+    from specplay.core.models.measurements import cpu_name
 
     models = {}
     for role, loaded in (("target", target), ("draft", draft)):

@@ -312,7 +312,7 @@ def ngram_type(gguf: Path, threads: int, settings, tokenizer) -> dict:
     "tokens_per_s": {type: tok/s}, "drafts": {type: {"drafted", "accepted"}}}`` (its own draft sizes)."""
     import json
 
-    from specplay.core.models.engines import measured
+    from specplay.core.models.measurements import measured
     from specplay.core.paths import assets_dir
     from specplay.core.remote.endpoint import Endpoint
     from specplay.core.remote.llama_server import NGRAM_TYPES, REQUEST_FIELDS, LlamaServer, build_stamp, server_args

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from specplay.core.errors import ModelError
-from specplay.core.models.engines import forget_host, machine_key, read_table, write_table
+from specplay.core.models.measurements import forget_host, machine_key, read_table, write_table
 from specplay.core.paths import measurements_dir
 
 log = logging.getLogger(__name__)

@@ -273,7 +273,7 @@ def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str
     in float32 (exact, slower), said in the notes, or, with int8 asked for by name, not at all.
     A draft's int8 or int4 never decides a token and keeps torch's kernel then.
     """
-    from specplay.core.models.engines import describe_quant_engine, use_fastest_quant_engine, why_no_exact_engine
+    from specplay.core.models.measurements import describe_quant_engine, use_fastest_quant_engine, why_no_exact_engine
 
     engine = use_fastest_quant_engine(progress)
     if storage != "int8":
@@ -296,7 +296,7 @@ def _exact_gguf_reader(model_id: str, progress):
     else (None, why not)."""
     from specplay.core.kernels.kernel_build import library_digest
     from specplay.core.models import layer_proof
-    from specplay.core.models.engines import measured
+    from specplay.core.models.measurements import measured
     from specplay.core.weights.prepare import source_gguf
 
     if not has_gguf_source(model_id):
@@ -375,9 +375,9 @@ def _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, pro
     it must also be measured faster per token than the native draft, which is then built once
     to be timed (cached per machine, so later loads only read the two figures back).
     """
-    from specplay.core.models.engines import measured
     from specplay.core.models.llamacpp import describe
     from specplay.core.models.llamacpp_draft import load_llamacpp_draft
+    from specplay.core.models.measurements import measured
 
     model, probes = load_llamacpp_draft(model_id, path, config, eos, progress)
     if model is None:
@@ -409,7 +409,7 @@ def _draft_choice_key(model_id: str) -> str:
 
 def _llamacpp_draft_won(model_id: str) -> bool:
     """Whether llama.cpp's draft was timed faster than the k-quant draft on this machine."""
-    from specplay.core.models.engines import kept_measurement
+    from specplay.core.models.measurements import kept_measurement
 
     return bool((kept_measurement(_draft_choice_key(model_id)) or {}).get("llamacpp_won"))
 
@@ -426,7 +426,7 @@ def compare_draft_engines(model_id: str, progress: Progress = log_progress) -> l
 
 def _native_draft_ms(model_id, path, config, eos, storage, progress) -> float:
     """The native draft's cost per token here, measured once (the same protocol as llama.cpp's probe)."""
-    from specplay.core.models.engines import measured
+    from specplay.core.models.measurements import measured
 
     def measure() -> dict:
         progress(f"Timing the native {storage} draft of {model_id} (once)", None)

@@ -12,7 +12,7 @@ from importlib import metadata
 
 import torch
 
-from specplay.core.models.engines import cpu_name, has_measured, measured
+from specplay.core.models.measurements import cpu_name, has_measured, measured
 
 _LIBRARIES = ("torch", "transformers", "llama-cpp-python", "PySide6-Essentials", "numpy")
 

@@ -1,11 +1,11 @@
 """A GGUF file's header, read directly: its metadata and where each tensor's blocks lie.
 
-``gguf.GGUFReader`` turns every metadata value into Python objects, the tokenizer's 151,936
-tokens and 151,387 merges included: 11.5 s to open the 1.5B target on a 2-core Xeon, most of
-a later start. This reads the header once, skips what it does not need, and maps the tensors'
-bytes as numpy views of one memory map (the same arrays ``GGUFReader`` gives for them), in
-well under a second. The tokenizer's metadata is hashed as it is read, so two files with the
-same tokenizer can share one converted copy.
+``gguf.GGUFReader`` turns every metadata value into Python objects, the tokenizer's 151,936 tokens
+and 151,387 merges included: seconds to open the 1.5B target on a two-core CPU, most of a later
+start (``docs/benchmarks.md``, "Footprint"). This reads the header once, skips what it does not
+need, and maps the tensors' bytes as numpy views of one memory map (the same arrays ``GGUFReader``
+gives for them), in well under a second. The tokenizer's metadata is hashed as it is read, so two
+files with the same tokenizer can share one converted copy.
 
 The file may come from anyone: every count and length it claims is checked against its size
 before anything is read or allocated for it, and every tensor's type, shape, alignment and bytes

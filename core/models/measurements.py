@@ -1,9 +1,9 @@
-"""Which kernels run what on this machine: chosen by measurement, once per machine, cached.
+"""This machine's measurements: which kernels run what here, chosen by measurement, once per machine, kept.
 
-Cost curves differ by CPU (an AMD EPYC and an Intel Xeon with AMX verify 16 tokens at 1.85x and
-2.03x one token's cost), so nothing is chosen by what is installed or by vendor. Two choices
-are made here and kept in the user cache, keyed by the host, the CPU's model name and feature
-flags and the library versions that run them (``specplay models measure`` forgets them):
+Cost curves differ from one CPU to another (``docs/benchmarks.md`` has them by machine), so nothing
+is chosen by what is installed or by vendor. What is measured is kept in the user's measurements
+table, keyed by the host, the CPU's model name and feature flags and the library versions that ran
+it (``specplay models measure`` forgets them). Two choices are made here:
 
 - the **quantized engine** of the row-exact int8 layer (torch's ``x86``, ``fbgemm``, ``onednn``):
   a candidate is first proved bit-exact for every block of 1 to :data:`VERIFY_ROWS` rows (the
