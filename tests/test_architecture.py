@@ -174,3 +174,23 @@ def test_every_sub_package_of_core_says_what_it_holds_and_may_import():
     missing = [str(p.relative_to(ROOT)) for p in (ROOT / "core").glob("*/__init__.py")
                if "May import" not in (ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or "")]
     assert missing == []
+
+
+def _names_storage(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "storage") or (isinstance(node, ast.Attribute)
+                                                                    and node.attr == "storage")
+
+
+def test_a_storage_kind_is_compared_as_its_enum_member_never_as_a_string():
+    """``storage == "int8"`` hides a typo until it runs; ``Storage.INT8`` fails at import."""
+    offenders = []
+    for path in (ROOT / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare) or not any(map(_names_storage, [node.left, *node.comparators])):
+                continue
+            sides = [n for side in [node.left, *node.comparators]
+                     for n in (side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side])]
+            if any(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in sides):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+

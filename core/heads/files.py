@@ -184,11 +184,11 @@ def resolve_heads_path(given: str, kind: str, target_spec: str) -> Path:
 def draft_lm_rows(target, vocab_ids: torch.Tensor, path: Path):
     """The target's frozen LM head restricted to a heads file's draft vocabulary, in the heads' storage
     (:func:`~specplay.core.kernels.linear.storage_of`): on the GGUF's blocks, the target's own rows of them."""
-    from specplay.core.kernels.linear import make_linear, storage_of
+    from specplay.core.kernels.linear import Storage, make_linear, storage_of
 
     _check_vocab_ids(vocab_ids, target.info.vocab_size, path)
     storage = storage_of(target.info)
-    if storage == "kquant-draft":
+    if storage == Storage.KQUANT_DRAFT:
         return target.head_rows(vocab_ids.tolist())
     return make_linear(target.lm_head_weight()[vocab_ids], None, storage)
 

@@ -18,6 +18,7 @@ alone or in a block of 64 (``tests/test_linear.py``).
 
 from __future__ import annotations
 
+import enum
 import functools
 import warnings
 from dataclasses import dataclass
@@ -285,39 +286,47 @@ class Int4DraftLinear:
         return y.reshape(*shape[:-1], w.rows)
 
 
-def storage_of(info) -> str:
-    """The storage kind for a drafting head's layers made to match a loaded target's (``ModelInfo``)
-    weights: ``int8`` rows beside an int8 target, Q4_K blocks fitted to the head (``kquant-draft``)
-    beside a target on the GGUF's own blocks, whose kernel then runs the head too, ``float`` else.
-    A head only drafts, so its numerics never decide a token."""
-    return {"int8": "int8", "gguf": "kquant-draft"}.get(info.dtype, "float")
+class Storage(enum.StrEnum):
+    """How a model's linear layers keep their weights. The values are what a model's ``storage``,
+    the command line's ``--dtype`` (``int8``, ``gguf``) and a heads manifest say; a member equals its
+    value as a string."""
+
+    FLOAT = "float"  # the compute dtype's floats
+    INT8 = "int8"  # row-exact int8 rows: exact at every block size (a target's)
+    GGUF = "gguf"  # the GGUF's own Q4_K/Q6_K blocks on the k-quant kernel: exact (a target's)
+    INT8_DRAFT = "int8-draft"  # int8 rows without the pinning (a draft's: faster, not batch-invariant)
+    INT4_DRAFT = "int4-draft"  # int4 layers packed for torch's kernel (a draft's)
+    KQUANT_DRAFT = "kquant-draft"  # Q4_K blocks fitted to a draft's weights, on the k-quant kernel
 
 
-#: Weight storage kinds: float (the compute dtype), row-exact int8, the GGUF's own k-quant blocks
-#: (exact, :mod:`specplay.core.kernels.kquant`), and int8, int4 or the k-quant kernel's Q4_K blocks
-#: fitted to a draft's weights, for drafts only.
-STORAGES = ("float", "int8", "gguf", "int8-draft", "int4-draft", "kquant-draft")
 #: The quantized storages whose results are bit-exact across block sizes (a target's).
-EXACT_QUANTIZED = ("int8", "gguf")
+EXACT_QUANTIZED = (Storage.INT8, Storage.GGUF)
+#: The storages the k-quant kernel runs (:mod:`specplay.core.kernels.kquant`).
+KQUANT_STORAGES = (Storage.GGUF, Storage.KQUANT_DRAFT)
 
 
-def make_linear(weight: "torch.Tensor | QuantizedWeight | Int4Packed", bias: torch.Tensor | None, storage: str):
-    """Build the linear layer for a storage kind (see :data:`STORAGES`).
+def storage_of(info) -> Storage:
+    """The storage kind for a drafting head's layers made to match a loaded target's (``ModelInfo``)
+    weights: int8 rows beside an int8 target, Q4_K blocks fitted to the head beside a target on the
+    GGUF's own blocks, whose kernel then runs the head too, floats else. A head only drafts, so its
+    numerics never decide a token."""
+    return {Storage.INT8: Storage.INT8, Storage.GGUF: Storage.KQUANT_DRAFT}.get(info.dtype, Storage.FLOAT)
 
-    Quantized kinds take a :class:`QuantizedWeight` too, ``int4-draft`` an :class:`Int4Packed`, and
-    ``gguf`` and ``kquant-draft`` a k-quant matrix or a list of them (fused); ``kquant-draft`` also a
-    float matrix, fitted into Q4_K blocks here.
+
+def make_linear(weight: "torch.Tensor | QuantizedWeight | Int4Packed", bias: torch.Tensor | None, storage: Storage):
+    """Build the linear layer for a storage kind.
+
+    Quantized kinds take a :class:`QuantizedWeight` too, int4 an :class:`Int4Packed`, and the
+    k-quant kinds a k-quant matrix or a list of them (fused); a k-quant draft also a float matrix,
+    fitted into Q4_K blocks here.
     """
-    if storage in ("gguf", "kquant-draft"):
+    storage = Storage(storage)
+    if storage in KQUANT_STORAGES:
         from specplay.core.kernels.kquant import KQuantLinear, KQuantWeight
 
-        if storage == "kquant-draft" and isinstance(weight, torch.Tensor):
+        if storage == Storage.KQUANT_DRAFT and isinstance(weight, torch.Tensor):
             weight = KQuantWeight.quantize(weight.detach().float().cpu())
         return KQuantLinear(weight, bias)
-    if storage == "int8":
-        return Int8RowExactLinear(weight, bias)
-    if storage == "int8-draft":
-        return Int8DraftLinear(weight, bias)
-    if storage == "int4-draft":
-        return Int4DraftLinear(weight, bias)
-    return FloatLinear(weight, bias)
+    kinds = {Storage.INT8: Int8RowExactLinear, Storage.INT8_DRAFT: Int8DraftLinear,
+             Storage.INT4_DRAFT: Int4DraftLinear, Storage.FLOAT: FloatLinear}
+    return kinds[storage](weight, bias)

@@ -39,7 +39,7 @@ from specplay.core.decoding.types import Draft
 from specplay.core.errors import ModelError
 from specplay.core.heads import draft_lm_rows, features_warning, head_config, load_heads, resolve_heads_path
 from specplay.core.heads.eagle import EagleDrafter
-from specplay.core.kernels.linear import drafter_dtype, make_linear, storage_of
+from specplay.core.kernels.linear import Storage, drafter_dtype, make_linear, storage_of
 from specplay.core.models.layers import rms_norm
 
 
@@ -212,7 +212,7 @@ class Eagle(Method):
         # bfloat16 (:func:`drafter_dtype`) keeps each value's own exponent: the fuse's 28 MB cost a drafting
         # step 3.1 ms in float32 and 0.4 ms in bfloat16 on the AMD EPYC model 17 (the head learnt it under
         # bfloat16 autocast).
-        fuse = make_linear(tensors["fuse.weight"].to(device=device, dtype=drafter_dtype(device)), None, "float")
+        fuse = make_linear(tensors["fuse.weight"].to(device=device, dtype=drafter_dtype(device)), None, Storage.FLOAT)
         return fuse, tensors["out_norm"].float().to(device), layers
 
     # ------------------------------------------------------------------ feature bookkeeping

@@ -117,9 +117,10 @@ class CausalLM(ABC):
     def head_rows(self, rows: "int | Sequence[int]"):
         """A linear layer for the LM head's first ``rows`` outputs, or for the outputs of the ids ``rows`` in
         that order (a draft vocabulary), in this model's storage."""
-        from specplay.core.kernels.linear import make_linear
+        from specplay.core.kernels.linear import Storage, make_linear
 
-        storage = {"int8": "int8-draft", "int4": "int4-draft"}.get(self.info.dtype, "float")
+        # info.dtype names a quantized draft's storage by its first word (int8, int4)
+        storage = {"int8": Storage.INT8_DRAFT, "int4": Storage.INT4_DRAFT}.get(self.info.dtype, Storage.FLOAT)
         weight = self.lm_head_weight()
         return make_linear(weight[:rows] if isinstance(rows, int) else weight[torch.as_tensor(rows)], None, storage)
 

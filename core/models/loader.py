@@ -18,7 +18,8 @@ import torch
 from specplay.core.errors import ConfigError, ModelError, TokenizerMismatchError, is_out_of_memory
 from specplay.core.kernels import kquant
 from specplay.core.kernels.kernel_build import build_soon
-from specplay.core.kernels.linear import has_bf16_units, int8_supported
+from specplay.core.kernels.linear import (EXACT_QUANTIZED, KQUANT_STORAGES, Storage, has_bf16_units,
+                                          int8_supported)
 from specplay.core.memory import release_freed_memory
 from specplay.core.models.base import CausalLM
 from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
@@ -33,7 +34,7 @@ from specplay.core.weights.tokenizer import read_tokenizer
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64", "int8", "gguf")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64", Storage.INT8, Storage.GGUF)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 BACKENDS = ("auto", "native", "transformers", "llamacpp")
 
@@ -70,7 +71,7 @@ def pick_device(device: str = "auto") -> str:
     return device
 
 
-def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, str]:
+def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, Storage]:
     """Return (compute dtype, weight storage).
 
     ``auto``: bfloat16 on a GPU; on a CPU, row-exact int8 where the x86 int8 kernel exists
@@ -83,19 +84,19 @@ def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, str]:
         raise ConfigError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     if dtype == "auto":
         if device != "cpu":
-            return torch.bfloat16, "float"
-        return (torch.float32, "int8") if int8_supported() else (torch.float32, "float")
-    if dtype == "gguf":
+            return torch.bfloat16, Storage.FLOAT
+        return (torch.float32, Storage.INT8) if int8_supported() else (torch.float32, Storage.FLOAT)
+    if dtype == Storage.GGUF:
         if device != "cpu":
             raise ConfigError("gguf storage (the file's own k-quant blocks) is a CPU option; on a GPU use bfloat16")
-        return torch.float32, "gguf"
-    if dtype == "int8":
+        return torch.float32, Storage.GGUF
+    if dtype == Storage.INT8:
         if device != "cpu":
             raise ConfigError("int8 storage is a CPU option; on a GPU use bfloat16 or float16")
         if not int8_supported():
             raise ConfigError("int8 storage needs torch's x86 quantized engine (fbgemm), absent on this machine")
-        return torch.float32, "int8"
-    return getattr(torch, dtype), "float"
+        return torch.float32, Storage.INT8
+    return getattr(torch, dtype), Storage.FLOAT
 
 
 class _SafetensorsReader:
@@ -154,14 +155,14 @@ def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
 ROLES = ("target", "draft")
 
 
-def draft_storage(model_id: str) -> str:
+def draft_storage(model_id: str) -> Storage:
     """How a draft model stores quantized weights, none of them row-pinned (only a target's
     exactness needs that): on the k-quant kernel where it builds here and the model has a GGUF
     source (its Q4_K/Q6_K blocks kept, its other matrices fitted into Q4_K: about 4.6 bits a
     weight), else int4 where the CPU has bfloat16 units, else int8."""
     if has_gguf_source(model_id) and kquant.unavailable() is None:
-        return "kquant-draft"
-    return "int4-draft" if has_bf16_units() else "int8-draft"
+        return Storage.KQUANT_DRAFT
+    return Storage.INT4_DRAFT if has_bf16_units() else Storage.INT8_DRAFT
 
 
 def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
@@ -193,36 +194,36 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
         check_gguf(Path(model_id).expanduser(), NATIVE_ARCHITECTURES)
     if torch.device(dev).type == "cpu" and has_gguf_source(model_id) and kquant.isa() is not None:
         build_soon()  # the kernel compiles while the model's file is assembled
-    if role == "draft" and storage in ("int8", "gguf"):
+    if role == "draft" and storage in EXACT_QUANTIZED:
         storage = draft_storage(model_id)  # a draft's numerics never decide a token: its fastest layers
     notes: list[str] = []
     gguf_reader = None
     auto_gguf = (dtype == "auto" and torch.device(dev).type == "cpu" and role == "target"
                  and backend in ("auto", "native") and has_gguf_source(model_id))
-    if storage == "gguf" or auto_gguf:
+    if storage == Storage.GGUF or auto_gguf:
         gguf_reader, why = _exact_gguf_reader(model_id, progress)
         if gguf_reader is not None:
-            storage = "gguf"
+            storage = Storage.GGUF
             notes.append(f"weights: the GGUF's own Q4_K/Q6_K blocks, exact k-quant kernel "
                          f"({kquant.isa_name(kquant.isa())}, proved 1-{kquant.PROVED_ROWS} rows)")
-        elif storage == "gguf":
+        elif storage == Storage.GGUF:
             raise ModelError(f"{model_id}: gguf storage is unavailable: {why}; use --dtype int8")
         else:
             notes.append(f"not on the GGUF's own blocks: {why}")
-    if storage not in ("float", "gguf", "kquant-draft") and torch.device(dev).type == "cpu":
+    if storage not in (Storage.FLOAT, *KQUANT_STORAGES) and torch.device(dev).type == "cpu":
         storage = _exact_quant_engine(model_id, dtype, storage, notes, progress)  # before any int8 layer is packed
     # The k-quant storages read the GGUF itself (the folder gives the config and tokenizer); the other
     # quantized storages are built from the cache's int8 rows; an int4 draft's packed layers are
     # kept too, once made.
-    weights = {"float": "float32", "int4-draft": "int4-draft", "gguf": "none", "kquant-draft": "none"}.get(storage,
-                                                                                                        "int8")
+    weights = {Storage.FLOAT: "float32", Storage.INT4_DRAFT: Storage.INT4_DRAFT, Storage.GGUF: "none",
+               Storage.KQUANT_DRAFT: "none"}.get(storage, Storage.INT8)
     path = resolve(model_id, progress, should_cancel, weights)
     progress(f"Loading {model_id}", None)
     config, tokenizer = _config_and_tokenizer(model_id, path)
     eos = _eos_ids(path, config, tokenizer)
     if role == "draft" and backend in ("auto", "llamacpp"):
         why_not = _llamacpp_draft_unavailable(model_id, dev, storage)
-        if (why_not is None and backend == "auto" and storage == "kquant-draft" and not compare
+        if (why_not is None and backend == "auto" and storage == Storage.KQUANT_DRAFT and not compare
                 and not _llamacpp_draft_won(model_id)):
             # The kernel's draft reads as many bytes a token as llama.cpp's 4-bit file, with no file to
             # make and no child process to probe: it runs first; `specplay models measure` compares them.
@@ -266,27 +267,27 @@ def _config_and_tokenizer(model_id: str, path: Path):
     return config, tokenizer
 
 
-def _exact_quant_engine(model_id: str, dtype: str, storage: str, notes: list[str], progress) -> str:
+def _exact_quant_engine(model_id: str, dtype: str, storage: Storage, notes: list[str], progress) -> Storage:
     """Set torch's int8 kernel to the fastest proved row-exact here, and the storage to load in.
 
-    A target's int8 (``storage == "int8"``) is exact only on such a kernel: without one it loads
+    A target's int8 (``storage == Storage.INT8``) is exact only on such a kernel: without one it loads
     in float32 (exact, slower), said in the notes, or, with int8 asked for by name, not at all.
     A draft's int8 or int4 never decides a token and keeps torch's kernel then.
     """
     from specplay.core.models.measurements import describe_quant_engine, use_fastest_quant_engine, why_no_exact_engine
 
     engine = use_fastest_quant_engine(progress)
-    if storage != "int8":
+    if storage != Storage.INT8:
         return storage
     if engine is not None:
         notes.append(describe_quant_engine())  # what the target's decoding and verification cost depend on
         return storage
     why = why_no_exact_engine()
-    if dtype == "int8":
+    if dtype == Storage.INT8:
         raise ModelError(f"{model_id}: {why}, so int8 would not be exact here; use --dtype float32")
     notes.append(f"{why}: {model_id} runs in float32 storage (exact, slower)")
     log.warning("%s: %s; loading in float32 storage", model_id, why)
-    return "float"
+    return Storage.FLOAT
 
 
 def _exact_gguf_reader(model_id: str, progress):
@@ -329,7 +330,7 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
     use_native = backend == "native" or (backend == "auto" and reason is None)
     if backend == "native" and reason:
         raise ModelError(f"{model_id}: {reason}")
-    if storage == "gguf" and not use_native:
+    if storage == Storage.GGUF and not use_native:
         raise ModelError(f"{model_id}: gguf storage runs on the native decoder only ({reason})")
     if use_native:
         try:
@@ -347,11 +348,11 @@ def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage
                                                 dtype=compute_dtype, storage=storage, eos_token_ids=eos)
             except KeyError as exc:
                 raise ModelError(f"{model_id}: {exc.args[0]} (is the weights file complete?)") from None
-            if storage == "int4-draft" and getattr(reader, "path", None) == path / INT8_WEIGHTS:
+            if storage == Storage.INT4_DRAFT and getattr(reader, "path", None) == path / INT8_WEIGHTS:
                 store_int4_layers(model, reader, path, progress)
-            if storage == "kquant-draft" and hasattr(reader, "kept"):
+            if storage == Storage.KQUANT_DRAFT and hasattr(reader, "kept"):
                 store_kquant_blocks(reader.kept, path, progress)
-            if storage == "gguf" and hasattr(reader, "kept"):
+            if storage == Storage.GGUF and hasattr(reader, "kept"):
                 store_kquant_blocks({name: value for name, value in reader.kept.items() if name not in _UNKEPT
                                      and not isinstance(value, kquant.MappedRows)}, path, progress, "kquant")
             return model, path
@@ -417,7 +418,7 @@ def _llamacpp_draft_won(model_id: str) -> bool:
 def compare_draft_engines(model_id: str, progress: Progress = log_progress) -> list[str]:
     """Time llama.cpp's draft against the native one (what ``auto`` skips on a first load where the
     k-quant draft runs) and keep the winner for later loads; the load's notes say which won."""
-    loaded = load_model(model_id, dtype="int8", backend="auto", role="draft", progress=progress, compare=True)
+    loaded = load_model(model_id, dtype=Storage.INT8, backend="auto", role="draft", progress=progress, compare=True)
     close = getattr(loaded.model, "close", None)
     if close:
         close()
@@ -430,7 +431,7 @@ def _native_draft_ms(model_id, path, config, eos, storage, progress) -> float:
 
     def measure() -> dict:
         progress(f"Timing the native {storage} draft of {model_id} (once)", None)
-        model, _ = _build_model(model_id, path, config, eos, "cpu", "int8", torch.float32, storage, "native", [],
+        model, _ = _build_model(model_id, path, config, eos, "cpu", Storage.INT8, torch.float32, storage, "native", [],
                                 progress, never)
         return {"ms_per_token": time_decoding(model)}
 
@@ -457,7 +458,7 @@ def _llamacpp_draft_unavailable(model_id: str, dev, storage: str) -> str | None:
     """Why a draft cannot run on llama.cpp (a quantized CPU draft from a GGUF source), or None."""
     from specplay.core.models.llamacpp import available
 
-    if torch.device(dev).type != "cpu" or storage == "float":
+    if torch.device(dev).type != "cpu" or storage == Storage.FLOAT:
         return "it runs quantized drafts on the CPU only"
     if not has_gguf_source(model_id):
         return "it needs a GGUF source (a catalog id or a .gguf file)"
@@ -468,10 +469,10 @@ def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress)
     """The reader of the weights a model in ``storage`` is built from: a k-quant draft's GGUF, an
     int4 draft's packed layers when the cache has them (checked), the cache's int8 rows, or the
     folder's safetensors."""
-    if storage == "kquant-draft":
+    if storage == Storage.KQUANT_DRAFT:
         from specplay.core.weights.prepare import source_gguf
 
-        status = check_weights(path, "kquant-draft")
+        status = check_weights(path, Storage.KQUANT_DRAFT)
         if status == "ok":
             return gguf_blocks.BlocksFileReader(path / KQUANT_DRAFT_WEIGHTS)
         if status != "missing":
@@ -480,10 +481,10 @@ def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress)
         fitting(0.0)
         reader = gguf_blocks.GGUFDraftReader(source_gguf(model_id, progress))
         return gguf_blocks.KeptBlocks(gguf_blocks.CountedReads(reader, fitting))
-    if storage == "float" or not (path / INT8_WEIGHTS).is_file():
+    if storage == Storage.FLOAT or not (path / INT8_WEIGHTS).is_file():
         return _SafetensorsReader(path)
-    if storage == "int4-draft":
-        status = check_weights(path, "int4-draft")
+    if storage == Storage.INT4_DRAFT:
+        status = check_weights(path, Storage.INT4_DRAFT)
         if status == "ok":
             return CachedWeightsReader(path / INT4_WEIGHTS)
         if status != "missing":
@@ -516,9 +517,9 @@ def _check_fallback_storage(model_id: str, dtype: str, storage: str, reason: str
     can round differently and flip near-ties: int8 there would break exactness. Under
     ``auto`` it runs in float32 (and says so); an explicit int8 is refused.
     """
-    if storage == "float":
+    if storage == Storage.FLOAT:
         return
-    if dtype == "int8":
+    if dtype == Storage.INT8:
         raise ModelError(f"{model_id}: int8 storage is exact only on the native decoder, which cannot run this model "
                          f"({reason}); use --dtype auto or float32")
     notes.append("float32 weights: int8 is exact only on the native decoder")

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from specplay.core.errors import ModelError
 from specplay.core.kernels.kquant import FusedLayers, KQuantLinear, KQuantWeight, MappedRows, check_shapes
-from specplay.core.kernels.linear import EXACT_QUANTIZED, Int4DraftLinear, Int4Packed, QuantizedWeight, make_linear
+from specplay.core.kernels.linear import (EXACT_QUANTIZED, KQUANT_STORAGES, Int4DraftLinear, Int4Packed, QuantizedWeight,
+                                          Storage, make_linear)
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
 from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, attention_kernels, layer_forward, rms_norm,
                                          rope_tables)
@@ -36,7 +37,6 @@ from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, att
 log = logging.getLogger(__name__)
 
 #: Storages on the k-quant kernel: a GGUF's own blocks (a target's, exact), or a draft's fitted ones.
-KQUANT_STORAGES = ("gguf", "kquant-draft")
 
 
 def fused_name(prefixes: Sequence[str]) -> str:
@@ -53,9 +53,9 @@ class _WeightBuilder:
     """
 
     def __init__(self, get_tensor: Callable[[str], "torch.Tensor | QuantizedWeight | None"], device: torch.device,
-                 dtype: torch.dtype, storage: str, pool: ThreadPoolExecutor):
+                 dtype: torch.dtype, storage: Storage, pool: ThreadPoolExecutor):
         self.get_tensor, self.device, self.dtype, self.storage, self.pool = get_tensor, device, dtype, storage, pool
-        self.quantized = storage != "float"
+        self.quantized = storage != Storage.FLOAT
         self.linears: dict[str, Future] = {}
 
     def tensor(self, key: str, required: bool = True):
@@ -79,7 +79,7 @@ class _WeightBuilder:
         """The layer of matrices ``prefixes`` computed as one (q/k/v, gate/up), with their biases."""
         name = fused_name(prefixes) + ".weight"
         # A cache of int4 layers holds fused matrices, already packed for the kernel.
-        weight = self.get_tensor(name) if self.storage == "int4-draft" and len(prefixes) > 1 else None
+        weight = self.get_tensor(name) if self.storage == Storage.INT4_DRAFT and len(prefixes) > 1 else None
         if not isinstance(weight, Int4Packed):
             parts = [self.matrix(p + ".weight") for p in prefixes]
             if len(parts) == 1:
@@ -117,14 +117,14 @@ class NativeDecoder(CausalLM):
         name: str,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
-        storage: str = "float",
+        storage: Storage = Storage.FLOAT,
         eos_token_ids: Sequence[int] = (),
     ):
         """Build from weights fetched one at a time by ``get_tensor(hf_name)`` (None if absent).
 
-        ``dtype`` is the compute and cache dtype; ``storage`` is ``"float"`` (weights in
-        ``dtype``), ``"int8"`` (row-exact int8 linear weights, computed in float32) or
-        ``"int8-draft"`` (int8 for a draft model: faster, not batch-invariant). In int8 the
+        ``dtype`` is the compute and cache dtype; ``storage`` (a :class:`Storage`) is floats (weights in
+        ``dtype``), row-exact int8 linear weights computed in float32, a draft's int8, int4 or
+        k-quant layers, or the GGUF's own blocks. In int8 the
         embedding is int8 rows with scales too (the same table for plain decoding and
         verification, so exactness holds), and ``get_tensor`` may hand over matrices already
         quantized (:class:`QuantizedWeight`, from the model cache). No float copy of the
@@ -133,7 +133,7 @@ class NativeDecoder(CausalLM):
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        self.storage = storage
+        self.storage = Storage(storage)
         try:
             separate_head = self._read_weights(get_tensor)
         except ValueError as exc:  # a matrix whose blocks or sizes disagree with each other (a damaged file)
@@ -158,7 +158,7 @@ class NativeDecoder(CausalLM):
             num_layers=cfg.num_layers,
             num_parameters=self._count_parameters(separate_head),
             device=str(self.device),
-            dtype=storage.split("-")[0] if storage != "float" else str(dtype).removeprefix("torch."),
+            dtype=self.storage.split("-")[0] if self.storage != Storage.FLOAT else str(dtype).removeprefix("torch."),
             backend="native",
             eos_token_ids=tuple(eos_token_ids),
             max_positions=cfg.max_positions,
@@ -179,7 +179,7 @@ class NativeDecoder(CausalLM):
             # A tied head is the embedding; an int4 cache stores it packed under the head's name, and a
             # GGUF may ship its own (the 1.5B target's is Q6_K, its embedding Q4_K).
             head = (weights.matrix("lm_head.weight", required=False)
-                    if not cfg.tie_word_embeddings or storage in ("int4-draft", *KQUANT_STORAGES) else None)
+                    if not cfg.tie_word_embeddings or storage in (Storage.INT4_DRAFT, *KQUANT_STORAGES) else None)
             weights.submit("lm_head.weight", self._embedding if head is None else head, None)
             pending: list[dict] = []
             for i in range(cfg.num_layers):
@@ -283,7 +283,7 @@ class NativeDecoder(CausalLM):
     @property
     def compute_dtype(self) -> torch.dtype:
         """What the layers compute in: the model's dtype, float32 for quantized storage."""
-        return torch.float32 if self.storage != "float" else self.dtype
+        return torch.float32 if self.storage != Storage.FLOAT else self.dtype
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[1, n, head_dim]`` at ``positions``, in the compute dtype."""

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from specplay.core.training.teacher import TeacherSet
 from specplay.core.decoding.tree import TreeSpec, choose_tree
+from specplay.core.kernels.linear import Storage
+from specplay.core.training.teacher import TeacherSet
 
 EAGLE_TREE = {"depth": 5, "top_k": 4, "total_tokens": 16}  # docs/benchmarks.md measures τ at 16 nodes too
 MEDUSA_NODES = 8  # about what pays for its verification on a two-core CPU
@@ -58,14 +59,14 @@ def accepted_length(parents: list[int], tokens: list[int], wanted: list[int]) ->
 @torch.no_grad()
 def eagle_tau(head, data: TeacherSet, embed, lm_rows: torch.Tensor, vocab_ids: torch.Tensor, count: int = 400,
               roots: torch.Tensor | None = None, depth: int = EAGLE_TREE["depth"], top_k: int = EAGLE_TREE["top_k"],
-              total_tokens: int = EAGLE_TREE["total_tokens"], storage: str = "float") -> dict:
+              total_tokens: int = EAGLE_TREE["total_tokens"], storage: Storage = Storage.FLOAT) -> dict:
     """τ_sim of an EAGLE head (classic :class:`~specplay.core.heads.eagle.EagleHead` or EAGLE-3), drafting
     with the method's own drafter in float32 from the target's features of ``data``, at ``count``
     answer roots (:func:`answer_roots`) or at the ``roots`` given (sorted); ``per_root`` lists
     each root's accepted length, the bonus token included. ``storage``: the drafter's layers
-    (``"int8"`` drafts as the method does on an int8 target)."""
-    from specplay.core.heads.eagle3 import Eagle3Head
+    (int8 drafts as the method does on an int8 target)."""
     from specplay.core.heads.eagle import EagleDrafter
+    from specplay.core.heads.eagle3 import Eagle3Head
     from specplay.core.methods.eagle import grow_tree
 
     was_training = head.training

@@ -45,12 +45,13 @@ from typing import Callable, Iterable
 import torch
 
 from specplay.core.atomic import replacing, write_text_atomic
+from specplay.core.kernels.linear import Storage
 
 log = logging.getLogger(__name__)
 
 MARKER = "specplay.json"
 FORMAT = 2
-WEIGHT_KINDS = ("int8", "float32")  # what a conversion writes; int4 draft layers are made from int8
+WEIGHT_KINDS = (Storage.INT8, "float32")  # what a conversion writes; int4 draft layers are made from int8
 INT8_WEIGHTS = "weights-int8.safetensors"
 INT4_WEIGHTS = "weights-int4-draft.safetensors"
 KQUANT_DRAFT_WEIGHTS = "weights-kquant-draft.blocks"
@@ -67,9 +68,9 @@ _CHUNK = 16 << 20
 
 
 def weights_name(kind: str) -> str:
-    """The weights file for ``kind``: ``"int8"``, ``"int4-draft"``, ``"kquant-draft"``, ``"kquant"`` or
-    ``"float32"``."""
-    return {"int8": INT8_WEIGHTS, "int4-draft": INT4_WEIGHTS, "kquant-draft": KQUANT_DRAFT_WEIGHTS,
+    """The weights file for ``kind``: a storage's own (int8 rows, a draft's int4 layers or k-quant
+    blocks), a target's kept k-quant blocks (``"kquant"``) or float weights (``"float32"``)."""
+    return {Storage.INT8: INT8_WEIGHTS, Storage.INT4_DRAFT: INT4_WEIGHTS, Storage.KQUANT_DRAFT: KQUANT_DRAFT_WEIGHTS,
             "kquant": KQUANT_WEIGHTS}.get(kind, FLOAT_WEIGHTS)
 
 
@@ -133,9 +134,9 @@ def record_weights(folder: Path, kind: str) -> None:
 
 def _made_by(kind: str) -> dict:
     """What a weights kind's layout depends on, recorded with its file: another value makes it stale."""
-    if kind == "int4-draft":
+    if kind == Storage.INT4_DRAFT:
         return {"torch": torch.__version__}
-    if kind in ("kquant-draft", "kquant"):
+    if kind in (Storage.KQUANT_DRAFT, "kquant"):
         from specplay.core.kernels.kernel_build import library_digest
 
         return {"kquant": library_digest()}
@@ -174,7 +175,7 @@ def write_int4_weights(model, source: "CachedWeightsReader", folder: Path) -> No
     with replacing(folder / INT4_WEIGHTS) as tmp:
         save_file(out, str(tmp), metadata={"format": "pt", "specplay": f"int4 draft layers packed by torch "
                                                                        f"{torch.__version__}"})
-    record_weights(folder, "int4-draft")
+    record_weights(folder, Storage.INT4_DRAFT)
 
 
 class CachedWeightsReader:
@@ -237,7 +238,7 @@ def add_int8_weights(folder: Path, progress: Callable[[str, "float | None"], Non
                 yield name, f.get_tensor(name)
 
     write_int8_weights(tensors, folder / INT8_WEIGHTS)
-    record_weights(folder, "int8")
+    record_weights(folder, Storage.INT8)
     marker = read_marker(folder)
     marker.get("files", {}).pop(FLOAT_WEIGHTS, None)
     write_marker(folder, marker)

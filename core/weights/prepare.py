@@ -46,6 +46,7 @@ from safetensors import SafetensorError
 
 from specplay.core.atomic import replacing
 from specplay.core.errors import Cancelled, ModelError
+from specplay.core.kernels.linear import Storage
 from specplay.core.paths import cache_dir
 from specplay.core.progress import Progress, ShouldCancel, counting_down, log_progress, never
 from specplay.core.weights.cache import (DRAFT_GGUF, FLOAT_WEIGHTS, INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAFT_WEIGHTS,
@@ -82,11 +83,11 @@ _WRITE_FAILED = (OSError, SafetensorError)
 
 # ---------------------------------------------------------------------------- what the user named
 def resolve(model_id: str, progress: Progress = log_progress, should_cancel: ShouldCancel = never,
-            weights: str = "int8") -> Path:
+            weights: str = Storage.INT8) -> Path:
     """Return a local Hugging Face-style directory for ``model_id``, preparing it if needed.
 
     A catalog model or a ``.gguf`` file is converted into the cache with ``weights``
-    (``"int8"``, ``"float32"``, ``"int4-draft"``: its packed layers if already made, else
+    (int8 rows, ``"float32"``, a draft's int4 layers: its packed layers if already made, else
     int8; see :mod:`specplay.core.weights.cache`; or ``"none"``: the config and tokenizer alone,
     for a model that runs on its GGUF's own blocks).
     """
@@ -131,7 +132,7 @@ def float_weights_dir(model_id: str, path: Path, progress: Progress = log_progre
 
 # ---------------------------------------------------------------------- conversion into the cache
 def prepare_catalog_model(entry: CatalogEntry, progress: Progress = log_progress,
-                          should_cancel: ShouldCancel = never, weights: str = "int8") -> Path:
+                          should_cancel: ShouldCancel = never, weights: str = Storage.INT8) -> Path:
     """Assemble, verify and convert a catalog model once; return its cached directory with ``weights``."""
     target = converted_dir_for(entry.id)
     kinds = _needed_kinds(target, weights, progress)
@@ -157,7 +158,7 @@ def prepare_catalog_model(entry: CatalogEntry, progress: Progress = log_progress
 
 
 def prepare_gguf_file(path: Path, progress: Progress = log_progress, should_cancel: ShouldCancel = never,
-                      weights: str = "int8") -> Path:
+                      weights: str = Storage.INT8) -> Path:
     """Convert a local ``.gguf`` once (cached by content hash); return the cached directory with ``weights``."""
     if not path.is_file():
         raise ModelError(f"GGUF file not found: {path}")
@@ -179,10 +180,10 @@ def _needed_kinds(folder: Path, weights: str, progress: Progress) -> set[str] | 
     """
     if weights == "none":  # any converted folder has the config and tokenizer
         return None if is_converted(folder) else set()
-    if weights == "int4-draft":  # made from the int8 file when missing, by the loader
+    if weights == Storage.INT4_DRAFT:  # made from the int8 file when missing, by the loader
         if is_converted(folder) and check_weights(folder, weights) == "ok":
             return None
-        weights = "int8"
+        weights = Storage.INT8
     if not is_converted(folder):
         return {weights}
     status = check_weights(folder, weights)
@@ -191,7 +192,7 @@ def _needed_kinds(folder: Path, weights: str, progress: Progress) -> set[str] | 
     if status == "damaged":
         log.warning("%s: the cached %s weights are damaged; converting again", folder.name, weights)
         progress(f"The cached {weights} weights of {folder.name} are damaged: converting again", None)
-    elif weights == "int8" and (folder / FLOAT_WEIGHTS).is_file() and check_weights(folder, "float32") == "ok":
+    elif weights == Storage.INT8 and (folder / FLOAT_WEIGHTS).is_file() and check_weights(folder, "float32") == "ok":
         add_int8_weights(folder, progress)
         return None
     recorded = read_marker(folder).get("files", {})
@@ -290,7 +291,7 @@ def _convert_here(gguf: Path, out: Path, name: str, sha: str, progress: Progress
     if "float32" in kinds:
         progress(f"Writing {name} as float32 safetensors", None)
         save_file(state, str(out / FLOAT_WEIGHTS), metadata={"format": "pt"})
-    if "int8" in kinds:
+    if Storage.INT8 in kinds:
         progress(f"Writing {name} as int8 safetensors", None)
         write_int8_weights(lambda: state.items(), out / INT8_WEIGHTS)
     write_folder(index, out, name, sha, model.config.to_dict(), model.generation_config.to_diff_dict(), tokenizer,
@@ -389,13 +390,13 @@ def prepare_draft_gguf(source: Path, folder: Path, progress: Progress = log_prog
     return dest
 
 
-def store_kquant_blocks(tensors: dict, path: Path, progress: Progress, kind: str = "kquant-draft") -> None:
+def store_kquant_blocks(tensors: dict, path: Path, progress: Progress, kind: str = Storage.KQUANT_DRAFT) -> None:
     """Keep a model's k-quant blocks in the cache in the kernel's layout (a draft's fitted ones, a
     target's repacked ones: ``kind``), so that the next load maps them; a failure (a full disk)
     leaves nothing half-written and only costs the fitting or repacking again."""
     from specplay.core.weights.gguf_blocks import save_blocks
 
-    what = "k-quant draft blocks" if kind == "kquant-draft" else "repacked blocks"
+    what = "k-quant draft blocks" if kind == Storage.KQUANT_DRAFT else "repacked blocks"
     progress(f"Storing the {what} of {path.name} (once)", None)
     try:
         save_blocks(tensors, path / weights_name(kind))
