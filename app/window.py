@@ -21,7 +21,6 @@ from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QM
                                QTabWidget, QWidget)
 
 from specplay.app.audit_view import AuditView
-from specplay.app.tune_view import TuneView
 from specplay.app.charts import ChartsPanel, configure_pyqtgraph
 from specplay.app.compare_view import CompareView
 from specplay.app.history_panel import HistoryPanel
@@ -31,19 +30,20 @@ from specplay.app.panels import MethodsPanel, ModelsPanel, PromptPanel
 from specplay.app.run_views import RunViews, explain_colours
 from specplay.app.session import RunSession
 from specplay.app.settings import AppSettings, open_settings
+from specplay.app.tune_view import TuneView
 from specplay.app.whyspeed_view import WhySpeedView
 from specplay.app.window_settings import apply_to_window, collect_from_window
 from specplay.app.worker import AuditRequest, ModelsLoaded, RemoteRequest, RunRequest, TuneRequest
-from specplay.core.measure.tune import KNOBS as TUNED
 from specplay.app.xray import XRayPanel
-from specplay.core.measure.compare import WARMUP_TOKENS
-from specplay.core.errors import ConfigError
-from specplay.core.records.history import Entry, History
-from specplay.core.memory import memory_text
-from specplay.core.measure.tune_server import NAME as SERVER_TUNE, tune_title
-from specplay.core.methods import METHODS, method_title
-from specplay.core.remote.endpoint import Endpoint
+from specplay.core.decoding.engine import WARMUP_TOKENS
 from specplay.core.decoding.types import RunResult
+from specplay.core.errors import ConfigError
+from specplay.core.measure.tune import KNOBS as TUNED
+from specplay.core.measure.tune_server import NAME as SERVER_TUNE, tune_title
+from specplay.core.memory import memory_text
+from specplay.core.methods import METHODS, method_title
+from specplay.core.records.history import Entry, History
+from specplay.core.remote.endpoint import Endpoint
 
 log = logging.getLogger(__name__)
 

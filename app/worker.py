@@ -297,8 +297,7 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def generate(self, request: RunRequest) -> None:
-        from specplay.core.measure import compare
-        from specplay.core.decoding.engine import drain, generate
+        from specplay.core.decoding.engine import run_to_end
         from specplay.core.methods import build_method
         from specplay.core.records.runlog import run_record
 
@@ -310,10 +309,9 @@ class EngineWorker(QObject):
             if method is None:
                 method = self._methods[key] = build_method(request.method, request.method_config, self.target,
                                                            self.draft)
-            if not should_stop():
-                compare.warm_up(self.target, method, ids, request.config.sampling, request.warmup_tokens, should_stop)
-            result = drain(generate(self.target.model, self.target.tokenizer, method, ids, request.config, should_stop),
-                           self.sig_step.emit)
+            result = run_to_end(self.target.model, self.target.tokenizer, method, ids, request.config,
+                                warmup_tokens=request.warmup_tokens, should_stop=should_stop,
+                                on_event=self.sig_step.emit)
             record = run_record(result, target=self.target, draft=self._draft_of(result.method), prompt=request.prompt,
                                 include_events=True, extra={"chat_template": request.chat_template})
             self.sig_run_finished.emit(RunDone(result, record))
@@ -344,7 +342,7 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def tune(self, request: TuneRequest) -> None:
-        from specplay.core.measure.compare import WARMUP_TOKENS
+        from specplay.core.decoding.engine import WARMUP_TOKENS
         from specplay.core.measure.tune import tune, tune_record
         from specplay.core.measure.tune_server import tune_llamacpp_speculative
 

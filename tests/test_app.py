@@ -930,16 +930,16 @@ def test_the_time_split_axis_starts_at_zero_seconds_while_a_run_streams(qtbot):
 
 def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, monkeypatch):
     """The first method must not be timed cold: each runs the shared core warm-up first."""
-    import specplay.core.measure.compare
     import specplay.core.decoding.engine
     from specplay import core
     order = []
-    real_warm_up, real_drain = core.measure.compare.warm_up, core.decoding.engine.drain
+    real_warm_up, real_drain = core.decoding.engine.warm_up, core.decoding.engine.drain
 
-    def warm_up(target, method, prompt_ids, sampling, tokens=core.measure.compare.WARMUP_TOKENS, should_stop=None):
+    def warm_up(target_lm, tokenizer, method, prompt_ids, sampling, tokens=core.decoding.engine.WARMUP_TOKENS,
+                should_stop=None):
         if tokens > 0:
             order.append(("warm-up", method.name, tokens))
-        return real_warm_up(target, method, prompt_ids, sampling, tokens, should_stop)
+        return real_warm_up(target_lm, tokenizer, method, prompt_ids, sampling, tokens, should_stop)
 
     def drain(gen, on_event=None):
         result = real_drain(gen, on_event)
@@ -947,10 +947,10 @@ def test_every_compared_method_is_warmed_up_before_its_timed_run(window, qtbot, 
             order.append(("timed", result.method))
         return result
 
-    monkeypatch.setattr(core.measure.compare, "warm_up", warm_up)
+    monkeypatch.setattr(core.decoding.engine, "warm_up", warm_up)
     monkeypatch.setattr(core.decoding.engine, "drain", drain)
     run(qtbot, window.run_compare(["autoregressive", "prompt_lookup"]), timeout=60_000)
-    tokens = core.measure.compare.WARMUP_TOKENS
+    tokens = core.decoding.engine.WARMUP_TOKENS
     assert order == [("warm-up", "autoregressive", tokens), ("timed", "autoregressive"),
                      ("warm-up", "prompt_lookup", tokens), ("timed", "prompt_lookup")]
 

@@ -29,8 +29,8 @@ ENGINE_METAVAR = "URL[,model=M][,name=N][,key-env=VAR][,timeout=S][,deadline=S]"
 
 def build_parser() -> argparse.ArgumentParser:
     from specplay.core import __version__
+    from specplay.core.decoding.engine import WARMUP_TOKENS
     from specplay.core.measure.audit import DEFAULT_DEPTH as AUDIT_DEPTH, DEFAULT_SAMPLES as AUDIT_SAMPLES
-    from specplay.core.measure.compare import WARMUP_TOKENS
     from specplay.core.measure.prompts import BUILTIN_SETS
     from specplay.core.measure.tune import KNOBS as TUNED_METHODS
     from specplay.core.methods import METHODS

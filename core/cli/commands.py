@@ -16,7 +16,7 @@ log = logging.getLogger("specplay")
 
 
 def cmd_run(args) -> int:
-    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.engine import run_to_end
     from specplay.core.methods import build_method, get_spec
     from specplay.core.records.runlog import RunRecord, dumps, stats_line
     from specplay.core.text import encode_prompt
@@ -38,7 +38,7 @@ def cmd_run(args) -> int:
             sys.stdout.write(event.text)
             sys.stdout.flush()
 
-    result = drain(generate(target.model, target.tokenizer, method, ids, gen_config), stream)
+    result = run_to_end(target.model, target.tokenizer, method, ids, gen_config, on_event=stream)
     record = RunRecord.of_run(result, target=target, draft=draft, prompt=prompt)
     if args.json:
         print(dumps(record.to_dict()))

@@ -26,16 +26,16 @@ import torch
 
 from specplay.core.decoding import costmodel
 from specplay.core.decoding.costmodel import CorrectedCurve, CostCurve, cost_curve
-from specplay.core.errors import ConfigError, is_out_of_memory
 from specplay.core.decoding.method import Method, RunContext, StepOutcome
 from specplay.core.decoding.metrics import MetricsRecorder
-from specplay.core.models.base import CausalLM, ForwardOutput
 from specplay.core.decoding.standdown import GateState, StandDownGate
-from specplay.core.text import Detokenizer
 from specplay.core.decoding.tree import ancestor_mask
-from specplay.core.decoding.types import (Draft, Fate, GenerationConfig, RunResult, StepEvent, StepTiming, StopReason, TokenEvent,
-                        Verdict)
+from specplay.core.decoding.types import (Draft, Fate, GenerationConfig, RunResult, SamplingConfig, StepEvent, StepTiming,
+                                          StopReason, TokenEvent, Verdict)
 from specplay.core.decoding.verification import verify
+from specplay.core.errors import ConfigError, is_out_of_memory
+from specplay.core.models.base import CausalLM, ForwardOutput
+from specplay.core.text import Detokenizer
 
 
 def _forward_inputs(draft: Draft, root: int, base: int):
@@ -360,3 +360,28 @@ def drain(run: Generator[StepEvent, None, RunResult], on_event: Callable[[StepEv
             return done.value
         if on_event is not None:
             on_event(event)
+
+
+#: Tokens of the untimed warm-up before a timed run (a comparison's, the tune's, the app's Run).
+WARMUP_TOKENS = 8
+
+
+def warm_up(target_lm: CausalLM, tokenizer, method: Method, prompt_ids: list[int], sampling: SamplingConfig,
+            tokens: int = WARMUP_TOKENS, should_stop: Callable[[], bool] | None = None) -> None:
+    """A short run whose result is discarded: what a timed run should not pay for the first time
+    (allocations, a kernel's first calls, a method's one-time calibration)."""
+    if tokens > 0:
+        warm = GenerationConfig(max_new_tokens=tokens, sampling=sampling)
+        drain(generate(target_lm, tokenizer, method, prompt_ids, warm, should_stop))
+
+
+def run_to_end(target_lm: CausalLM, tokenizer, method: Method, prompt_ids: list[int], config: GenerationConfig, *,
+               warmup_tokens: int = 0, should_stop: Callable[[], bool] | None = None,
+               on_event: Callable[[StepEvent], None] | None = None) -> RunResult:
+    """Run ``method`` on ``prompt_ids`` to its end, each step's event to ``on_event``: what the command
+    line, the app, a comparison, the bench, the tune and the audit run. ``warmup_tokens`` first runs
+    that many tokens untimed (:func:`warm_up`), unless the run is already stopped."""
+    if warmup_tokens > 0 and not (should_stop and should_stop()):
+        warm_up(target_lm, tokenizer, method, prompt_ids, config.sampling, warmup_tokens, should_stop)
+    return drain(generate(target_lm, tokenizer, method, prompt_ids, config, should_stop), on_event)
+

@@ -49,12 +49,12 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from specplay.core.errors import ConfigError
-from specplay.core.models.base import CausalLM, ForwardOutput
-from specplay.core.progress import Progress
 from specplay.core.decoding.sampling import probabilities
 from specplay.core.decoding.tree import ancestor_mask
 from specplay.core.decoding.types import GenerationConfig, SamplingConfig, StopReason
+from specplay.core.errors import ConfigError
+from specplay.core.models.base import CausalLM, ForwardOutput
+from specplay.core.progress import Progress
 
 #: A prompt whose first answer tokens are spread over a few dozen likely openings at T = 1.
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -436,7 +436,7 @@ def _sample(model, tokenizer, method, prompt_ids: list[int], gen: GenerationConf
             stop: Callable[[], bool]):
     """One sample's run, ended (as cancelled) once it holds ``tested`` tokens, or earlier by ``stop``;
     (the run, its deepest judged position within those tokens)."""
-    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.engine import run_to_end
 
     made, deepest = [0], [0]
 
@@ -444,7 +444,8 @@ def _sample(model, tokenizer, method, prompt_ids: list[int], gen: GenerationConf
         made[0] = event.total_new_tokens
         deepest[0] = max(deepest[0], deepest_judged(event, tested))
 
-    run = drain(generate(model, tokenizer, method, prompt_ids, gen, lambda: made[0] >= tested or stop()), seen)
+    run = run_to_end(model, tokenizer, method, prompt_ids, gen, should_stop=lambda: made[0] >= tested or stop(),
+                     on_event=seen)
     return run, deepest[0]
 
 

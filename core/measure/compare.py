@@ -2,9 +2,9 @@
 
 Speedup is tokens/s over the ``autoregressive`` baseline's in the same run; at temperature
 0 every output must equal the baseline's token for token. Each method first runs a short,
-unrecorded warm-up (:func:`warm_up`), so the first one is not timed cold (allocations,
-kernel first calls, a method's one-time calibration): the command line and the app both
-compare this way.
+unrecorded warm-up (:func:`~specplay.core.decoding.engine.warm_up`), so the first one is not
+timed cold (allocations, kernel first calls, a method's one-time calibration): the command line
+and the app both compare this way.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specplay.core.decoding.engine import drain, generate
+from specplay.core.decoding.engine import WARMUP_TOKENS, run_to_end
+from specplay.core.decoding.types import GenerationConfig, RunResult
 from specplay.core.methods import build_method
 from specplay.core.records.runlog import RunRecord, run_record
-from specplay.core.decoding.types import GenerationConfig, RunResult, SamplingConfig
-
-#: Tokens of the untimed warm-up run before each method's timed run.
-WARMUP_TOKENS = 8
 
 
 @dataclass
@@ -47,14 +44,6 @@ def annotate(records: list[dict], greedy: bool, baseline: str = BASELINE) -> Non
         r["identical_to_baseline"] = (run.token_ids == base.token_ids) if greedy else None
 
 
-def warm_up(target, method, prompt_ids: list[int], sampling: SamplingConfig, tokens: int = WARMUP_TOKENS,
-            should_stop: Callable[[], bool] | None = None) -> None:
-    """A short run whose result is discarded: what a timed run should not pay for the first time."""
-    if tokens > 0:
-        warm = GenerationConfig(max_new_tokens=tokens, sampling=sampling)
-        drain(generate(target.model, target.tokenizer, method, prompt_ids, warm, should_stop))
-
-
 def compare_methods(target, draft, names: list[str], configs: dict, prompt_ids: list[int], config: GenerationConfig,
                     *, prompt: str | None = None, warmup_tokens: int = WARMUP_TOKENS,
                     on_run: Callable[[str, RunResult], None] | None = None,
@@ -62,8 +51,8 @@ def compare_methods(target, draft, names: list[str], configs: dict, prompt_ids: 
     out = Comparison()
     for name in names:
         method = build_method(name, configs.get(name), target, draft)
-        warm_up(target, method, prompt_ids, config.sampling, warmup_tokens, should_stop)
-        result = drain(generate(target.model, target.tokenizer, method, prompt_ids, config, should_stop))
+        result = run_to_end(target.model, target.tokenizer, method, prompt_ids, config, warmup_tokens=warmup_tokens,
+                            should_stop=should_stop)
         out.results[name] = result
         out.records.append(run_record(result, target=target, draft=draft, prompt=prompt))
         out.records_with_events.append(run_record(result, target=target, draft=draft, prompt=prompt,

@@ -47,10 +47,10 @@ class OurMethod:
         return self.method.describe()
 
     def run(self, prompt_ids: list[int], gen) -> TurnResult:
-        from specplay.core.decoding.engine import drain, generate
+        from specplay.core.decoding.engine import run_to_end
         from specplay.core.decoding.types import StopReason
 
-        r = drain(generate(self.target.model, self.target.tokenizer, self.method, prompt_ids, gen))
+        r = run_to_end(self.target.model, self.target.tokenizer, self.method, prompt_ids, gen)
         m = r.metrics
         error = (r.error or "error") if r.stop_reason is StopReason.ERROR else None
         return TurnResult(r.token_ids, r.text, m.wall_time, m.accept_lengths, m.drafted, m.accepted, error,

@@ -38,17 +38,16 @@ from typing import Callable
 
 import torch
 
-from specplay.core.measure.compare import WARMUP_TOKENS, warm_up
+from specplay.core.decoding.costmodel import CostCurve, cost_curve, time_passes
+from specplay.core.decoding.engine import WARMUP_TOKENS, run_to_end
+from specplay.core.decoding.method import MethodConfig
+from specplay.core.decoding.types import GenerationConfig
+from specplay.core.errors import Cancelled, ConfigError
 from specplay.core.measure.replay import (EAGLE_TOTALS, Replay, StepCosts, eagle_trees, match_runs, new_lookup,
                                           replay_eagle, replay_lookup, replay_speculative)
-from specplay.core.decoding.costmodel import CostCurve, cost_curve, time_passes
-from specplay.core.decoding.engine import drain, generate
-from specplay.core.errors import Cancelled, ConfigError
 from specplay.core.methods import build_method, get_spec
-from specplay.core.decoding.method import MethodConfig
 from specplay.core.methods.prompt_lookup import PromptLookupConfig
 from specplay.core.records.runlog import RunRecord
-from specplay.core.decoding.types import GenerationConfig
 
 ASSUMPTIONS = (
     "temperature 0: acceptance is replayed along autoregressive's answer, which every setting reproduces",
@@ -371,8 +370,8 @@ class _Predictor:
 def _run(target, draft, name: str, config: MethodConfig | None, ids: list[int], gen: GenerationConfig,
          prompt, warmup_tokens: int, should_stop):
     method = build_method(name, config, target, draft)
-    warm_up(target, method, ids, gen.sampling, warmup_tokens, should_stop)
-    result = drain(generate(target.model, target.tokenizer, method, ids, gen, should_stop))
+    result = run_to_end(target.model, target.tokenizer, method, ids, gen, warmup_tokens=warmup_tokens,
+                        should_stop=should_stop)
     if result.error:
         raise ConfigError(f"{name}: {result.error}")
     return result, RunRecord.of_run(result, target=target, draft=draft, prompt=prompt)
