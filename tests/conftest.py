@@ -5,7 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The tests sit in folders named after the rooms they test (core's rooms, and app/); their shared
+# helpers (tiny.py, stats.py, this file) at the top, and a test module may import another's helpers
+# by its name, whatever folder it is in.
+HERE = Path(__file__).parent
+sys.path[:0] = [str(HERE), *sorted(str(p) for p in HERE.iterdir() if p.is_dir() and any(p.glob("test_*.py")))]
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 # Tiny models run fastest on one thread (no OpenMP hand-offs), and tests then leave the
@@ -45,8 +49,8 @@ def _isolated_dirs(tmp_path_factory, monkeypatch, _measurements):
 
 @pytest.fixture()
 def aloop(qapp):
-    """A qasync event loop on the test's QApplication, for the app's coroutines (tests/test_app.py,
-    tests/test_session.py); Qt is imported only by the tests that ask for it."""
+    """A qasync event loop on the test's QApplication, for the app's coroutines (tests/app/test_app.py,
+    tests/app/test_session.py); Qt is imported only by the tests that ask for it."""
     import asyncio
 
     import qasync

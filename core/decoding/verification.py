@@ -22,7 +22,7 @@ sampling). At a node with target distribution p and children c_1..c_m:
 An accepted child becomes the new node (with its own fresh p); when every child is
 rejected the next token is drawn from the last residual p_{m+1} (RESAMPLED), and at a leaf
 from p itself (BONUS). Either way the emitted token is distributed exactly as p: the output
-distribution is the target's (``tests/test_verification.py`` checks it with chi-square).
+distribution is the target's (``tests/decoding/test_verification.py`` checks it with chi-square).
 """
 
 from __future__ import annotations

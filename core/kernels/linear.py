@@ -13,7 +13,7 @@ by zero weight columns, pin the block's min and max to exactly -1 and +1 whateve
 rows hold. The kernel's scale and zero point are therefore the same for every block, each
 row is quantized on its own, the int32 accumulation is exact, and multiplying the output
 row by ``s`` is elementwise: the result for a row is bit-identical whether it is computed
-alone or in a block of 64 (``tests/test_linear.py``).
+alone or in a block of 64 (``tests/kernels/test_linear.py``).
 """
 
 from __future__ import annotations

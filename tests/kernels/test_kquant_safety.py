@@ -1,6 +1,6 @@
 """A hostile model file against the k-quant kernel: its sizes are checked before C sees them, every C
 entry's status is raised, nothing of a failed call is kept, and a file changed under a running model
-is an error, not a signal. (The C entries' own checks: tests/test_kquant_sanitized.py.)"""
+is an error, not a signal. (The C entries' own checks: tests/kernels/test_kquant_sanitized.py.)"""
 
 import dataclasses
 import os

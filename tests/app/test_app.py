@@ -757,7 +757,7 @@ def test_compare_runs_remote_endpoints_beside_local_methods(window, qtbot):
     """Two OpenAI-compatible endpoints after a local method: their text streams into their own
     columns, the table shows their speeds, first-token times and (where exposed) τ, and the runs
     go to the history in the same record format."""
-    from tests.test_remote import FakeEngine
+    from test_remote import FakeEngine
 
     with FakeEngine(spec="none") as plain, FakeEngine(spec="vllm") as spec:
         window.compare.endpoints_edit.setText(f"{plain.url},name=plain; {spec.url},name=spec")
@@ -785,7 +785,7 @@ def test_compare_starts_llama_server_for_its_run_and_stops_it(window, qtbot, tmp
     from specplay.core.measure import peers
     from specplay.core.remote.llama_server import LlamaServer
     from specplay.core.text import encode_prompt
-    from tests.test_llama_server import _stand_in
+    from test_llama_server import _stand_in
 
     stand_in = _stand_in(tmp_path, "serve")
     started = []
@@ -808,7 +808,7 @@ def test_compare_starts_llama_server_for_its_run_and_stops_it(window, qtbot, tmp
 
 
 def test_an_unreachable_endpoint_is_a_message_and_the_window_stays_usable(window, qtbot):
-    from tests.test_remote import FakeEngine
+    from test_remote import FakeEngine
 
     with FakeEngine() as engine:
         port = engine.server.server_address[1]

@@ -19,7 +19,7 @@ from specplay.core.remote.endpoint import Endpoint
 from specplay.core.remote.llama_server import LlamaServer, server_args
 from specplay.core.remote.runs import stream_completion
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # A stand-in for llama-server: answers /health and streams a completion with llama.cpp's timings, as
 # the real one does; BEHAVIOUR says whether it serves, dies at start or never becomes healthy.
@@ -132,7 +132,7 @@ def test_a_server_peer_that_cannot_start_is_refused_with_the_reason_and_the_benc
     from specplay.core.measure import peers
     from specplay.core.measure.bench import BenchSpec, run_bench
     from specplay.core.measure.prompts import Question
-    from tests.tiny import loaded, tiny_pair
+    from tiny import loaded, tiny_pair
 
     dying = _stand_in(tmp_path, "die")
     monkeypatch.setattr(peers, "server_for", lambda name, target, draft: (LlamaServer([], path=dying), {}))
@@ -150,7 +150,7 @@ def test_a_server_peers_own_count_of_steps_is_its_tau_and_is_read_back(tmp_path,
     from specplay.core.measure import peers
     from specplay.core.measure.bench import BenchSpec, run_bench
     from specplay.core.measure.prompts import Question
-    from tests.tiny import loaded, tiny_pair
+    from tiny import loaded, tiny_pair
 
     serving = _stand_in(tmp_path, "serve")
     started = []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "core" / "kernels"
 SOURCES = [KERNELS / "blocks.c", KERNELS / "gemm_x86.c", KERNELS / "layer.c", ROOT / "tests" / "fixtures" / "kquant_driver.c"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]

@@ -18,7 +18,7 @@ from specplay.core.remote.endpoint import Endpoint, RemoteError, api_key
 from specplay.core.remote.metrics import llamacpp_spec_stats, parse_prometheus, sglang_spec_stats, vllm_spec_stats
 from specplay.core.remote.runs import compare_endpoints, format_remote_table, remote_record, stream_completion
 
-FIXTURES = Path(__file__).parent / "fixtures" / "remote"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "remote"
 
 
 # ----------------------------------------------------------------------------------- parsers
@@ -603,7 +603,7 @@ def test_an_endpoint_is_benchmarked_beside_local_methods(tmp_path):
 
     from specplay.core.measure.bench import BenchSpec, run_bench
     from specplay.core.measure.prompts import Question
-    from tests.tiny import loaded, tiny_pair
+    from tiny import loaded, tiny_pair
 
     target = loaded(tiny_pair(dtype=torch.float64)[0])
     with FakeEngine(spec="vllm") as engine:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specplay.core.training.batched import greedy_batch
-from tests.tiny import tiny_pair
+from tiny import tiny_pair
 
 KEY = "sha256 of the tiny target's weights"
 
@@ -52,7 +52,7 @@ def test_greedy_batch_matches_one_sequence_at_a_time():
 
 
 def chat_tokenizer():
-    from tests.tiny import tiny_tokenizer
+    from tiny import tiny_tokenizer
 
     tok = tiny_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -205,7 +205,7 @@ def test_an_unreadable_or_foreign_corpus_is_not_used(tmp_path, caplog):
 def chat_model(path, seed):
     """A tiny model folder with a chat template, loaded as a target."""
     from specplay.core.models import load_model
-    from tests.tiny import save_tiny_model
+    from tiny import save_tiny_model
 
     folder = save_tiny_model(path, seed=seed)
     chat_tokenizer().save_pretrained(folder)
@@ -268,7 +268,7 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
 
     from specplay.core.training import data
     from specplay.core.weights.cache import write_marker
-    from tests.tiny import save_tiny_model
+    from tiny import save_tiny_model
 
     def quiet(stage, fraction):
         pass
