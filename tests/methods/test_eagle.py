@@ -124,7 +124,9 @@ def test_trained_head_accepts_more_than_one_token_per_step(target):
         tensors["vocab_ids"] = torch.arange(64)
         save_heads(path, tensors, {"kind": "eagle", "target": "tiny", "hidden_size": 32, "vocab_size": 64,
                                    "intermediate_size": 64})
-        res = _run(target, "eagle", EagleConfig(head=str(path)), n=40, prompt=seqs[0][:6])
+        # the tree at its full size: sized by this machine's timed curve, how much it accepts would
+        # depend on the machine's load
+        res = _run(target, "eagle", EagleConfig(head=str(path), auto_size=False), n=40, prompt=seqs[0][:6])
     assert res.token_ids == seqs[0][6:]
     assert res.metrics.mean_accepted > 1.5
 
