@@ -52,7 +52,7 @@ def run_app(argv: list[str]) -> int:
 
 
 def _load(key: tuple, progress, should_cancel):
-    """The model a preload ``key`` names (role, spec, device, dtype, backend: the engine's cache key)."""
+    """The model a preload ``key`` names (role, spec, device, dtype, backend: the worker's cache key)."""
     from specplay.core.models import load_model
 
     role, spec, device, dtype, backend = key

@@ -1,11 +1,11 @@
-"""The remembered models' loads, started before the window is built, taken over by the engine's first load.
+"""The remembered models' loads, started before the window is built, taken over by the worker's first load.
 
 A later launch spends about 0.5 s importing the window's modules and building it, and 0.75 s loading
 the target (its tokenizer, its GGUF header, its head's blocks) after that; begun first, the loads run
-beside them, one after the other (target, then draft). The engine's load of the same model takes a
+beside them, one after the other (target, then draft). The worker's load of the same model takes a
 load over (:func:`take`): from then on it reports the load's progress and its Stop cancels it, as if
 it had begun the load itself; a load that asks for other models drops the rest (:func:`keep_only`).
-Nothing is kept from a load that failed: the engine loads again and says why.
+Nothing is kept from a load that failed: the worker loads again and says why.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The run session: the app's sequences of engine work, and what they tell the views.
+"""The run session: the app's sequences of the worker's jobs, and what they tell the views.
 
-A :class:`RunSession` holds everything about running that is not a widget: the engine thread
-(through :class:`~specplay.app.engine_client.EngineClient`), the loaded models, what runs now and
+A :class:`RunSession` holds everything about running that is not a widget: the worker thread
+(through :class:`~specplay.app.worker_client.WorkerClient`), the loaded models, what runs now and
 whether Stop was pressed, the step events that arrive while a run streams (handed on once a
 frame), and the run history that every run, remote run and audit is saved into as it ends.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from specplay.app.engine_client import EngineClient, EngineFailed
+from specplay.app.worker_client import WorkerClient, WorkerFailed
 from specplay.app.export import ExportError, write_png, write_runs_csv, write_runs_jsonl
 from specplay.app.worker import AuditRequest, LoadRequest, ModelsLoaded, RemoteRequest, RunDone, RunRequest, TuneRequest
 from specplay.core.measure.compare import BASELINE, annotate
@@ -105,11 +105,11 @@ class RunSession(QObject):
         self._frame.timeout.connect(self._flush_steps)
         # File work (reading the history, exports) runs here, off the GUI thread; never model work.
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specplay-io")
-        self.engine = EngineClient(self)
-        self.engine.sig_step.connect(self._on_step)
-        self.engine.sig_progress.connect(self.sig_progress)
-        self.engine.sig_cost_curve.connect(self.sig_cost_curve)
-        self.engine.sig_error.connect(self.sig_error)
+        self.client = WorkerClient(self)
+        self.client.sig_step.connect(self._on_step)
+        self.client.sig_progress.connect(self.sig_progress)
+        self.client.sig_cost_curve.connect(self.sig_cost_curve)
+        self.client.sig_error.connect(self.sig_error)
 
     # ------------------------------------------------------------------------ busy and stop
     @property
@@ -136,19 +136,19 @@ class RunSession(QObject):
         running, a draft loading beside the runs is stopped (the target stays)."""
         if not self.busy:
             if self.draft_loading:
-                self.engine.cancel_draft()
+                self.client.cancel_draft()
                 self.sig_status.emit("Stopping the draft's load…")
             return
         self._stop_requested = True
-        self.engine.cancel()
+        self.client.cancel()
         self.sig_status.emit("Stopping…")
 
     def shutdown(self, wait_ms: int = 30_000) -> bool:
-        """Stop everything and end the engine and file threads (the window closes); True once the engine
+        """Stop everything and end the worker and file threads (the window closes); True once the worker
         thread has ended, False while a step that cannot be interrupted still runs after ``wait_ms``
         (it ends at that step's end: its ``thread.finished`` says when). History writes under way finish."""
         self._stop_requested = True
-        ended = self.engine.shutdown(wait_ms)
+        ended = self.client.shutdown(wait_ms)
         self._io.shutdown(wait=True)
         return ended
 
@@ -166,8 +166,8 @@ class RunSession(QObject):
             draft = f" and {request.draft}" if request.draft else ""
             self.sig_status.emit(f"Loading {request.target}{draft}…")
             try:
-                loaded = await self.engine.load(request)
-            except EngineFailed as exc:
+                loaded = await self.client.load(request)
+            except WorkerFailed as exc:
                 self.sig_load_failed.emit(str(exc))
                 self.sig_error.emit(f"Loading failed: {exc}")
                 return None
@@ -178,8 +178,8 @@ class RunSession(QObject):
             self.sig_status.emit(f"{request.target} is ready: methods without a draft run now; "
                                  f"loading the draft {request.draft}…")
             try:
-                with_draft = await self.engine.draft_loaded
-            except EngineFailed:
+                with_draft = await self.client.draft_loaded
+            except WorkerFailed:
                 return None
             finally:
                 self.draft_loading = False
@@ -270,7 +270,7 @@ class RunSession(QObject):
         """One endpoint's run in a comparison; False when the comparison should stop."""
         label = request.endpoint.label
         name = f"remote:{label}"
-        job = self.engine.generate_remote(request, stop_first=self._stop_requested)
+        job = self.client.generate_remote(request, stop_first=self._stop_requested)
         waiting = "starting llama-server…" if request.server else f"connecting to {request.endpoint.url}…"
         done = await self._stream(name, waiting, label, job)
         if done is None:
@@ -294,7 +294,7 @@ class RunSession(QObject):
         title = method_title(request.run.method)
         status = f"Auditing {title}: {request.samples} samples of {request.depth} tokens…"
         done = await self._saved_job("audit", status, f"Audit of {title}",
-                                     lambda stop: self.engine.audit(request, stop_first=stop))
+                                     lambda stop: self.client.audit(request, stop_first=stop))
         if done is None:
             return None
         self.sig_audit_finished.emit(done.record)
@@ -310,7 +310,7 @@ class RunSession(QObject):
             return None
         title = tune_title(SERVER_TUNE if request.server else request.run.method)
         done = await self._saved_job("tune", f"Tuning {title}: predicting every setting, then running the best…",
-                                     f"Tune of {title}", lambda stop: self.engine.tune(request, stop_first=stop))
+                                     f"Tune of {title}", lambda stop: self.client.tune(request, stop_first=stop))
         if done is None:
             return None
         self.sig_tune_finished.emit(done.record)
@@ -318,34 +318,34 @@ class RunSession(QObject):
         return done.record
 
     async def _saved_job(self, activity: str, status: str, failure: str, submit) -> RunDone | None:
-        """One engine job (``submit(stop_first)``) whose record goes into the history like a run's; None if it
+        """One worker job (``submit(stop_first)``) whose record goes into the history like a run's; None if it
         failed (said in ``sig_error`` after ``failure``)."""
         with self._doing(activity):
             self.sig_status.emit(status)
             try:
                 done = await submit(self._stop_requested)
-            except EngineFailed as exc:
+            except WorkerFailed as exc:
                 self.sig_error.emit(f"{failure}: {exc}")
                 return None
         await self._save(done.record)
         return done
 
     async def _generate(self, request: RunRequest, waiting: str) -> RunDone | None:
-        """One local run streamed as ``request.method`` (its caller saves it); None if the engine failed."""
-        job = self.engine.generate(request, stop_first=self._stop_requested)
+        """One local run streamed as ``request.method`` (its caller saves it); None if the worker failed."""
+        job = self.client.generate(request, stop_first=self._stop_requested)
         done = await self._stream(request.method, waiting, method_title(request.method), job)
         if done is not None:
             self.sig_run_finished.emit(request.method, done.result, done.record)
         return done
 
     async def _stream(self, name: str, waiting: str, label: str, job) -> RunDone | None:
-        """Await the engine ``job`` while its steps go to the views as run ``name``; None if it failed."""
+        """Await the worker's ``job`` while its steps go to the views as run ``name``; None if it failed."""
         self._streaming = name
         self.sig_run_started.emit(name, waiting)
         failure = None
         try:
             done = await job
-        except EngineFailed as exc:
+        except WorkerFailed as exc:
             done, failure = None, str(exc)
         finally:
             self._flush_steps()

@@ -3,7 +3,7 @@ around a live token view and a compare view.
 
 The window lays the views out, declares its actions and wires both to a
 :class:`~specplay.app.session.RunSession`, which sequences every load, run, comparison and audit
-in the engine thread. The window's coroutines read the panels into requests and await the
+in the worker thread. The window's coroutines read the panels into requests and await the
 session; its slots draw what the session's signals report. Nothing here calls torch.
 """
 
@@ -60,7 +60,7 @@ class ActionRow(NamedTuple):
 
 
 MENUS = ("&File", "&View", "&Help")
-#: How long closing the window waits, blocking, for the engine thread to stop (a Stop reaches a step in
+#: How long closing the window waits, blocking, for the worker thread to stop (a Stop reaches a step in
 #: this time); a step that takes longer is waited for with the window hidden.
 CLOSE_WAIT_MS = 2_000
 #: The save dialog of each kind of run export: (title, file name, filters).
@@ -500,16 +500,16 @@ class MainWindow(QMainWindow):
             self.spawn(self.session.export_png(path, widget.grab().toImage()))
 
     def closeEvent(self, event):  # noqa: N802 (Qt name)
-        """Stop what runs and end the engine thread. A step that cannot be interrupted (llama.cpp quantizing
+        """Stop what runs and end the worker thread. A step that cannot be interrupted (llama.cpp quantizing
         a file, a probe child) is waited for with the window hidden; the window closes once it ends."""
-        engine = self.session.engine.thread
+        thread = self.session.client.thread
         if not self._closing:
             self._closing = True
             self.save_settings()
             self._memory_timer.stop()
             if not self.session.shutdown(wait_ms=CLOSE_WAIT_MS):
-                engine.finished.connect(self.close)
-        if not engine.isFinished():
+                thread.finished.connect(self.close)
+        if not thread.isFinished():
             self.hide()
             event.ignore()
             return

@@ -1,7 +1,7 @@
-"""The engine worker: all model work runs here, in one thread, and only signals leave it.
+"""The worker: all model work runs here, in one thread, and only signals leave it.
 
 Requests arrive as queued slot calls (one at a time, in order); each carries a job number.
-:meth:`EngineWorker.cancel` is called directly from the GUI thread and marks every job up
+:meth:`Worker.cancel` is called directly from the GUI thread and marks every job up
 to a number as cancelled, so a Stop pressed before a queued job starts still reaches it.
 The engine checks the flag between steps, so a run stops within one step.
 """
@@ -109,7 +109,7 @@ class TuneRequest:
     server: bool = False
 
 
-class EngineWorker(QObject):
+class Worker(QObject):
     """Loads models and runs generations; lives in its own ``QThread``.
 
     Signals:

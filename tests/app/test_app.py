@@ -268,7 +268,7 @@ def test_closing_the_window_during_a_load_ends_the_engine_thread_soon(qtbot, alo
     w.close()
     qtbot.waitUntil(closed.done, timeout=TIMEOUT)
     assert time.perf_counter() - started < 5
-    assert w.session.engine.thread.isFinished() and not w.isVisible()
+    assert w.session.client.thread.isFinished() and not w.isVisible()
 
 
 # ----------------------------------------------------------------------------------- runs
@@ -297,7 +297,7 @@ def test_a_method_is_built_once_per_loaded_models_and_runs_alike_again(window, q
 def test_each_method_streams_into_the_live_view(window, qtbot, method):
     window.methods_panel.set_method(method)
     steps = []
-    window.session.engine.worker.sig_step.connect(steps.append)
+    window.session.client.worker.sig_step.connect(steps.append)
     result = run(qtbot, window.run_single())
     assert result is not None and result.method == method
     assert len(result.token_ids) == 16
@@ -626,7 +626,7 @@ def test_a_bad_method_setting_blocks_the_run_with_the_message(window, qtbot):
     form.editors["max_ngram"].set_value(2)
     assert "min n" in form.error.text()
     steps = []
-    window.session.engine.worker.sig_step.connect(steps.append)
+    window.session.client.worker.sig_step.connect(steps.append)
     assert run(qtbot, window.run_single()) is None
     assert "min n" in window.last_error and not steps
 
@@ -663,9 +663,9 @@ def test_stop_cancels_within_one_step(window, qtbot):
     def press_stop(event):  # runs in the worker thread, right after the step: the next check must stop
         seen.append(event)
         if len(seen) == 3:
-            window.session.engine.cancel()
+            window.session.client.cancel()
 
-    window.session.engine.worker.sig_step.connect(press_stop, _Qt.ConnectionType.DirectConnection)
+    window.session.client.worker.sig_step.connect(press_stop, _Qt.ConnectionType.DirectConnection)
     result = run(qtbot, window.run_single())
     assert result.stop_reason is StopReason.CANCELLED and len(result.events) == 3
     assert window.session.history.load()[-1]["cancelled"] is True
@@ -680,7 +680,7 @@ def test_stop_button_ends_a_long_run(window, qtbot):
     window.prompt_panel.max_new_tokens.setValue(450)
     window.methods_panel.set_method("autoregressive")
     # slow the tiny model down (in the worker thread) so the run cannot end before Stop is pressed
-    window.session.engine.worker.sig_step.connect(lambda e: time.sleep(0.02), _Qt.ConnectionType.DirectConnection)
+    window.session.client.worker.sig_step.connect(lambda e: time.sleep(0.02), _Qt.ConnectionType.DirectConnection)
     task = asyncio.ensure_future(window.run_single())
     qtbot.waitUntil(lambda: len(window.live.view.steps) >= 2, timeout=TIMEOUT)
     assert window.stop_action.isEnabled()
@@ -829,7 +829,7 @@ def test_why_this_speed_shows_the_measured_curve_and_each_methods_costs(window, 
     from specplay.core.records.runlog import RunRecord
 
     seen = []
-    window.session.engine.worker.sig_progress.connect(lambda stage, fraction: seen.append(stage))
+    window.session.client.worker.sig_progress.connect(lambda stage, fraction: seen.append(stage))
     assert window.why.table.rowCount() == 0 and "first run measures" in window.why.summary.text()
     names = ["autoregressive", "speculative", "prompt_lookup"]
     records = run(qtbot, window.run_compare(names), timeout=60_000)

@@ -70,7 +70,7 @@ def request(method: str = "autoregressive", tokens: int = 16, warmup: int = 0) -
 
 def slow_steps(session: RunSession) -> None:
     """Each step takes 20 ms more (in the engine thread), so a run lasts until Stop is pressed."""
-    session.engine.worker.sig_step.connect(lambda e: time.sleep(0.02), Qt.ConnectionType.DirectConnection)
+    session.client.worker.sig_step.connect(lambda e: time.sleep(0.02), Qt.ConnectionType.DirectConnection)
 
 
 def test_a_run_streams_its_steps_and_ends_with_its_saved_record(session, qtbot):

@@ -1,9 +1,9 @@
-"""The GUI thread's side of the engine: requests out as queued signals, results back as futures.
+"""The GUI thread's side of the worker: requests out as queued signals, results back as futures.
 
-All model work runs in one :class:`~specplay.app.worker.EngineWorker` thread. A coroutine sends a
+All model work runs in one :class:`~specplay.app.worker.Worker` thread. A coroutine sends a
 request and awaits its future; the worker's result signal (or its failure) resolves it. One
 request is awaited at a time, and each carries a job number, so a Stop pressed while a job
-is still queued reaches it (:meth:`EngineWorker.cancel`). What the worker reports along the way
+is still queued reaches it (:meth:`Worker.cancel`). What the worker reports along the way
 (steps, progress, the cost curve) comes out of the client's own signals, in the GUI thread.
 """
 
@@ -14,18 +14,18 @@ import logging
 
 from PySide6.QtCore import QObject, QThread, Signal
 
-from specplay.app.worker import (AuditRequest, EngineWorker, LoadRequest, ModelsLoaded, RemoteRequest, RunDone,
+from specplay.app.worker import (AuditRequest, Worker, LoadRequest, ModelsLoaded, RemoteRequest, RunDone,
                                  RunRequest, TuneRequest)
 
 log = logging.getLogger(__name__)
 
 
-class EngineFailed(Exception):
+class WorkerFailed(Exception):
     """The worker reported an error for the awaited request (the message is for the user)."""
 
 
-class EngineClient(QObject):
-    """Owns the engine thread and its worker.
+class WorkerClient(QObject):
+    """Owns the worker thread and its worker.
 
     Signals (emitted in the GUI thread):
         sig_error(str): a worker error while no request was awaited (still for the user).
@@ -51,8 +51,8 @@ class EngineClient(QObject):
         # While a loaded target's draft still loads beside the runs: resolved with its ModelsLoaded.
         self.draft_loaded: asyncio.Future | None = None
         self.thread = QThread(self)
-        self.thread.setObjectName("engine")
-        self.worker = EngineWorker()
+        self.thread.setObjectName("worker")
+        self.worker = Worker()
         self.worker.moveToThread(self.thread)
         self.sig_load.connect(self.worker.load)
         self.sig_generate.connect(self.worker.generate)
@@ -71,7 +71,7 @@ class EngineClient(QObject):
         self.thread.start()
 
     async def load(self, request: LoadRequest) -> ModelsLoaded:
-        """Load the requested models (raises :class:`EngineFailed` with the worker's message)."""
+        """Load the requested models (raises :class:`WorkerFailed` with the worker's message)."""
         return await self._submit(self.sig_load, request)
 
     async def generate(self, request: RunRequest, stop_first: bool = False) -> RunDone:
@@ -116,12 +116,12 @@ class EngineClient(QObject):
         self.worker.cancel_draft()
         for fut in (self._pending, self.draft_loaded):
             if fut is not None and not fut.done():
-                fut.set_exception(EngineFailed("the window was closed"))
+                fut.set_exception(WorkerFailed("the window was closed"))
         self._pending = self.draft_loaded = None
         self.thread.quit()
         if self.thread.wait(wait_ms):
             return True
-        log.info("the engine thread ends once its current step does")
+        log.info("the worker thread ends once its current step does")
         return False
 
     def _expect(self) -> asyncio.Future:
@@ -148,6 +148,6 @@ class EngineClient(QObject):
     def _on_failed(self, message: str) -> None:
         fut, self._pending = self._pending, None
         if fut is not None and not fut.done():
-            fut.set_exception(EngineFailed(message))
+            fut.set_exception(WorkerFailed(message))
         else:
             self.sig_error.emit(message)
