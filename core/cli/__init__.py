@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--code-tokens", type=int, default=60_000, help="tokens of standard-library source")
     g.add_argument("--answers", type=int, default=64, help="instructions the target answers (the slow part)")
     g.add_argument("--answer-tokens", type=int, default=256, help="max tokens per answer")
-    g.add_argument("--slots", type=int, default=16, help="answers generated at once (a CPU pass over 16 rows costs "
-                   "about twice one row)")
+    g.add_argument("--slots", type=int, default=16, help="answers generated at once (a CPU pass over 16 rows costs a "
+                   "few times one row, far less than 16 passes)")
     g.add_argument("--data-only", action="store_true", help="generate the data (resumably) and stop, without training")
     g.add_argument("--workdir", type=Path, help="cache for answers, features and checkpoints")
     g.add_argument("--corpus", type=Path, help="answers made before (token ids, --save-corpus): read by the target "
