@@ -49,7 +49,7 @@ def _isolated_dirs(tmp_path_factory, monkeypatch, _measurements):
 
 @pytest.fixture()
 def aloop(qapp):
-    """A qasync event loop on the test's QApplication, for the app's coroutines (tests/app/test_app.py,
+    """A qasync event loop on the test's QApplication, for the app's coroutines (tests/app/app_window.py,
     tests/app/test_session.py); Qt is imported only by the tests that ask for it."""
     import asyncio
 

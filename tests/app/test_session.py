@@ -1,8 +1,8 @@
 """The run session without a window: it sequences loads, runs, comparisons and audits on tiny
 model folders, and says everything through its signals.
 
-As in ``test_app.py``, a qasync loop runs on pytest-qt's application and :func:`run` drives a
-coroutine by processing Qt events until it is done.
+As in the window's tests (``app_window.py``), a qasync loop runs on pytest-qt's application and
+:func:`run` drives a coroutine by processing Qt events until it is done.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import pytest
 
 pytest.importorskip("pytestqt")
-from PySide6.QtCore import Qt  # noqa: E402  (PySide6 before qasync, so qasync binds to it)
+from PySide6.QtCore import Qt  # noqa: E402
 
 qasync = pytest.importorskip("qasync")
 from tiny import save_tiny_model  # noqa: E402
@@ -62,7 +62,7 @@ class Recorder:
 
 
 def request(method: str = "autoregressive", tokens: int = 16, warmup: int = 0) -> RunRequest:
-    # Stand-down off: on tiny models its decisions follow timing noise (see test_app.py's window fixture).
+    # Stand-down off: on tiny models its decisions follow timing noise (see app_window.py's window fixture).
     config = GenerationConfig(max_new_tokens=tokens, stand_down=False, sampling=SamplingConfig(temperature=0.0))
     return RunRequest(prompt="ab cd ab cd ab", method=method, config=config, chat_template=False,
                       warmup_tokens=warmup)
