@@ -8,24 +8,14 @@ by processing Qt events until it is done (exactly as the real app's loop would).
 from __future__ import annotations
 
 import asyncio
-import csv
-import dataclasses
-import json
-import os
-import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("pytestqt")
-from PySide6.QtCore import QPoint, Qt  # noqa: E402  (PySide6 before qasync, so qasync binds to it)
-from PySide6.QtGui import QTextCursor  # noqa: E402
+from PySide6.QtGui import QTextCursor  # noqa: E402  (PySide6 before qasync, so qasync binds to it)
 
 qasync = pytest.importorskip("qasync")
 from tiny import save_tiny_model  # noqa: E402
-
-from specplay.core.decoding.types import Fate, Rule, StepEvent, StepTiming, StopReason, TokenEvent  # noqa: E402
 
 TIMEOUT = 30_000
 
