@@ -30,8 +30,8 @@ from specplay.core.decoding.method import Method, RunContext, StepOutcome
 from specplay.core.decoding.metrics import MetricsRecorder
 from specplay.core.decoding.standdown import GateState, StandDownGate
 from specplay.core.decoding.tree import ancestor_mask
-from specplay.core.decoding.types import (Draft, Fate, GenerationConfig, RunResult, SamplingConfig, StepEvent, StepTiming,
-                                          StopReason, TokenEvent, Verdict)
+from specplay.core.decoding.types import (Draft, Fate, GenerationConfig, RunResult, SamplingConfig, StepEvent,
+                                          StepTiming, StopReason, TokenEvent, Verdict)
 from specplay.core.decoding.verification import verify
 from specplay.core.errors import ConfigError, is_out_of_memory
 from specplay.core.models.base import CausalLM, ForwardOutput

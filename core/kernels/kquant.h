@@ -39,7 +39,9 @@ enum { SP_OK = 0, SP_BAD_ARGUMENTS = -1, SP_OUT_OF_MEMORY = -2, SP_ID_OUT_OF_RAN
 #define MOST_SIZE ((int64_t)1 << 24)
 
 /* Whether ``a`` * ``b`` * ``c`` (``c`` > 0) is a count of non-negative factors that fits in int64. */
-static inline int fits(int64_t a, int64_t b, int64_t c) { return a >= 0 && b >= 0 && (b == 0 || a <= INT64_MAX / b / c); }
+static inline int fits(int64_t a, int64_t b, int64_t c) {
+    return a >= 0 && b >= 0 && (b == 0 || a <= INT64_MAX / b / c);
+}
 
 /* The order of a block's 256 positions in memory, for weights and activations alike. Byte
  * 128h + 16t + 4i + j (half h = 0..1, chunk t = 0..7, slot i = 0..3, j = 0..3) holds position

@@ -507,7 +507,8 @@ def _target_blocks_reader(model_id: str, path: Path, gguf_reader, progress: Prog
         return gguf_blocks.FirstOf(gguf_blocks.BlocksFileReader(path / KQUANT_WEIGHTS), gguf_reader)
     if status != "missing":
         log.warning("%s: the kept repacked blocks are %s; repacking them again", path.name, status)
-    return gguf_blocks.KeptBlocks(gguf_blocks.CountedReads(gguf_reader, counting_down(progress, f"Repacking {model_id}'s blocks")))
+    repacking = counting_down(progress, f"Repacking {model_id}'s blocks")
+    return gguf_blocks.KeptBlocks(gguf_blocks.CountedReads(gguf_reader, repacking))
 
 
 def _check_fallback_storage(model_id: str, dtype: str, storage: str, reason: str | None, notes: list[str]) -> None:

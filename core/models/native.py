@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from specplay.core.errors import ModelError
 from specplay.core.kernels.kquant import FusedLayers, KQuantLinear, KQuantWeight, MappedRows, check_shapes
-from specplay.core.kernels.linear import (EXACT_QUANTIZED, KQUANT_STORAGES, Int4DraftLinear, Int4Packed, QuantizedWeight,
-                                          Storage, make_linear)
+from specplay.core.kernels.linear import (EXACT_QUANTIZED, KQUANT_STORAGES, Int4DraftLinear, Int4Packed,
+                                          QuantizedWeight, Storage, make_linear)
 from specplay.core.models.base import CausalLM, ForwardOutput, ModelInfo, expand_mask, keep_indices
 from specplay.core.models.layers import (FUSED, DecoderConfig, LayerWeights, attention_kernels, layer_forward, rms_norm,
                                          rope_tables)

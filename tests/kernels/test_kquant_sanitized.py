@@ -16,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "core" / "kernels"
-SOURCES = [KERNELS / "blocks.c", KERNELS / "gemm_x86.c", KERNELS / "layer.c", ROOT / "tests" / "fixtures" / "kquant_driver.c"]
+SOURCES = [KERNELS / "blocks.c", KERNELS / "gemm_x86.c", KERNELS / "layer.c",
+           ROOT / "tests" / "fixtures" / "kquant_driver.c"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
 FLAGS = ["-O0", "-g", "-fopenmp", "-ffp-contract=off", *SANITIZE]
 #: Reports end the run (UBSan's would go on), and the fit that cannot have its memory gets a null, not an abort.
@@ -39,8 +40,8 @@ def driver(tmp_path_factory) -> Path:
         pytest.skip(f"{_compiler()} cannot build with -fsanitize=address,undefined: "
                     f"{(tried.stderr.strip().splitlines() or ['its program does not run'])[-1][:200]}")
     exe = folder / "driver"
-    built = subprocess.run([_compiler(), *FLAGS, f"-I{KERNELS}", "-o", str(exe), *map(str, SOURCES), "-lm"], capture_output=True,
-                           text=True)
+    built = subprocess.run([_compiler(), *FLAGS, f"-I{KERNELS}", "-o", str(exe), *map(str, SOURCES), "-lm"],
+                           capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-2000:]
     return exe
 
