@@ -159,8 +159,6 @@ int sp_quantize_q4k(const float *w, int64_t rows, int64_t k, int64_t ldw, block4
     return SP_OK;
 }
 
-enum { TYPE_Q5_0 = 6, TYPE_Q8_0 = 8 }; /* GGML's type numbers of the draft's other blocks */
-
 /* One row of ``width`` values in GGUF's Q8_0 or Q5_0 blocks (32 values each) as floats. */
 static void row_values(int type, const uint8_t *raw, int64_t width, float *out) {
     for (int64_t blk = 0; blk < width / 32; blk++) {

@@ -28,7 +28,8 @@
 
 #define QK 256
 
-enum { TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* GGML's type numbers */
+enum { TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* GGML's type numbers of the blocks the kernel multiplies */
+enum { TYPE_Q5_0 = 6, TYPE_Q8_0 = 8 };   /* and of the 32-value blocks sp_fit_q4k_from fits into Q4_K */
 
 /* What every entry returns: 0, or why it did nothing useful (its outputs are then to be thrown
  * away). Each checks its arguments before it reads or writes anything: they come from a model
