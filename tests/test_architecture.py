@@ -162,9 +162,12 @@ def test_no_import_circle_anywhere():
     assert circles == []
 
 
-def test_core_has_few_top_level_modules_and_none_too_long():
+def test_core_and_each_of_its_rooms_hold_few_modules_and_none_too_long():
     top = sorted(p.stem for p in (ROOT / "core").glob("*.py") if p.stem != "__init__")
     assert len(top) <= 10, top
+    crowded = {room.name: n for room in (ROOT / "core").iterdir() if room.is_dir() and (room / "__init__.py").is_file()
+               if (n := sum(1 for p in room.rglob("*") if p.suffix in (".py", ".c") and p.stem != "__init__")) > 10}
+    assert crowded == {}
     sources = [p for top_dir in ("core", "app") for suffix in ("py", "c", "h")
                for p in (ROOT / top_dir).rglob(f"*.{suffix}")]
     long = [f"{p.relative_to(ROOT)}: {n}" for p in sources

@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--answer-tokens", type=int, default=256, help="max tokens per answer")
     g.add_argument("--slots", type=int, default=16, help="answers generated at once (a CPU pass over 16 rows costs a "
                    "few times one row, far less than 16 passes)")
-    g.add_argument("--data-only", action="store_true", help="generate the data (resumably) and stop, without training")
+    g.add_argument("--data-only", action="store_true",
+                   help="generate the --recipe's data (resumably) and stop, without training")
     g.add_argument("--workdir", type=Path, help="cache for answers, features and checkpoints")
     g.add_argument("--corpus", type=Path, help="answers made before (token ids, --save-corpus): read by the target "
                    "instead of generated, about 1.6x as fast (default: the project's assets/training file for "
@@ -155,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--intermediate", type=int, default=None, help="eagle: MLP width of the head (default: the target's)")
     g.add_argument("--window", type=int, default=128, help="eagle: training window length")
     g.add_argument("--recipe", choices=["classic", "eagle3", "hydra"], default="classic",
-                   help="classic: the heads as shipped; eagle3 (eagle): fused low/middle/high target layers in, tokens "
-                   "out, trained on its own states; hydra (medusa): each head reads the token drafted before its own. "
+                   help="classic: EAGLE's and Medusa's own recipes, on the target's final features; eagle3 (eagle, "
+                   "shipped): fused low/middle/high target layers in, tokens out, trained on its own states; hydra "
+                   "(medusa, shipped): each head reads the token drafted before its own. "
                    "Both new recipes learn the target's top-K distribution and read the target's layers once more")
     g.add_argument("--teacher-weight", type=float, default=1.0, help="eagle3, hydra: share of the loss on the "
                    "target's top-K distribution, the rest on its argmax")

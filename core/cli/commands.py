@@ -367,15 +367,14 @@ def cmd_train(args) -> int:
     from specplay.core.kernels.linear import has_bf16_units
     from specplay.core.models.loader import load_model
     from specplay.core.training.common import TrainSettings
-    from specplay.core.training.pipeline import DataSettings, train_heads
+    from specplay.core.training.data import DataSettings
+    from specplay.core.training.recipes import RECIPES, recipe_names, train_heads
 
     if args.save_corpus and not args.data_only:
         raise SpecPlayError("--save-corpus goes with --data-only (make the data, keep its token ids, then train)")
-    from specplay.core.training.recipes import RECIPES
-
-    if args.recipe not in RECIPES[args.kind]:
+    if (args.kind, args.recipe) not in RECIPES:
         raise SpecPlayError(f"the {args.recipe} recipe is not one for {args.kind} heads: use "
-                            f"{' or '.join(RECIPES[args.kind])}")
+                            f"{' or '.join(recipe_names(args.kind))}")
     defaults = {"medusa": (128, 1e-3), "eagle": (16, 3e-4)}[args.kind]
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size or defaults[0], lr=args.lr or defaults[1],
                              seed=args.seed, bf16=args.bf16 == "on" or (args.bf16 == "auto" and has_bf16_units()))
@@ -384,11 +383,12 @@ def cmd_train(args) -> int:
     progress = LineProgress()
     target = load_model(args.target, args.device, args.dtype, progress=progress)
     if args.data_only:
-        from specplay.core.training.data import save_corpus
-        from specplay.core.training.pipeline import answers_dir, default_workdir, prepare_data, target_key
+        from specplay.core.training.data import answers_dir, save_corpus, target_key
+        from specplay.core.training.recipes import default_workdir, prepare_data
 
         workdir = args.workdir or default_workdir(target.model_id)
-        _, stats = prepare_data(target, data, workdir, progress, lambda: False, args.corpus)
+        _, stats = prepare_data(RECIPES[args.kind, args.recipe], target, data, workdir, progress, lambda: False,
+                                args.corpus)
         print(json.dumps(stats))
         if args.save_corpus:
             # This target's answers only: a shared work folder may also hold another target's.
@@ -413,7 +413,7 @@ def cmd_train(args) -> int:
     path, manifest = train_heads(args.kind, target, data, settings, num_heads=args.num_heads,
                                  draft_vocab=args.draft_vocab, intermediate=args.intermediate, window=args.window,
                                  unroll=args.unroll or (3 if args.recipe == "eagle3" else 1), init=args.init,
-                                 head_recipe=args.recipe, teacher_weight=args.teacher_weight, corpus=args.corpus,
+                                 recipe=args.recipe, teacher_weight=args.teacher_weight, corpus=args.corpus,
                                  workdir=args.workdir, out=args.out, resume=args.resume,
                                  command="specplay " + " ".join(sys.argv[1:]), progress=progress, on_step=on_step)
     print(f"saved {path}")

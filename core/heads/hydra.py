@@ -9,7 +9,7 @@ head k carries a state along the path: s_0 = h_t, and
 reads the state of the head before it and the embedding of the token drafted before its own
 (head 1: the root token, which the target produced), then maps s_k to x_{t+k+1} through the
 target's frozen LM head rows. Trained with the path's true tokens (teacher forcing) against
-the target's distribution (Hydra++'s teacher loss, :mod:`specplay.core.training.hydra`).
+the target's distribution (Hydra++'s teacher loss, :mod:`specplay.core.training.medusa`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ vocabulary from their labels (:func:`~specplay.core.training.common.held_out_voc
 
 Training is each recipe's own, with ``specplay train eagle``'s defaults: batch 16 windows of
 128, lr 3e-4, bfloat16 matmuls where the CPU has the units, the head started from the target's
-last layer; :func:`~specplay.core.training.eagle3.train_eagle3` unrolled 3 levels deep,
+last layer; :func:`~specplay.core.training.eagle.train_eagle3` unrolled 3 levels deep,
 :func:`~specplay.core.training.eagle.train_eagle` with unroll 1. Its cost is the process's
 CPU seconds (:func:`time.process_time`, both torch threads), the trainer's final held-out
 check included. With ``--seconds`` and no ``--steps``, the steps are what a few timed steps
@@ -54,18 +54,14 @@ from pathlib import Path
 import torch
 
 from specplay.core.errors import Cancelled
-from specplay.core.heads import (EagleHead, MedusaHeads, head_config, heads_manifest, load_heads, save_heads,
-                                 shipped_path)
-from specplay.core.heads.eagle import init_from_target_layer
+from specplay.core.heads import heads_manifest, load_heads, save_heads, shipped_path
 from specplay.core.heads.eagle3 import Eagle3Head
 from specplay.core.heads.hydra import HydraHeads
 from specplay.core.kernels.linear import has_bf16_units
 from specplay.core.training.common import TrainSettings, held_out_vocabulary
-from specplay.core.training.eagle import EagleObjective, train_eagle
-from specplay.core.training.eagle3 import Eagle3Objective, train_eagle3
-from specplay.core.training.hydra import HydraObjective, train_hydra
-from specplay.core.training.medusa import MedusaObjective, train_medusa
-from specplay.core.training.pipeline import default_workdir
+from specplay.core.training.eagle import Eagle3Objective, EagleObjective
+from specplay.core.training.medusa import HydraObjective, MedusaObjective
+from specplay.core.training.recipes import RECIPES, default_workdir
 from specplay.core.training.tau import eagle_tau, medusa_tau
 from specplay.core.training.teacher import TeacherSet, capture_teacher, corpus_sequences, default_layers
 
@@ -78,8 +74,15 @@ SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(20
 TRAINING = {"batch_size": 16, "lr": 3e-4}  # specplay train eagle's defaults
 MEDUSA_TRAINING = {"batch_size": 128, "lr": 1e-3}  # specplay train medusa's
 MEDUSA_HEADS = 4
-#: Which kind of head each recipe trains: the classic EAGLE head, EAGLE-3, classic Medusa heads, Hydra heads
-RECIPES = {"classic": "eagle", "eagle3": "eagle", "medusa": "medusa", "hydra": "medusa"}
+#: The recipe (:data:`specplay.core.training.recipes.RECIPES`) each training stage runs: the classic EAGLE
+#: head, EAGLE-3, classic Medusa heads, Hydra heads
+STAGES = {"classic": RECIPES["eagle", "classic"], "eagle3": RECIPES["eagle", "eagle3"],
+          "medusa": RECIPES["medusa", "classic"], "hydra": RECIPES["medusa", "hydra"]}
+
+
+def stage_of(kind: str, recipe: str) -> str:
+    """The training stage that makes ``kind`` heads by ``recipe`` (a manifest's fields)."""
+    return next(name for name, r in STAGES.items() if (r.kind, r.name) == (kind, recipe))
 WINDOW, DEPTH, LEVELS, WINDOWS, ROOTS, POSITIONS = 128, 3, 5, 256, 600, 4096
 
 
@@ -164,13 +167,10 @@ class Comparison:
         """(the head or heads in a heads file of ``kind``, its draft vocabulary, its manifest)."""
         tensors, manifest = load_heads(path, kind, self.model)
         vocab_ids = tensors.pop("vocab_ids")
-        recipe = manifest.get("recipe", "classic")
-        if kind == "medusa":
-            heads_class = HydraHeads if recipe == "hydra" else MedusaHeads
-            head = heads_class(self.model.info.hidden_size, manifest["num_heads"])
-        else:
-            cfg = head_config(self.model.cfg, manifest.get("intermediate_size"))
-            head = Eagle3Head(cfg, len(manifest["layers"])) if recipe == "eagle3" else EagleHead(cfg)
+        recipe = RECIPES[kind, manifest.get("recipe", "classic")]
+        head = recipe.start(self.model, num_heads=manifest.get("num_heads", MEDUSA_HEADS),
+                            intermediate=manifest.get("intermediate_size"), init="none",
+                            layers=tuple(manifest.get("layers", ())))
         head.load_state_dict(tensors)
         return head, vocab_ids, manifest
 
@@ -179,9 +179,11 @@ class Comparison:
         train on from there (:meth:`trained`'s ``start``): the comparison then trains and judges on that
         file's draft vocabulary. A head learnt on another storage's features adapts to this target's in a
         fraction of its first training."""
-        head, vocab_ids, manifest = self._read(path, RECIPES[recipe])
-        if manifest.get("recipe", "classic") != recipe:
-            raise ValueError(f"{path} holds {manifest.get('recipe', 'classic')} heads, not {recipe} heads")
+        kind = STAGES[recipe].kind
+        head, vocab_ids, manifest = self._read(path, kind)
+        made_by = stage_of(kind, manifest.get("recipe", "classic"))
+        if made_by != recipe:
+            raise ValueError(f"{path} holds {made_by} heads, not {recipe} heads")
         self.vocab_ids = vocab_ids
         return head, {"file": Path(path).name, "feature_dtype": manifest.get("feature_dtype"),
                       "answers": (manifest.get("data") or {}).get("answers"), "steps": manifest.get("steps")}
@@ -189,7 +191,7 @@ class Comparison:
     def shipped(self, path: Path, kind: str = "eagle") -> dict:
         """The head (``kind`` "eagle") or heads ("medusa") in a heads file, as they are."""
         head, vocab_ids, manifest = self._read(path, kind)
-        recipe = manifest.get("recipe", "classic")
+        recipe = stage_of(kind, manifest.get("recipe", "classic"))
         judged = self.judge(head, vocab_ids) if kind == "eagle" else self.judge_medusa(head, vocab_ids)
         return {"recipe": recipe, "head": str(path), "data_tokens": manifest["data"]["total_tokens"],
                 "steps": manifest["steps"], "train_wall_s": manifest["train_seconds"], "train_cpu_s": None,
@@ -197,14 +199,16 @@ class Comparison:
 
     def trained(self, recipe: str, steps: int | None = None, seconds: float | None = None, log=print,
                 start=None, **training) -> tuple[torch.nn.Module, dict]:
-        """(head, record): a head of ``recipe`` (:data:`RECIPES`) trained on the train answers for ``steps``
+        """(head, record): a head of ``recipe`` (:data:`STAGES`) trained on the train answers for ``steps``
         or until ``seconds`` CPU seconds (steps then from a short timing; EAGLE recipes only), and its judging.
         Heads start from ``start`` (:meth:`start_from`; trained in place), else EAGLE heads from the
         target's last layer, Medusa and Hydra heads as their trainers start them."""
-        kind = RECIPES[recipe]
+        r = STAGES[recipe]
+        kind = r.kind
         bf16 = has_bf16_units()
         settings = {**(TRAINING if kind == "eagle" else MEDUSA_TRAINING), **training}
-        head = start if start is not None else self._eagle_start(recipe) if kind == "eagle" else None
+        head = start if start is not None else r.start(self.model, num_heads=MEDUSA_HEADS,
+                                                       layers=default_layers(self.model.cfg.num_layers))
         per_step = None
         if steps is None:
             if kind != "eagle":
@@ -225,7 +229,8 @@ class Comparison:
         c0, w0 = time.process_time(), time.perf_counter()
         over_budget = (lambda: time.process_time() - c0 > seconds) if seconds else (lambda: False)
         try:
-            head = self._train(recipe, head, settings, progress, over_budget)
+            r.train(head, self.data, self.model, self.vocab_ids, settings, window=self.window,
+                    unroll=DEPTH if recipe == "eagle3" else 1, progress=progress, should_cancel=over_budget)
         except Cancelled:
             log(f"{recipe}: CPU budget spent after {len(losses)} of {steps} steps")
         k = max(1, min(10, len(losses) // 4))
@@ -236,35 +241,6 @@ class Comparison:
                 "settings": settings.to_dict(), "window": self.window if kind == "eagle" else None,
                 "depth": DEPTH if recipe == "eagle3" else 1,
                 "loss_start": sum(losses[:k]) / k, "loss_end": sum(losses[-k:]) / k, **self.sizes(), **judged}
-
-    def _eagle_start(self, recipe: str):
-        m = self.model
-        if recipe == "eagle3":
-            head = Eagle3Head(head_config(m.cfg), self.data.layers.shape[1])
-            head.init_from_target(m)
-        else:
-            head = EagleHead(head_config(m.cfg))
-            init_from_target_layer(head, m.layers[-1])
-        return head
-
-    def _train(self, recipe: str, head, settings: TrainSettings, progress, should_cancel):
-        """The trained head (or heads) of ``recipe``; an EAGLE ``head`` is trained in place."""
-        m = self.model
-        lm_rows = m.lm_head_weight()[self.vocab_ids]
-        common = (self.vocab_ids, m.info.vocab_size)
-        if recipe == "eagle3":
-            train_eagle3(self.data, head, m.embed, lm_rows, *common, settings, window=self.window, depth=DEPTH,
-                         progress=progress, should_cancel=should_cancel)
-        elif recipe == "classic":
-            train_eagle(self.data.features(), head, m.embed, lm_rows, *common, settings, window=self.window,
-                        progress=progress, should_cancel=should_cancel)
-        elif recipe == "hydra":
-            head, _, _ = train_hydra(self.data, m.embed, lm_rows, *common, MEDUSA_HEADS, settings, progress=progress,
-                                     should_cancel=should_cancel, heads=head)
-        else:
-            head, _, _ = train_medusa(self.data.features(), lm_rows, *common, MEDUSA_HEADS, settings,
-                                      progress=progress, should_cancel=should_cancel, heads=head)
-        return head
 
     def judge_medusa(self, heads, vocab_ids: torch.Tensor) -> dict:
         """Each head's top-1 (its token right, the path before it right) on held-out positions, and
@@ -292,24 +268,20 @@ def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor,
                  layers: tuple[int, ...] = ()) -> None:
     """A heads file the eagle or medusa method reads, its manifest saying how it was made and how it
     judged; ``layers``: the target layers an EAGLE-3 head's data was read from."""
-    kind = RECIPES[record["recipe"]]
+    r = STAGES[record["recipe"]]
     data = {"total_tokens": record["data_tokens"], "answers": record["train_answers"],
             "sources": "the target's greedy answers in the committed corpus (assets/training/), "
                        "read once for its layers, final features and top-K"}
-    manifest = heads_manifest(kind, record["recipe"], target=model_id, model=model, vocab_ids=vocab_ids,
+    manifest = heads_manifest(r.kind, r.name, target=model_id, model=model, vocab_ids=vocab_ids,
                               coverage=record["coverage"], command=record["command"], data=data,
                               settings=record["settings"], steps=record["steps"], train_seconds=record["train_wall_s"],
                               train_cpu_s=record["train_cpu_s"], tau_sim=round(record["tau_sim"], 4),
                               tau_sim_roots=record["tau_sim_roots"],
                               heldout={"answers": record["heldout_answers"], "tokens": record["heldout_tokens"]})
-    if kind == "medusa":
-        manifest.update(num_heads=len(head.blocks), accuracy=record["accuracy"], top1=record["top1_by_head"],
-                        top5=record["top5_by_head"], tau_sim_tree=record["tau_sim_tree"])
-    else:
-        manifest.update(intermediate_size=head.cfg.intermediate_size, window=record["window"], unroll=record["depth"],
-                        init="target", accuracy={"top1_by_level": record["top1_by_level"]})
-        if record["recipe"] == "eagle3":
-            manifest["layers"] = list(layers)
+    manifest.update(r.fields(head, record["accuracy"], window=record["window"], unroll=record["depth"], init="target",
+                             layers=layers))
+    if r.kind == "medusa":
+        manifest["tau_sim_tree"] = record["tau_sim_tree"]
     if "init" in record:  # the heads file it started from (--init)
         manifest["init"] = record["init"]
     save_heads(path, {**head.state_dict(), "vocab_ids": vocab_ids}, manifest)
@@ -338,7 +310,7 @@ def cpu_per_step(objective, end: int, batch: int, lr: float, bf16: bool, tries: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specplay.core.training.compare_recipes",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("capture", "shipped", "shipped-medusa", *RECIPES))
+    p.add_argument("stage", choices=("capture", "shipped", "shipped-medusa", *STAGES))
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--seconds", type=float, help="training CPU seconds (steps from a short timing unless --steps; "
                    "EAGLE recipes)")
@@ -353,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", type=Path, help="training stages: start from this heads file's head (of the stage's "
                    "recipe) and its draft vocabulary, instead of afresh")
     args = p.parse_args(argv)
-    if args.stage in RECIPES and not (args.steps or args.seconds):
+    if args.stage in STAGES and not (args.steps or args.seconds):
         p.error("training stages need --steps or --seconds")
-    if args.stage in RECIPES and RECIPES[args.stage] == "medusa" and not args.steps:
+    if args.stage in STAGES and STAGES[args.stage].kind == "medusa" and not args.steps:
         p.error(f"{args.stage} trains for --steps")
     torch.set_num_threads(2)
     from specplay.core.models.loader import load_model
@@ -387,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             save_trained(args.out, head, {**record, "command": command}, model, cmp.vocab_ids, TARGET,
                          default_layers(model.cfg.num_layers))  # the layers capture() read
-            saved = cmp.shipped(args.out, RECIPES[args.stage])
+            saved = cmp.shipped(args.out, STAGES[args.stage].kind)
             record["as_saved"] = {k: saved[k] for k in ("tau_sim", "top1_by_level", "top1_by_head") if k in saved}
     record = {"stage": args.stage, "command": command, **record, "wall_s": round(time.perf_counter() - w0, 1),
         "cpu_s": round(time.process_time() - c0, 1), "date": time.strftime("%Y-%m-%d %H:%M")}

@@ -273,7 +273,7 @@ def test_train_save_corpus_keeps_its_own_targets_answers_in_a_shared_work_folder
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
-    from specplay.core.training.pipeline import target_key
+    from specplay.core.training.data import target_key
 
     folders = [save_tiny_model(tmp_path / name, seed=seed, layers=2) for name, seed in (("a", 0), ("b", 1))]
     for folder in folders:

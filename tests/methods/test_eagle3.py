@@ -10,7 +10,7 @@ from specplay.core.heads.eagle3 import Eagle3Head
 from specplay.core.methods import build_method
 from specplay.core.methods.eagle import EagleConfig
 from specplay.core.models.base import ForwardOutput
-from specplay.core.training.eagle3 import Eagle3Objective
+from specplay.core.training.eagle import Eagle3Objective
 from specplay.core.training.tau import accepted_length, answer_roots, eagle_tau
 from specplay.core.training.teacher import TeacherSet, read_teacher
 from specplay.core.decoding.types import GenerationConfig
@@ -56,7 +56,7 @@ def knowing_head(target, tmp_path_factory):
     """PROMPT's greedy answer (50 tokens), and a head trained briefly on it (a second answer held
     out): its drafts are mostly accepted there."""
     from specplay.core.training.common import TrainSettings
-    from specplay.core.training.eagle3 import train_eagle3
+    from specplay.core.training.eagle import train_eagle3
 
     model = target.model
     answers = greedy_continuations(target, [PROMPT, PROMPT[::-1]], 50)
@@ -164,7 +164,7 @@ def test_eagle3_greedy_equals_autoregressive(target, knowing_head, cfg):
 
 def test_a_trained_eagle3_head_accepts_several_tokens_a_step_exactly(target, tmp_path):
     from specplay.core.training.common import TrainSettings
-    from specplay.core.training.eagle3 import train_eagle3
+    from specplay.core.training.eagle import train_eagle3
 
     model = target.model
     seqs = []

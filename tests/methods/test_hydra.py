@@ -11,7 +11,7 @@ from specplay.core.heads.hydra import HydraHeads
 from specplay.core.methods import build_method
 from specplay.core.methods.medusa import MedusaConfig
 from specplay.core.training.common import TrainSettings
-from specplay.core.training.hydra import HydraObjective, train_hydra
+from specplay.core.training.medusa import HydraObjective, train_hydra
 from specplay.core.training.tau import medusa_tau
 from specplay.core.decoding.tree import TreeSpec
 from specplay.core.decoding.types import GenerationConfig

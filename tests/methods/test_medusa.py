@@ -240,9 +240,10 @@ def test_top_k_limits_the_candidates_each_head_contributes_to_the_tree(target, t
 
 def test_draft_vocabulary_coverage_is_measured_on_held_out_sequences(target, tmp_path, monkeypatch):
     """Held-out labels half of which never occur in training: the manifest must not claim 100%."""
-    import specplay.core.training.pipeline as pipeline
+    import specplay.core.training.recipes as recipes
     from specplay.core.training.common import split_sequences
-    from specplay.core.training.pipeline import DataSettings, train_heads
+    from specplay.core.training.data import DataSettings
+    from specplay.core.training.recipes import train_heads
 
     model = target.model
     g = torch.Generator().manual_seed(0)
@@ -251,8 +252,8 @@ def test_draft_vocabulary_coverage_is_measured_on_held_out_sequences(target, tmp
     train_pos, eval_pos = split_sequences(data, settings.eval_fraction)
     data.labels[train_pos] = torch.randint(3, 30, (train_pos.numel(),), generator=g)
     data.labels[eval_pos] = torch.where(torch.arange(eval_pos.numel()) % 2 == 0, 10, 50)  # 50: never trained on
-    monkeypatch.setattr(pipeline, "prepare_data", lambda *a: (data, {}))
-    monkeypatch.setattr(pipeline, "target_key", lambda *a: "tiny")  # the tiny target is in memory, not a folder
+    monkeypatch.setattr(recipes, "prepare_data", lambda *a: (data, {}))
+    monkeypatch.setattr(recipes, "target_key", lambda *a: "tiny")  # the tiny target is in memory, not a folder
 
     _, manifest = train_heads("medusa", target, DataSettings(), settings, num_heads=2, workdir=tmp_path,
                               out=tmp_path / "heads.safetensors")
@@ -262,18 +263,19 @@ def test_draft_vocabulary_coverage_is_measured_on_held_out_sequences(target, tmp
 def test_resume_continues_only_a_checkpoint_of_the_same_target(target, tmp_path, monkeypatch, caplog):
     """Two targets training in one work folder: --resume does not continue the other target's
     checkpoint (it starts from step 0, with a warning), and does continue its own."""
-    import specplay.core.training.pipeline as pipeline
-    from specplay.core.training.pipeline import DataSettings, train_heads
+    import specplay.core.training.recipes as recipes
+    from specplay.core.training.data import DataSettings
+    from specplay.core.training.recipes import train_heads
 
     g = torch.Generator().manual_seed(0)
     data = target_features(target.model, [torch.randint(3, 64, (24,), generator=g).tolist() for _ in range(10)])
-    monkeypatch.setattr(pipeline, "prepare_data", lambda *a: (data, {}))
+    monkeypatch.setattr(recipes, "prepare_data", lambda *a: (data, {}))
     settings = TrainSettings(steps=6, batch_size=8, eval_every=6, warmup=1, checkpoint_every=1)
     seen = []
 
     def steps_trained(key, **kw):
         seen.clear()
-        monkeypatch.setattr(pipeline, "target_key", lambda *a: key)
+        monkeypatch.setattr(recipes, "target_key", lambda *a: key)
         train_heads("medusa", target, DataSettings(), settings, num_heads=2, workdir=tmp_path,
                     out=tmp_path / f"{key}.safetensors", resume=True, on_step=seen.append, **kw)
         return [p.step for p in seen]

@@ -214,13 +214,13 @@ def chat_model(path, seed):
 
 def prepared(target, workdir, monkeypatch, prompts):
     """`specplay train --data-only` on a few instructions and one short text."""
-    from specplay.core.training import pipeline
+    from specplay.core.training import recipes
 
-    monkeypatch.setattr(pipeline, "instruction_prompts", lambda n, seed: prompts[:n])
-    monkeypatch.setattr(pipeline, "code_sequences", lambda tok, n, seq_len, seed: [[4, 5, 6, 7, 8, 9, 10, 11]])
-    settings = pipeline.DataSettings(code_tokens=8, answers=len(prompts), answer_tokens=5, slots=2)
-    features, _ = pipeline.prepare_data(target, settings, workdir, lambda s, f: None, lambda: False,
-                                        corpus=workdir.parent / "no-corpus.safetensors")
+    monkeypatch.setattr(recipes, "instruction_prompts", lambda n, seed: prompts[:n])
+    monkeypatch.setattr(recipes, "code_sequences", lambda tok, n, seq_len, seed: [[4, 5, 6, 7, 8, 9, 10, 11]])
+    settings = recipes.DataSettings(code_tokens=8, answers=len(prompts), answer_tokens=5, slots=2)
+    features, _ = recipes.feature_data(target, settings, workdir, lambda s, f: None, lambda: False,
+                                       corpus=workdir.parent / "no-corpus.safetensors")
     return features
 
 
