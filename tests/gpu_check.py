@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specplay.core.decoding.engine import drain, generate  # noqa: E402
+from specplay.core.decoding.engine import run_to_end  # noqa: E402
 from specplay.core.heads import save_heads  # noqa: E402
 from specplay.core.methods import build_method  # noqa: E402
 from specplay.core.records.runlog import tokens_by_source  # noqa: E402
@@ -189,8 +189,7 @@ def run_methods(target: LoadedModel, draft: LoadedModel, heads: tuple[Path, Path
     rows, baseline = [], None
     for name, config in methods:
         method = build_method(name, config, target, draft)
-        drain(generate(target.model, target.tokenizer, method, prompt, GenerationConfig(max_new_tokens=8)))
-        result = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+        result = run_to_end(target.model, target.tokenizer, method, prompt, gen, warmup_tokens=8)
         baseline = baseline if baseline is not None else result.token_ids
         rows.append({"method": name, "identical": result.token_ids == baseline,
                      "first_difference": first_difference(result.token_ids, baseline),

@@ -59,7 +59,8 @@ def break_third_step(monkeypatch, culprit: str, how: str) -> dict:
     import specplay.core.decoding.engine
     from specplay import core
     state = {"method": None}
-    real_build, real_generate, real_verify = gpu_check.build_method, gpu_check.generate, core.decoding.engine.verify
+    real_build, real_verify = gpu_check.build_method, core.decoding.engine.verify
+    real_generate = core.decoding.engine.generate
 
     def build_method(name, *args):
         state["method"] = name
@@ -82,7 +83,7 @@ def break_third_step(monkeypatch, culprit: str, how: str) -> dict:
         return verdict
 
     monkeypatch.setattr(gpu_check, "build_method", build_method)
-    monkeypatch.setattr(gpu_check, "generate", generate)
+    monkeypatch.setattr(core.decoding.engine, "generate", generate)  # each run, warm-up included, starts afresh
     monkeypatch.setattr(core.decoding.engine, "verify", verify)
     return state
 
