@@ -165,6 +165,23 @@ def draft_storage(model_id: str) -> Storage:
     return Storage.INT4_DRAFT if has_bf16_units() else Storage.INT8_DRAFT
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a load runs and which files it needs, decided from the user's choice and this machine's
+    measurements before any file of the model is converted (:func:`_plan`)."""
+
+    model_id: str
+    role: str  # target or draft
+    backend: str  # as asked: auto, native, transformers or llamacpp
+    dtype: str  # as asked, which the errors name
+    device: str
+    compute_dtype: torch.dtype
+    storage: Storage
+    weights: str  # what the converted folder holds for it (:func:`_weights_kind`)
+    source: gguf_blocks.GGUFBlocksReader | None = None  # the GGUF a target runs on, proved exact here
+    notes: tuple[str, ...] = ()
+
+
 def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
                progress: Progress = log_progress, should_cancel: ShouldCancel = never,
                compare: bool = False) -> LoadedModel:
@@ -178,6 +195,47 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     or ``compare`` asks to time it now (:func:`compare_draft_engines`).
     A ``.gguf`` file is checked first, whatever it is loaded as (:func:`check_gguf`): a malformed
     header, or metadata that disagrees with the tensors, is refused before any weight is read.
+    """
+    plan = _plan(model_id, device, dtype, backend, role, progress)
+    notes = list(plan.notes)
+    path = resolve(model_id, progress, should_cancel, plan.weights)
+    progress(f"Loading {model_id}", None)
+    config, tokenizer = _config_and_tokenizer(model_id, path)
+    eos = _eos_ids(path, config, tokenizer)
+    if role == "draft" and backend in ("auto", "llamacpp"):
+        why_not = _llamacpp_draft_unavailable(model_id, plan.device, plan.storage)
+        if (why_not is None and backend == "auto" and plan.storage == Storage.KQUANT_DRAFT and not compare
+                and not _llamacpp_draft_won(model_id)):
+            # The kernel's draft reads as many bytes a token as llama.cpp's 4-bit file, with no file to
+            # make and no child process to probe: it runs first; `specplay models measure` compares them.
+            notes.append("draft engine native kquant-draft (llama.cpp's is timed against it by "
+                         "`specplay models measure`)")
+        elif why_not is None:
+            model = _draft_on_llamacpp(model_id, path, config, eos, plan.storage, backend, notes, progress)
+            if model is not None:
+                progress(f"{model_id} loaded", 1.0)
+                return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
+        elif backend == "llamacpp":
+            raise ModelError(f"{model_id}: the llama.cpp draft is unavailable: {why_not}")
+    model, path = _build_model(model_id, path, config, eos, plan.device, dtype, plan.compute_dtype, plan.storage,
+                               backend, notes, progress, should_cancel, plan.source)
+    if plan.compute_dtype in (torch.bfloat16, torch.float16):
+        notes.append(f"{str(plan.compute_dtype).removeprefix('torch.')}: a verified block can round unlike a "
+                     "single token, so methods may differ from autoregressive at near-ties (Compare shows it); "
+                     "float32 is exact")
+    release_freed_memory()
+    progress(f"{model_id} loaded", 1.0)
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
+
+
+def _plan(model_id: str, device: str, dtype: str, backend: str, role: str, progress: Progress) -> LoadPlan:
+    """What to load: the device, the compute dtype and the storage this machine runs the model in, and the
+    weights its folder must hold for them.
+
+    A CPU target with a GGUF source runs on that file's own blocks once the k-quant kernel is proved exact
+    on them here (:func:`_exact_gguf_reader`: the one file a plan reads, assembled for a catalog model); a
+    target's int8 only on a row-exact int8 kernel (:func:`_exact_quant_engine`); a draft on its fastest
+    layers (:func:`draft_storage`). The notes say what was chosen, and why where it is not what was asked.
     """
     if role not in ROLES:
         raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
@@ -197,12 +255,12 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     if role == "draft" and storage in EXACT_QUANTIZED:
         storage = draft_storage(model_id)  # a draft's numerics never decide a token: its fastest layers
     notes: list[str] = []
-    gguf_reader = None
+    source = None
     auto_gguf = (dtype == "auto" and torch.device(dev).type == "cpu" and role == "target"
                  and backend in ("auto", "native") and has_gguf_source(model_id))
     if storage == Storage.GGUF or auto_gguf:
-        gguf_reader, why = _exact_gguf_reader(model_id, progress)
-        if gguf_reader is not None:
+        source, why = _exact_gguf_reader(model_id, progress)
+        if source is not None:
             storage = Storage.GGUF
             notes.append(f"weights: the GGUF's own Q4_K/Q6_K blocks, exact k-quant kernel "
                          f"({kquant.isa_name(kquant.isa())}, proved 1-{kquant.PROVED_ROWS} rows)")
@@ -212,39 +270,17 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
             notes.append(f"not on the GGUF's own blocks: {why}")
     if storage not in (Storage.FLOAT, *KQUANT_STORAGES) and torch.device(dev).type == "cpu":
         storage = _exact_quant_engine(model_id, dtype, storage, notes, progress)  # before any int8 layer is packed
-    # The k-quant storages read the GGUF itself (the folder gives the config and tokenizer); the other
-    # quantized storages are built from the cache's int8 rows; an int4 draft's packed layers are
-    # kept too, once made.
-    weights = {Storage.FLOAT: "float32", Storage.INT4_DRAFT: Storage.INT4_DRAFT, Storage.GGUF: "none",
-               Storage.KQUANT_DRAFT: "none"}.get(storage, Storage.INT8)
-    path = resolve(model_id, progress, should_cancel, weights)
-    progress(f"Loading {model_id}", None)
-    config, tokenizer = _config_and_tokenizer(model_id, path)
-    eos = _eos_ids(path, config, tokenizer)
-    if role == "draft" and backend in ("auto", "llamacpp"):
-        why_not = _llamacpp_draft_unavailable(model_id, dev, storage)
-        if (why_not is None and backend == "auto" and storage == Storage.KQUANT_DRAFT and not compare
-                and not _llamacpp_draft_won(model_id)):
-            # The kernel's draft reads as many bytes a token as llama.cpp's 4-bit file, with no file to
-            # make and no child process to probe: it runs first; `specplay models measure` compares them.
-            notes.append("draft engine native kquant-draft (llama.cpp's is timed against it by "
-                         "`specplay models measure`)")
-        elif why_not is None:
-            model = _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, progress)
-            if model is not None:
-                progress(f"{model_id} loaded", 1.0)
-                return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
-        elif backend == "llamacpp":
-            raise ModelError(f"{model_id}: the llama.cpp draft is unavailable: {why_not}")
-    model, path = _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
-                               should_cancel, gguf_reader)
-    if compute_dtype in (torch.bfloat16, torch.float16):
-        notes.append(f"{str(compute_dtype).removeprefix('torch.')}: a verified block can round unlike a single "
-                     "token, so methods may differ from autoregressive at near-ties (Compare shows it); "
-                     "float32 is exact")
-    release_freed_memory()
-    progress(f"{model_id} loaded", 1.0)
-    return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
+    return LoadPlan(model_id=model_id, role=role, backend=backend, dtype=dtype, device=dev,
+                    compute_dtype=compute_dtype, storage=storage, weights=_weights_kind(storage), source=source,
+                    notes=tuple(notes))
+
+
+def _weights_kind(storage: Storage) -> str:
+    """The weights the converted folder holds for ``storage`` (:func:`resolve`'s ``weights``): none for the
+    k-quant storages, which read the GGUF itself (the folder gives the config and tokenizer); the cache's int8
+    rows for the other quantized storages, and an int4 draft's packed layers once made; float32 for floats."""
+    return {Storage.FLOAT: "float32", Storage.INT4_DRAFT: Storage.INT4_DRAFT, Storage.GGUF: "none",
+            Storage.KQUANT_DRAFT: "none"}.get(storage, Storage.INT8)
 
 
 def _config_and_tokenizer(model_id: str, path: Path):
