@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -28,7 +30,7 @@ from specplay.core.weights.cache import (INT4_WEIGHTS, INT8_WEIGHTS, KQUANT_DRAF
                                          OLD_MADE_FILES, CachedWeightsReader, check_weights, read_marker)
 from specplay.core.weights.gguf_check import check_gguf
 from specplay.core.weights.gguf_config import read_config
-from specplay.core.weights.prepare import (float_weights_dir, has_gguf_source, resolve, store_int4_layers,
+from specplay.core.weights.prepare import (float_weights_dir, has_gguf_source, resolve, source_gguf, store_int4_layers,
                                            store_kquant_blocks)
 from specplay.core.weights.tokenizer import read_tokenizer
 
@@ -177,9 +179,29 @@ class LoadPlan:
     device: str
     compute_dtype: torch.dtype
     storage: Storage
-    weights: str  # what the converted folder holds for it (:func:`_weights_kind`)
     source: gguf_blocks.GGUFBlocksReader | None = None  # the GGUF a target runs on, proved exact here
     notes: tuple[str, ...] = ()
+
+    @property
+    def weights(self) -> str:
+        """What the converted folder holds for the storage (:func:`resolve`'s ``weights``): nothing for the
+        k-quant storages, which read the GGUF itself (the folder gives the config and tokenizer); the cache's
+        int8 rows for the other quantized ones, an int4 draft's packed layers too once made; float32 for floats."""
+        return {Storage.FLOAT: "float32", Storage.INT4_DRAFT: Storage.INT4_DRAFT, Storage.GGUF: "none",
+                Storage.KQUANT_DRAFT: "none"}.get(self.storage, Storage.INT8)
+
+
+@dataclass(frozen=True)
+class LoadFiles:
+    """What a build reads, each file made ready once: the converted folder with its config, tokenizer and
+    end-of-text ids (:func:`_prepare_folder`), then the weights (:func:`_prepare_weights`): the native
+    decoder's ``reader``, or None where ``transformers`` reads the float weights at ``path``."""
+
+    path: Path
+    config: object
+    tokenizer: object
+    eos: tuple[int, ...]
+    reader: object | None = None
 
 
 def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, backend: str = "auto", role: str = "target",
@@ -197,46 +219,31 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
     header, or metadata that disagrees with the tensors, is refused before any weight is read.
     """
     plan = _plan(model_id, device, dtype, backend, role, progress)
+    files = _prepare_folder(plan, progress, should_cancel)
     notes = list(plan.notes)
-    path = resolve(model_id, progress, should_cancel, plan.weights)
-    progress(f"Loading {model_id}", None)
-    config, tokenizer = _config_and_tokenizer(model_id, path)
-    eos = _eos_ids(path, config, tokenizer)
-    if role == "draft" and backend in ("auto", "llamacpp"):
-        why_not = _llamacpp_draft_unavailable(model_id, plan.device, plan.storage)
-        if (why_not is None and backend == "auto" and plan.storage == Storage.KQUANT_DRAFT and not compare
-                and not _llamacpp_draft_won(model_id)):
-            # The kernel's draft reads as many bytes a token as llama.cpp's 4-bit file, with no file to
-            # make and no child process to probe: it runs first; `specplay models measure` compares them.
-            notes.append("draft engine native kquant-draft (llama.cpp's is timed against it by "
-                         "`specplay models measure`)")
-        elif why_not is None:
-            model = _draft_on_llamacpp(model_id, path, config, eos, plan.storage, backend, notes, progress)
-            if model is not None:
-                progress(f"{model_id} loaded", 1.0)
-                return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
-        elif backend == "llamacpp":
-            raise ModelError(f"{model_id}: the llama.cpp draft is unavailable: {why_not}")
-    model, path = _build_model(model_id, path, config, eos, plan.device, dtype, plan.compute_dtype, plan.storage,
-                               backend, notes, progress, should_cancel, plan.source)
+    on_llamacpp = _llamacpp_draft(plan, files, compare, notes, progress)
+    if on_llamacpp is not None:
+        progress(f"{model_id} loaded", 1.0)
+        return LoadedModel(model=on_llamacpp, tokenizer=files.tokenizer, model_id=model_id, path=files.path,
+                           notes=notes)
+    files = _prepare_weights(plan, files, notes, progress, should_cancel)
+    with _out_of_memory_said(plan):
+        model = _build(plan, files)
+        _keep(plan, files, model, progress)
     if plan.compute_dtype in (torch.bfloat16, torch.float16):
         notes.append(f"{str(plan.compute_dtype).removeprefix('torch.')}: a verified block can round unlike a "
                      "single token, so methods may differ from autoregressive at near-ties (Compare shows it); "
                      "float32 is exact")
     release_freed_memory()
     progress(f"{model_id} loaded", 1.0)
-    return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id, path=path, notes=notes)
+    return LoadedModel(model=model, tokenizer=files.tokenizer, model_id=model_id, path=files.path, notes=notes)
 
 
 def _plan(model_id: str, device: str, dtype: str, backend: str, role: str, progress: Progress) -> LoadPlan:
-    """What to load: the device, the compute dtype and the storage this machine runs the model in, and the
-    weights its folder must hold for them.
-
-    A CPU target with a GGUF source runs on that file's own blocks once the k-quant kernel is proved exact
-    on them here (:func:`_exact_gguf_reader`: the one file a plan reads, assembled for a catalog model); a
-    target's int8 only on a row-exact int8 kernel (:func:`_exact_quant_engine`); a draft on its fastest
-    layers (:func:`draft_storage`). The notes say what was chosen, and why where it is not what was asked.
-    """
+    """What to load: the device, the compute dtype and the storage this machine runs the model in. A CPU target
+    with a GGUF source runs on that file's own blocks once the k-quant kernel is proved exact on them here
+    (:func:`_exact_gguf_reader`: the one file a plan makes ready, assembled for a catalog model), a target's int8
+    only on a row-exact kernel (:func:`_exact_quant_engine`), a draft on its fastest layers (:func:`draft_storage`)."""
     if role not in ROLES:
         raise ConfigError(f"unknown model role '{role}' (choose from {', '.join(ROLES)})")
     if backend not in BACKENDS:
@@ -271,36 +278,7 @@ def _plan(model_id: str, device: str, dtype: str, backend: str, role: str, progr
     if storage not in (Storage.FLOAT, *KQUANT_STORAGES) and torch.device(dev).type == "cpu":
         storage = _exact_quant_engine(model_id, dtype, storage, notes, progress)  # before any int8 layer is packed
     return LoadPlan(model_id=model_id, role=role, backend=backend, dtype=dtype, device=dev,
-                    compute_dtype=compute_dtype, storage=storage, weights=_weights_kind(storage), source=source,
-                    notes=tuple(notes))
-
-
-def _weights_kind(storage: Storage) -> str:
-    """The weights the converted folder holds for ``storage`` (:func:`resolve`'s ``weights``): none for the
-    k-quant storages, which read the GGUF itself (the folder gives the config and tokenizer); the cache's int8
-    rows for the other quantized storages, and an int4 draft's packed layers once made; float32 for floats."""
-    return {Storage.FLOAT: "float32", Storage.INT4_DRAFT: Storage.INT4_DRAFT, Storage.GGUF: "none",
-            Storage.KQUANT_DRAFT: "none"}.get(storage, Storage.INT8)
-
-
-def _config_and_tokenizer(model_id: str, path: Path):
-    """A folder's config and tokenizer: a converted folder's without transformers (its config as
-    attributes, its tokenizer on ``tokenizers`` where :mod:`specplay.core.weights.tokenizer` reads
-    its kind), any other folder's through transformers."""
-    converted = (path / MARKER).is_file()
-    try:
-        config = read_config(path) if converted else None
-        tokenizer = read_tokenizer(path, read_marker(path).get("tokenizer_digest")) if converted else None
-        if config is None or tokenizer is None:
-            from transformers import AutoConfig, AutoTokenizer
-
-            config = config or AutoConfig.from_pretrained(str(path))
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(path))
-    except ModelError:
-        raise
-    except Exception as exc:
-        raise ModelError(f"cannot read the config or tokenizer of {model_id} at {path}: {exc}") from exc
-    return config, tokenizer
+                    compute_dtype=compute_dtype, storage=storage, source=source, notes=tuple(notes))
 
 
 def _exact_quant_engine(model_id: str, dtype: str, storage: Storage, notes: list[str], progress) -> Storage:
@@ -334,7 +312,6 @@ def _exact_gguf_reader(model_id: str, progress):
     from specplay.core.kernels.kernel_build import library_digest
     from specplay.core.models import layer_proof
     from specplay.core.models.measurements import measured
-    from specplay.core.weights.prepare import source_gguf
 
     if not has_gguf_source(model_id):
         return None, "it runs a GGUF file's own blocks; name a catalog id or a .gguf file"
@@ -356,53 +333,53 @@ def _exact_gguf_reader(model_id: str, progress):
     return (None, why) if why else (reader, None)
 
 
-def _build_model(model_id, path, config, eos, dev, dtype, compute_dtype, storage, backend, notes, progress,
-                 should_cancel, gguf_reader=None) -> tuple[CausalLM, Path]:
-    """The model on the native decoder where it implements the architecture, else on transformers."""
-    from specplay.core.models.layers import DecoderConfig, unsupported_reason
-    from specplay.core.models.native import NativeDecoder
+def _prepare_folder(plan: LoadPlan, progress: Progress, should_cancel: ShouldCancel) -> LoadFiles:
+    """The converted folder with the weights the plan names (:func:`resolve`), its config, tokenizer and
+    end-of-text ids: what every engine reads, llama.cpp's included."""
+    path = resolve(plan.model_id, progress, should_cancel, plan.weights)
+    progress(f"Loading {plan.model_id}", None)
+    config, tokenizer = _config_and_tokenizer(plan.model_id, path)
+    return LoadFiles(path=path, config=config, tokenizer=tokenizer, eos=_eos_ids(path, config, tokenizer))
 
-    reason = unsupported_reason(config)
-    use_native = backend == "native" or (backend == "auto" and reason is None)
-    if backend == "native" and reason:
-        raise ModelError(f"{model_id}: {reason}")
-    if storage == Storage.GGUF and not use_native:
-        raise ModelError(f"{model_id}: gguf storage runs on the native decoder only ({reason})")
-    if use_native:
-        try:
-            reader = (_target_blocks_reader(model_id, path, gguf_reader, progress)
-                      if gguf_reader is not None else _weights_reader(model_id, path, storage, progress))
-        except FileNotFoundError:
-            if backend == "native":
-                raise ModelError(f"{model_id}: the native path needs .safetensors weights") from None
-            use_native = False
-            reason = "no .safetensors weights"
+
+def _config_and_tokenizer(model_id: str, path: Path):
+    """A folder's config and tokenizer: a converted folder's without transformers (its config as
+    attributes, its tokenizer on ``tokenizers`` where :mod:`specplay.core.weights.tokenizer` reads
+    its kind), any other folder's through transformers."""
+    converted = (path / MARKER).is_file()
     try:
-        if use_native:
-            try:
-                model: CausalLM = NativeDecoder(DecoderConfig.from_hf(config), reader.get, name=model_id, device=dev,
-                                                dtype=compute_dtype, storage=storage, eos_token_ids=eos)
-            except KeyError as exc:
-                raise ModelError(f"{model_id}: {exc.args[0]} (is the weights file complete?)") from None
-            if storage == Storage.INT4_DRAFT and getattr(reader, "path", None) == path / INT8_WEIGHTS:
-                store_int4_layers(model, reader, path, progress)
-            if storage == Storage.KQUANT_DRAFT and hasattr(reader, "kept"):
-                store_kquant_blocks(reader.kept, path, progress)
-            if storage == Storage.GGUF and hasattr(reader, "kept"):
-                store_kquant_blocks({name: value for name, value in reader.kept.items() if name not in _UNKEPT
-                                     and not isinstance(value, kquant.MappedRows)}, path, progress, "kquant")
-            return model, path
-        _check_fallback_storage(model_id, dtype, storage, reason, notes)
-        path = float_weights_dir(model_id, path, progress, should_cancel)  # transformers reads float weights
-        notes.append(f"native path unavailable ({reason}); using transformers")
-        log.warning("%s: native path unavailable (%s); using transformers", model_id, reason)
-        return _load_hf(path, model_id, dev, compute_dtype, eos), path
+        config = read_config(path) if converted else None
+        tokenizer = read_tokenizer(path, read_marker(path).get("tokenizer_digest")) if converted else None
+        if config is None or tokenizer is None:
+            from transformers import AutoConfig, AutoTokenizer
+
+            config = config or AutoConfig.from_pretrained(str(path))
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(path))
+    except ModelError:
+        raise
     except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        raise ModelError(f"not enough memory to load {model_id} on {dev} ({dtype}); close other programs, or on a CPU "
-                         "use --dtype int8 (int8 rows with a scale each, embedding included: about 30% of float32's "
-                         "memory for a 1.5B model)") from None
+        raise ModelError(f"cannot read the config or tokenizer of {model_id} at {path}: {exc}") from exc
+    return config, tokenizer
+
+
+def _llamacpp_draft(plan: LoadPlan, files: LoadFiles, compare: bool, notes: list[str], progress: Progress):
+    """A draft on llama.cpp (:func:`_draft_on_llamacpp`), or None where SpecPlay's own layers run it: chosen
+    once the folder is ready and before the native weights are made, since llama.cpp reads a file of its own."""
+    model_id, backend, storage = plan.model_id, plan.backend, plan.storage
+    if plan.role != "draft" or backend not in ("auto", "llamacpp"):
+        return None
+    why_not = _llamacpp_draft_unavailable(model_id, plan.device, storage)
+    if (why_not is None and backend == "auto" and storage == Storage.KQUANT_DRAFT and not compare
+            and not _llamacpp_draft_won(model_id)):
+        # The kernel's draft reads as many bytes a token as llama.cpp's 4-bit file, with no file to
+        # make and no child process to probe: it runs first; `specplay models measure` compares them.
+        notes.append("draft engine native kquant-draft (llama.cpp's is timed against it by "
+                     "`specplay models measure`)")
+    elif why_not is None:
+        return _draft_on_llamacpp(model_id, files.path, files.config, files.eos, storage, backend, notes, progress)
+    elif backend == "llamacpp":
+        raise ModelError(f"{model_id}: the llama.cpp draft is unavailable: {why_not}")
+    return None
 
 
 def _draft_on_llamacpp(model_id, path, config, eos, storage, backend, notes, progress):
@@ -467,8 +444,12 @@ def _native_draft_ms(model_id, path, config, eos, storage, progress) -> float:
 
     def measure() -> dict:
         progress(f"Timing the native {storage} draft of {model_id} (once)", None)
-        model, _ = _build_model(model_id, path, config, eos, "cpu", Storage.INT8, torch.float32, storage, "native", [],
-                                progress, never)
+        plan = LoadPlan(model_id=model_id, role="draft", backend="native", dtype=Storage.INT8, device="cpu",
+                        compute_dtype=torch.float32, storage=storage)
+        files = _prepare_weights(plan, LoadFiles(path, config, None, eos), [], progress, never)
+        with _out_of_memory_said(plan):
+            model = _build(plan, files)
+            _keep(plan, files, model, progress)
         return {"ms_per_token": time_decoding(model)}
 
     return float(measured(f"native draft {model_id} {storage}", measure)["ms_per_token"])
@@ -501,13 +482,41 @@ def _llamacpp_draft_unavailable(model_id: str, dev, storage: str) -> str | None:
     return available()
 
 
+def _prepare_weights(plan: LoadPlan, files: LoadFiles, notes: list[str], progress: Progress,
+                     should_cancel: ShouldCancel) -> LoadFiles:
+    """``files`` with the weights the build reads made ready: the native decoder's reader where it implements
+    the architecture (:func:`_weights_reader`, :func:`_target_blocks_reader`), else float weights for
+    ``transformers`` (:func:`float_weights_dir`), which also runs a model whose folder has no ``.safetensors``."""
+    from specplay.core.models.layers import unsupported_reason
+
+    model_id, backend = plan.model_id, plan.backend
+    reason = unsupported_reason(files.config)
+    use_native = backend == "native" or (backend == "auto" and reason is None)
+    if backend == "native" and reason:
+        raise ModelError(f"{model_id}: {reason}")
+    if plan.storage == Storage.GGUF and not use_native:
+        raise ModelError(f"{model_id}: gguf storage runs on the native decoder only ({reason})")
+    if use_native:
+        try:
+            if plan.source is not None:
+                return replace(files, reader=_target_blocks_reader(model_id, files.path, plan.source, progress))
+            return replace(files, reader=_weights_reader(model_id, files.path, plan.storage, progress))
+        except FileNotFoundError:
+            if backend == "native":
+                raise ModelError(f"{model_id}: the native path needs .safetensors weights") from None
+            reason = "no .safetensors weights"
+    _check_fallback_storage(model_id, plan.dtype, plan.storage, reason, notes)
+    path = float_weights_dir(model_id, files.path, progress, should_cancel)  # transformers reads float weights
+    notes.append(f"native path unavailable ({reason}); using transformers")
+    log.warning("%s: native path unavailable (%s); using transformers", model_id, reason)
+    return replace(files, path=path)
+
+
 def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress):
     """The reader of the weights a model in ``storage`` is built from: a k-quant draft's GGUF, an
     int4 draft's packed layers when the cache has them (checked), the cache's int8 rows, or the
     folder's safetensors."""
     if storage == Storage.KQUANT_DRAFT:
-        from specplay.core.weights.prepare import source_gguf
-
         status = check_weights(path, Storage.KQUANT_DRAFT)
         if status == "ok":
             return gguf_blocks.BlocksFileReader(path / KQUANT_DRAFT_WEIGHTS)
@@ -527,11 +536,6 @@ def _weights_reader(model_id: str, path: Path, storage: str, progress: Progress)
             log.warning("%s: the cached int4 draft layers are %s; packing them again", path.name, status)
             progress(f"The cached int4 layers of {path.name} are {status}: packing them again", None)
     return CachedWeightsReader(path / INT8_WEIGHTS)
-
-
-#: A target's matrices not kept with its repacked blocks: the output head is a fifth of their bytes
-#: (191 MB of Q6_K for the 1.5B) and repacks in 0.2 s, which keeps the default pair's cache under 3 GB.
-_UNKEPT = ("lm_head.weight",)
 
 
 def _target_blocks_reader(model_id: str, path: Path, gguf_reader, progress: Progress):
@@ -562,6 +566,35 @@ def _check_fallback_storage(model_id: str, dtype: str, storage: str, reason: str
     notes.append("float32 weights: int8 is exact only on the native decoder")
 
 
+def _build(plan: LoadPlan, files: LoadFiles) -> CausalLM:
+    """The model from the files made ready: on the native decoder from their reader, else on ``transformers``.
+    It writes no file: what it made that the next load can map instead is kept after it (:func:`_keep`)."""
+    from specplay.core.models.layers import DecoderConfig
+    from specplay.core.models.native import NativeDecoder
+
+    if files.reader is None:
+        return _load_hf(files.path, plan.model_id, plan.device, plan.compute_dtype, files.eos)
+    try:
+        return NativeDecoder(DecoderConfig.from_hf(files.config), files.reader.get, name=plan.model_id,
+                             device=plan.device, dtype=plan.compute_dtype, storage=plan.storage,
+                             eos_token_ids=files.eos)
+    except KeyError as exc:
+        raise ModelError(f"{plan.model_id}: {exc.args[0]} (is the weights file complete?)") from None
+
+
+@contextmanager
+def _out_of_memory_said(plan: LoadPlan) -> Iterator[None]:
+    """A build, and the keeping of what it made, that runs out of memory raises what to do about it."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        raise ModelError(f"not enough memory to load {plan.model_id} on {plan.device} ({plan.dtype}); close other "
+                         "programs, or on a CPU use --dtype int8 (int8 rows with a scale each, embedding included: "
+                         "about 30% of float32's memory for a 1.5B model)") from None
+
+
 def _load_hf(path: Path, model_id: str, device: str, dtype: torch.dtype, eos) -> CausalLM:
     from transformers import AutoModelForCausalLM
 
@@ -573,6 +606,24 @@ def _load_hf(path: Path, model_id: str, device: str, dtype: torch.dtype, eos) ->
         raise ModelError(f"cannot load {model_id} with transformers: {exc}") from exc
     hf.to(device)
     return HFCausalLM(hf, name=model_id, eos_token_ids=eos)
+
+
+#: A target's matrices not kept with its repacked blocks: the output head is a fifth of their bytes
+#: (191 MB of Q6_K for the 1.5B) and repacks in 0.2 s, which keeps the default pair's cache under 3 GB.
+_UNKEPT = ("lm_head.weight",)
+
+
+def _keep(plan: LoadPlan, files: LoadFiles, model: CausalLM, progress: Progress) -> None:
+    """Store in the cache what the build made that the next load maps instead of making again: an int4
+    draft's layers packed from int8 rows, a k-quant draft's fitted blocks, a target's repacked ones."""
+    reader, path = files.reader, files.path
+    if plan.storage == Storage.INT4_DRAFT and getattr(reader, "path", None) == path / INT8_WEIGHTS:
+        store_int4_layers(model, reader, path, progress)
+    if plan.storage == Storage.KQUANT_DRAFT and hasattr(reader, "kept"):
+        store_kquant_blocks(reader.kept, path, progress)
+    if plan.storage == Storage.GGUF and hasattr(reader, "kept"):
+        store_kquant_blocks({name: value for name, value in reader.kept.items() if name not in _UNKEPT
+                             and not isinstance(value, kquant.MappedRows)}, path, progress, "kquant")
 
 
 def quantize_hf_linears(hf_model) -> None:
