@@ -1,9 +1,13 @@
 """Load what the user named (catalog id, folder, ``.gguf`` file, cached hub id) for decoding.
 
-Its weights are first made ready on disk (:func:`specplay.core.weights.prepare.resolve`); this
-module only chooses how to run them and loads them. The native decoder is used for the
-architectures it implements; anything else runs through ``transformers`` behind the same
-interface, and the load notes say so.
+:func:`load_model` reads top-down in steps. It plans what to load (:class:`LoadPlan`: the device, and the
+storage the weights run in) from the user's choice and this machine's measurements; makes every file the plan
+needs ready once, through :mod:`specplay.core.weights.prepare` (the converted folder, then the weights the build
+reads); builds the model from them, on the native decoder for the architectures it implements, else through
+``transformers`` behind the same interface (the load notes say so); and last keeps in the cache what the build
+made that the next load can map instead. The build never calls back into preparing, so each file is made ready
+once, before the model is built. A draft may run on llama.cpp instead, chosen once its folder is ready and
+before its native weights are made.
 """
 
 from __future__ import annotations
