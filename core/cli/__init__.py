@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "this machine again")
     msub = p.add_subparsers(dest="models_command", required=True)
     msub.add_parser("list", help="the catalog and what is installed")
-    pp = msub.add_parser("prepare", help="assemble, verify and convert catalog models ahead of time")
+    pp = msub.add_parser("prepare", help="make ready ahead of time what the first load of catalog models makes "
+                                        "here (assembled files, the kernel and its proof, repacked blocks)")
     pp.add_argument("ids", nargs="*", help="catalog ids (default: the default target and draft)")
     msub.add_parser("measure", help="forget this machine's measurements (int8 kernels, draft engines, memory "
                                     "bandwidth) and llama.cpp's verdicts, and measure the int8 kernels again now; "

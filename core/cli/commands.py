@@ -211,7 +211,7 @@ def _run_remote(args) -> int:
 
 def cmd_models(args) -> int:
     from specplay.core.weights.catalog import CATALOG, DEFAULT_DRAFT, DEFAULT_TARGET, get_entry
-    from specplay.core.weights.prepare import cached_entries, catalog_status, models_root, prepare_catalog_model, prune
+    from specplay.core.weights.prepare import cached_entries, catalog_status, models_root, prune
 
     if args.models_command == "list":
         sizes = cached_entries()
@@ -233,11 +233,23 @@ def cmd_models(args) -> int:
     if args.models_command == "measure":
         _measure_again()
         return 0
-    ids = args.ids or [DEFAULT_TARGET, DEFAULT_DRAFT]
-    for model_id in ids:
-        path = prepare_catalog_model(get_entry(model_id), LineProgress())
-        print(f"{model_id}: {path}")
+    _prepare_models([get_entry(model_id).id for model_id in args.ids] or [DEFAULT_TARGET, DEFAULT_DRAFT],
+                    DEFAULT_DRAFT)
     return 0
+
+
+def _prepare_models(ids: list[str], draft_id: str) -> None:
+    """Make ready every file a load of each model makes on this machine (the assembled GGUF, the kernel and
+    its proof, the repacked or fitted blocks, int8 rows where those are what it runs on), by loading it once
+    as it will be loaded: ``draft_id`` as a draft, the others as targets."""
+    from specplay.core.models.loader import load_model
+
+    for model_id in ids:
+        loaded = load_model(model_id, role="draft" if model_id == draft_id else "target", progress=LineProgress())
+        print(f"{model_id}: {loaded.path}")
+        close = getattr(loaded.model, "close", None)
+        if close:
+            close()
 
 
 def _measure_again() -> None:

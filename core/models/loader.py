@@ -80,11 +80,10 @@ def pick_device(device: str = "auto") -> str:
 def pick_dtype(dtype: str, device: str) -> tuple[torch.dtype, Storage]:
     """Return (compute dtype, weight storage).
 
-    ``auto``: bfloat16 on a GPU; on a CPU, row-exact int8 where the x86 int8 kernel exists
-    (about 7x faster than float32 on the 1.5B target, verification of 8 tokens ~1.3x one
-    token, next-token loss within 0.1% of float32; see docs/benchmarks.md), else float32.
-    :func:`load_model` puts a CPU target with a GGUF source on that file's own blocks instead
-    (``gguf``) where the exact k-quant kernel runs here.
+    ``auto``: bfloat16 on a GPU; on a CPU, row-exact int8 where the x86 int8 kernel exists, else
+    float32. That is the storage of a model without a GGUF source: :func:`load_model` puts a CPU
+    target with one on that file's own blocks (``gguf``) where the exact k-quant kernel runs here,
+    and a draft on its fastest layers (:func:`draft_storage`).
     """
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")

@@ -3,7 +3,8 @@
 A converted model folder holds the model's config and tokenizer, a marker (``specplay.json``)
 and the weights in the form the model runs on:
 
-* ``weights-int8.safetensors`` for int8 storage (the CPU default): every matrix as int8 rows
+* ``weights-int8.safetensors`` for int8 storage (``--dtype int8``, or a CPU target without a GGUF
+  source or the k-quant kernel): every matrix as int8 rows
   with a float32 scale per row (``name:q``, ``name:scale``), vectors in float32. A quarter of
   float32's bytes, read straight into the int8 layers, so a load neither re-quantizes nor
   keeps a float32 copy mapped.

@@ -242,6 +242,30 @@ def test_models_list(capsys):
     assert code == 0 and "qwen2.5-coder-1.5b-instruct" in out and "(default target)" in out
 
 
+def test_models_prepare_loads_each_model_once_as_it_will_run(capsys, monkeypatch):
+    """`specplay models prepare` makes ready what a first load makes here by loading each model as it
+    will be loaded (the default draft as a draft); an unknown id is refused before any load."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import specplay.core.models.loader as loader
+    from specplay.core.weights.catalog import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    loads = []
+
+    def load_model(model_id, **kwargs):
+        loads.append((model_id, kwargs["role"]))
+        return SimpleNamespace(path=tmp / model_id, model=SimpleNamespace())
+
+    tmp = Path("/nowhere")
+    monkeypatch.setattr(loader, "load_model", load_model)
+    code, out, _ = cli(capsys, "models", "prepare")
+    assert code == 0 and loads == [(DEFAULT_TARGET, "target"), (DEFAULT_DRAFT, "draft")]
+    assert f"{DEFAULT_DRAFT}: {tmp / DEFAULT_DRAFT}" in out
+    code, _, err = cli(capsys, "models", "prepare", DEFAULT_TARGET, "no-such-model")
+    assert code == 1 and "unknown catalog model 'no-such-model'" in err and len(loads) == 2
+
+
 def test_train_data_keeps_its_answers_in_a_corpus_that_a_fresh_work_folder_reads(tmp_path, capsys):
     """`specplay train --data-only --save-corpus FILE` keeps the answers' token ids; a later run with a
     new work folder and `--corpus FILE` reads them instead of generating, to the same data."""
