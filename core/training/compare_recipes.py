@@ -27,6 +27,7 @@ the inference tree replayed at 600 held-out answer roots). Medusa and Hydra head
 top-1 on 4,096 held-out positions, and τ_sim (:func:`~specplay.core.training.tau.medusa_tau`) with
 the static tree those accuracies choose, at the same 600 roots.
 
+    python -m specplay.core.training.compare_recipes answers [--to N] [--minutes M]   # more answers in the corpus
     python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more,rest]   # the shards, once
     python -m specplay.core.training.compare_recipes shipped | shipped-medusa
     python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--rest] [--out FILE]
@@ -36,6 +37,11 @@ the static tree those accuracies choose, at the same 600 roots.
 A training stage with ``--init FILE`` starts from that heads file's head and draft vocabulary (a
 head learnt on one storage's features, trained on for a while on another's); ``--lr`` sets the peak
 learning rate (the recipe's own warms a trained head up to a rate that makes it forget first).
+
+``answers`` adds to the committed corpus the target's greedy answers (up to :data:`ANSWER_TOKENS`
+tokens, as the corpus's others) to the instruction prompts it does not answer yet, up to ``--to``
+(default: the whole pool), in resumable shards in ``<cache>/training/<target>/answers-corpus/``;
+``--minutes`` ends it on time, keeping every answer finished by then.
 
 Each writes ``<cache>/training/<target>/compare/<name or stage>.json`` and prints it; ``--out``
 saves the trained head as a heads file (what ``--heads`` and ``assets/heads/`` take) and judges
@@ -71,6 +77,7 @@ TARGET = "qwen2.5-coder-1.5b-instruct"
 #: 800 more to learn from for the comparison at more data (``--more``), and the 966 after them up to the
 #: held-out tail (``--rest``: with both, every answer the held-out ones do not hold).
 SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(200, 1000), "rest": range(1000, 1966)}
+ANSWER_TOKENS = 384  # the longest answer of the committed corpus
 TRAINING = {"batch_size": 16, "lr": 3e-4}  # specplay train eagle's defaults
 MEDUSA_TRAINING = {"batch_size": 128, "lr": 1e-3}  # specplay train medusa's
 MEDUSA_HEADS = 4
@@ -116,6 +123,32 @@ def capture(target, splits: list[str]) -> None:
         sequences, prompt_lens = corpus_sequences(corpus, chats)
         capture_teacher(target.model, sequences, prompt_lens, default_workdir(target.model_id) / "teacher" / name,
                         target_key=key, layers=layers, progress=log_progress)
+
+
+def extend_corpus(target, to: int | None = None, minutes: float | None = None, log=print) -> dict:
+    """Generate the target's greedy answers to the instruction prompts below ``to`` (default: all of them) that
+    its committed corpus does not hold, and add them to it; stop after ``minutes`` with what is finished."""
+    from specplay.core.paths import shipped_corpus
+    from specplay.core.progress import log_progress
+    from specplay.core.training.data import generate_answers, instruction_prompts, load_corpus, save_corpus, target_key
+
+    key = target_key(target.path, log_progress)
+    path = shipped_corpus(target.model_id)
+    before = load_corpus(path, target.model_id, key)
+    prompts = instruction_prompts(to if to is not None else 1 << 30)
+    missing = [k for k in range(len(prompts)) if k not in before]
+    deadline = time.monotonic() + minutes * 60 if minutes else None
+    log(f"{len(before)} answers in {path}; answering {len(missing)} more of the pool's {len(prompts)} prompts")
+    try:
+        generate_answers(target.model, target.tokenizer, prompts, ANSWER_TOKENS,
+                         default_workdir(target.model_id) / "answers-corpus", target_key=key, only=missing,
+                         progress=log_progress,
+                         should_cancel=lambda: deadline is not None and time.monotonic() > deadline)
+    except Cancelled:
+        log(f"{minutes:g} minutes spent: the answers finished so far are kept")
+    held = save_corpus(default_workdir(target.model_id) / "answers-corpus", path, target.model_id, key)
+    return {"corpus": str(path), "answers_before": len(before), "answers": held, "added": held - len(before),
+            "pool": len(prompts)}
 
 
 class Comparison:
@@ -310,11 +343,13 @@ def cpu_per_step(objective, end: int, batch: int, lr: float, bf16: bool, tries: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specplay.core.training.compare_recipes",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("capture", "shipped", "shipped-medusa", *STAGES))
+    p.add_argument("stage", choices=("answers", "capture", "shipped", "shipped-medusa", *STAGES))
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--seconds", type=float, help="training CPU seconds (steps from a short timing unless --steps; "
                    "EAGLE recipes)")
     p.add_argument("--name", help="result file name without .json (default: the stage)")
+    p.add_argument("--to", type=int, help="answers: answer the pool's prompts below this index (default: all)")
+    p.add_argument("--minutes", type=float, help="answers: stop after this long, keeping the finished answers")
     p.add_argument("--splits", default="train,heldout", help="capture: the splits to read (of %s)" % ", ".join(SPLITS))
     p.add_argument("--more", action="store_true", help="train on the 'more' split too (capture it first)")
     p.add_argument("--rest", action="store_true", help="train on the 'rest' split too (capture it first)")
@@ -336,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(TARGET, "cpu", "auto")
     model = target.model
     root = default_workdir(TARGET)
+    if args.stage == "answers":
+        record = {"stage": "answers", **extend_corpus(target, args.to, args.minutes, log=print),
+                  "wall_s": round(time.perf_counter() - w0, 1)}
+        print(json.dumps(record))
+        return 0
     if args.stage == "capture":
         unknown = set(args.splits.split(",")) - set(SPLITS)
         if unknown:

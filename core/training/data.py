@@ -23,7 +23,7 @@ import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import torch
 
@@ -170,9 +170,11 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, shard_dir: Path, *,
                      target_key: str, slots: int = 16, shard_size: int = 32,
-                     corpus: dict[int, list[int]] | None = None, progress: Progress | None = None,
+                     corpus: dict[int, list[int]] | None = None, only: Collection[int] | None = None,
+                     progress: Progress | None = None,
                      should_cancel: Callable[[], bool] = lambda: False) -> "FeatureSet":
-    """The target's greedy answers to ``prompts`` with its features, generated in batches.
+    """The target's greedy answers to ``prompts`` (to those at the indices ``only``, where given) with
+    its features, generated in batches.
 
     Each answer keeps the target's feature and argmax at every position, prompt included, as
     it is produced (no second pass over the text). Finished answers are saved in shards of
@@ -191,7 +193,7 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     shard_dir.mkdir(parents=True, exist_ok=True)
     prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     parts, done = _answers_made(shard_dir, target_key, prompt_ids)
-    todo = [(k, ids) for k, ids in enumerate(prompt_ids) if k not in done]
+    todo = [(k, ids) for k, ids in enumerate(prompt_ids) if k not in done and (only is None or k in only)]
     stop = set(model.info.eos_token_ids)
     known: dict[int, tuple[list[int], int]] = {}  # key -> (corpus answer, prompt length)
     for k, ids in todo:
@@ -199,6 +201,7 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         if seq is not None:
             known[k] = (seq, len(ids))
     todo = [(k, ids) for k, ids in todo if k not in known]
+    total = len(done) + len(known) + len(todo)
     stage = "Reading answers from the corpus" if known else "Generating answers"
     pending: list[tuple[int, Generated]] = []
     counted = {"tokens": sum(p.num_tokens for p in parts)}
@@ -217,8 +220,7 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         if len(pending) >= shard_size:
             save()
         if progress:
-            progress(f"{stage} ({len(done)}/{len(prompts)}, {counted['tokens']:,} tokens)",
-                     len(done) / len(prompts))
+            progress(f"{stage} ({len(done)}/{total}, {counted['tokens']:,} tokens)", len(done) / total)
 
     try:
         for key, (seq, prompt_len) in known.items():

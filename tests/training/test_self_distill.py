@@ -97,6 +97,28 @@ def test_answer_generation_resumes_after_a_cancel(tmp_path):
     assert len(answered) < len(prompts)  # the second run did not redo the kept answers
 
 
+def test_only_the_prompts_asked_for_are_answered_and_no_corpus_answer_is_read(tmp_path, monkeypatch):
+    """``only``: the prompts at those indices are answered as a whole run answers them; the others are
+    neither generated nor read from the corpus (adding answers to a corpus costs the new ones alone)."""
+    from specplay.core.training import data
+
+    model, _ = tiny_pair(dtype=torch.float64)
+    tok = chat_tokenizer()
+    prompts = PROMPTS[:8]
+    whole = data.generate_answers(model, tok, prompts, 6, tmp_path / "whole", target_key=KEY, slots=3)
+    corpus = {0: sequences_of(whole)[0]}
+
+    def read_once(*args):
+        raise AssertionError("a corpus answer was read")
+
+    monkeypatch.setattr(data, "read_once", read_once)
+    part = data.generate_answers(model, tok, prompts, 6, tmp_path / "part", target_key=KEY, slots=3, corpus=corpus,
+                                 only=[1, 4, 6])
+    asked = [data.chat_prompt_ids(tok, prompts[k]) for k in (1, 4, 6)]
+    want = [s for s in sequences_of(whole) if any(list(s[:len(p)]) == p for p in asked)]
+    assert len(want) == 3 and sequences_of(part) == want
+
+
 def test_fewer_prompts_take_their_answers_from_a_larger_earlier_run(tmp_path):
     """Data-size experiments reuse one generation: asking for the first n prompts returns just
     their answers, without generating anything."""
