@@ -4,9 +4,10 @@ Each prompt is the source that precedes a documented function in a Python file (
 ``CONTEXT_LINES`` lines) plus the function's signature and docstring, and asks for the body:
 a long prompt and a short answer, where copying from the context pays. The functions come
 from NumPy's pure-Python modules, which the shipped draft heads never trained on (they saw
-the standard library). Run from the repository root, in the project's environment::
+the standard library). It sits beside the prompt sets it makes; run it from the repository root,
+in the project's environment::
 
-    python tests/make_completion_prompts.py
+    python assets/prompts/make_completion_prompts.py
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def main() -> None:
     root = Path(numpy.__file__).parent
     items = candidates(root)
     random.Random(0).shuffle(items)
-    dest = Path(__file__).resolve().parents[1] / "assets" / "prompts" / "completion_dev.jsonl"
+    dest = Path(__file__).resolve().parent / "completion_dev.jsonl"
     with dest.open("w", encoding="utf-8") as f:
         for k, (path, code) in enumerate(items[:COUNT]):
             f.write(json.dumps({"question_id": 3000 + k, "category": "completion", "turns": [ASK.format(code=code)],
