@@ -28,6 +28,7 @@ top-1 on 4,096 held-out positions, and τ_sim (:func:`~specplay.core.training.ta
 the static tree those accuracies choose, at the same 600 roots.
 
     python -m specplay.core.training.compare_recipes answers [--to N] [--minutes M]   # more answers in the corpus
+    python -m specplay.core.training.compare_recipes agreement [--splits heldout]   # the corpus against the target
     python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more,rest]   # the shards, once
     python -m specplay.core.training.compare_recipes shipped | shipped-medusa
     python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--rest] [--out FILE]
@@ -41,7 +42,9 @@ learning rate (the recipe's own warms a trained head up to a rate that makes it 
 ``answers`` adds to the committed corpus the target's greedy answers (up to :data:`ANSWER_TOKENS`
 tokens, as the corpus's others) to the instruction prompts it does not answer yet, up to ``--to``
 (default: the whole pool), in resumable shards in ``<cache>/training/<target>/answers-corpus/``;
-``--minutes`` ends it on time, keeping every answer finished by then.
+``--minutes`` ends it on time, keeping every answer finished by then. ``agreement`` reads the corpus's
+answers of ``--splits`` once (teacher forcing) and counts where the target's argmax is not the
+answer's next token: how far answers made on another storage are from this target's own.
 
 Each writes ``<cache>/training/<target>/compare/<name or stage>.json`` and prints it; ``--out``
 saves the trained head as a heads file (what ``--heads`` and ``assets/heads/`` take) and judges
@@ -149,6 +152,31 @@ def extend_corpus(target, to: int | None = None, minutes: float | None = None, l
     held = save_corpus(default_workdir(target.model_id) / "answers-corpus", path, target.model_id, key)
     return {"corpus": str(path), "answers_before": len(before), "answers": held, "added": held - len(before),
             "pool": len(prompts)}
+
+
+def greedy_agreement(target, corpus: dict[int, list[int]], keys) -> dict:
+    """Where the target's greedy choice leaves the corpus's answers to the prompts at ``keys``: the share of
+    answer positions whose argmax is not the answer's next token, how many answers never leave it, and
+    where the others first do (answer tokens in)."""
+    from specplay.core.training.data import chat_prompt_ids, instruction_prompts, read_once
+
+    keys = [k for k in keys if k in corpus]
+    prompts = instruction_prompts(max(keys) + 1) if keys else []
+    positions = differ = 0
+    first = []
+    for k in keys:
+        seq = corpus[k]
+        start = len(chat_prompt_ids(target.tokenizer, prompts[k]))
+        _, labels = read_once(target.model, seq[:-1])
+        wrong = [i for i, (got, want) in enumerate(zip(labels[start - 1:].tolist(), seq[start:])) if got != want]
+        positions += len(seq) - start
+        differ += len(wrong)
+        if wrong:
+            first.append(wrong[0])
+    first.sort()
+    return {"answers": len(keys), "answer_tokens": positions, "differing_share": round(differ / max(positions, 1), 4),
+            "whole_answers": len(keys) - len(first), "first_difference": first,
+            "first_difference_median": first[len(first) // 2] if first else None}
 
 
 class Comparison:
@@ -343,14 +371,15 @@ def cpu_per_step(objective, end: int, batch: int, lr: float, bf16: bool, tries: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specplay.core.training.compare_recipes",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("answers", "capture", "shipped", "shipped-medusa", *STAGES))
+    p.add_argument("stage", choices=("answers", "agreement", "capture", "shipped", "shipped-medusa", *STAGES))
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--seconds", type=float, help="training CPU seconds (steps from a short timing unless --steps; "
                    "EAGLE recipes)")
     p.add_argument("--name", help="result file name without .json (default: the stage)")
     p.add_argument("--to", type=int, help="answers: answer the pool's prompts below this index (default: all)")
     p.add_argument("--minutes", type=float, help="answers: stop after this long, keeping the finished answers")
-    p.add_argument("--splits", default="train,heldout", help="capture: the splits to read (of %s)" % ", ".join(SPLITS))
+    p.add_argument("--splits", help="capture: the splits to read (default train,heldout); agreement: the splits to "
+                   "judge (default heldout); of %s" % ", ".join(SPLITS))
     p.add_argument("--more", action="store_true", help="train on the 'more' split too (capture it first)")
     p.add_argument("--rest", action="store_true", help="train on the 'rest' split too (capture it first)")
     p.add_argument("--out", type=Path, help="training stages: save the head there as a heads file (int8 rows, as "
@@ -364,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("training stages need --steps or --seconds")
     if args.stage in STAGES and STAGES[args.stage].kind == "medusa" and not args.steps:
         p.error(f"{args.stage} trains for --steps")
+    named = (args.splits or ("heldout" if args.stage == "agreement" else "train,heldout")).split(",")
+    if set(named) - set(SPLITS):
+        p.error(f"unknown split {', '.join(sorted(set(named) - set(SPLITS)))}: the splits are {', '.join(SPLITS)}")
     torch.set_num_threads(2)
     from specplay.core.models.loader import load_model
 
@@ -376,11 +408,19 @@ def main(argv: list[str] | None = None) -> int:
                   "wall_s": round(time.perf_counter() - w0, 1)}
         print(json.dumps(record))
         return 0
+    if args.stage == "agreement":
+        from specplay.core.paths import shipped_corpus
+        from specplay.core.progress import log_progress
+        from specplay.core.training.data import load_corpus, target_key
+
+        corpus = load_corpus(shipped_corpus(TARGET), TARGET, target_key(target.path, log_progress))
+        record = {"stage": "agreement", "splits": named, "storage": target.model.storage,
+                  **greedy_agreement(target, corpus, [k for name in named for k in SPLITS[name]]),
+                  "wall_s": round(time.perf_counter() - w0, 1)}
+        print(json.dumps(record))
+        return 0
     if args.stage == "capture":
-        unknown = set(args.splits.split(",")) - set(SPLITS)
-        if unknown:
-            p.error(f"unknown split {', '.join(sorted(unknown))}: the splits are {', '.join(SPLITS)}")
-        capture(target, args.splits.split(","))
+        capture(target, named)
         return 0
     splits = ("train",) + (("more",) if args.more else ()) + (("rest",) if args.rest else ())
     cmp = Comparison(model, load_split(*(root / "teacher" / name for name in splits)),

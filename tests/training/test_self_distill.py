@@ -119,6 +119,31 @@ def test_only_the_prompts_asked_for_are_answered_and_no_corpus_answer_is_read(tm
     assert len(want) == 3 and sequences_of(part) == want
 
 
+def test_the_corpus_agreement_finds_where_an_answer_leaves_the_targets_greedy_path(monkeypatch):
+    """compare_recipes' agreement stage: the target's own greedy answers never leave its path; an answer
+    with its third token changed leaves it there, and the share of differing positions counts it."""
+    from types import SimpleNamespace
+
+    from specplay.core.training import data
+    from specplay.core.training.compare_recipes import greedy_agreement
+
+    model, _ = tiny_pair(dtype=torch.float64)
+    tok = chat_tokenizer()
+    monkeypatch.setattr(data, "instruction_prompts", lambda n, seed=0: PROMPTS[:n])
+    corpus = {}
+    for k in (0, 2, 3):
+        tokens, _, labels = plain_greedy(model, data.chat_prompt_ids(tok, PROMPTS[k]), 8, stop=())
+        corpus[k] = tokens + [int(labels[-1])]
+    target = SimpleNamespace(model=model, tokenizer=tok)
+    own = greedy_agreement(target, corpus, range(5))
+    assert own["answers"] == 3 and own["whole_answers"] == 3 and own["differing_share"] == 0
+    assert own["answer_tokens"] == 3 * 8
+    start = len(data.chat_prompt_ids(tok, PROMPTS[2]))
+    corpus[2][start + 2] = (corpus[2][start + 2] + 1) % model.info.vocab_size
+    changed = greedy_agreement(target, corpus, range(5))
+    assert changed["whole_answers"] == 2 and changed["first_difference"] == [2] and changed["differing_share"] > 0
+
+
 def test_fewer_prompts_take_their_answers_from_a_larger_earlier_run(tmp_path):
     """Data-size experiments reuse one generation: asking for the first n prompts returns just
     their answers, without generating anything."""
