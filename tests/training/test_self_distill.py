@@ -344,8 +344,9 @@ def test_a_target_is_known_by_its_weights_hashed_once(tmp_path, monkeypatch):
 
 
 def test_the_committed_corpus_is_read_for_the_default_target_alone():
-    """The project's corpus predates corpora recording their target's weights: it is taken for the
-    default target as the catalog pins it, not for other weights that share its name."""
+    """The project's corpus is taken for the default target as the catalog pins it (a corpus from before
+    corpora recorded their target's weights, or one that records the catalog's), not for other weights
+    that share its name."""
     from specplay.core.paths import shipped_corpus
     from specplay.core.training.data import load_corpus
     from specplay.core.weights.catalog import CATALOG, DEFAULT_TARGET

@@ -178,7 +178,7 @@ def test_the_default_models_tokenizers_match_transformers_conversion_exactly(def
     starts = corpus["starts"].tolist()  # each answer's start, then the end
     answers = [corpus["tokens"][a:b].tolist() for a, b in zip(starts, starts[1:])]
     texts = _texts() + ODD_TEXT
-    assert len(answers) == 2081 and len(texts) > 100
+    assert len(answers) == corpus["keys"].numel() > 2000 and len(texts) > 100
     for path in (target, draft):
         index = GGUFIndex(path)
         built = from_gguf(index)
