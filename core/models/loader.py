@@ -229,10 +229,7 @@ def load_model(model_id: str, device: str = "auto", dtype: str = "auto", *, back
         progress(f"{model_id} loaded", 1.0)
         return LoadedModel(model=on_llamacpp, tokenizer=files.tokenizer, model_id=model_id, path=files.path,
                            notes=notes)
-    files = _prepare_weights(plan, files, notes, progress, should_cancel)
-    with _out_of_memory_said(plan):
-        model = _build(plan, files)
-        _keep(plan, files, model, progress)
+    model, files = _make(plan, files, notes, progress, should_cancel)
     if plan.compute_dtype in (torch.bfloat16, torch.float16):
         notes.append(f"{str(plan.compute_dtype).removeprefix('torch.')}: a verified block can round unlike a "
                      "single token, so methods may differ from autoregressive at near-ties (Compare shows it); "
@@ -449,10 +446,7 @@ def _native_draft_ms(model_id, path, config, eos, storage, progress) -> float:
         progress(f"Timing the native {storage} draft of {model_id} (once)", None)
         plan = LoadPlan(model_id=model_id, role="draft", backend="native", dtype=Storage.INT8, device="cpu",
                         compute_dtype=torch.float32, storage=storage)
-        files = _prepare_weights(plan, LoadFiles(path, config, None, eos), [], progress, never)
-        with _out_of_memory_said(plan):
-            model = _build(plan, files)
-            _keep(plan, files, model, progress)
+        model, _ = _make(plan, LoadFiles(path, config, None, eos), [], progress, never)
         return {"ms_per_token": time_decoding(model)}
 
     return float(measured(f"native draft {model_id} {storage}", measure)["ms_per_token"])
@@ -483,6 +477,17 @@ def _llamacpp_draft_unavailable(model_id: str, dev, storage: str) -> str | None:
     if not has_gguf_source(model_id):
         return "it needs a GGUF source (a catalog id or a .gguf file)"
     return available()
+
+
+def _make(plan: LoadPlan, files: LoadFiles, notes: list[str], progress: Progress,
+          should_cancel: ShouldCancel) -> tuple[CausalLM, LoadFiles]:
+    """The model on SpecPlay's side of a load: its weights made ready (:func:`_prepare_weights`), the model
+    built from them (:func:`_build`) and what the build made kept (:func:`_keep`); with the files it read."""
+    files = _prepare_weights(plan, files, notes, progress, should_cancel)
+    with _out_of_memory_said(plan):
+        model = _build(plan, files)
+        _keep(plan, files, model, progress)
+    return model, files
 
 
 def _prepare_weights(plan: LoadPlan, files: LoadFiles, notes: list[str], progress: Progress,
