@@ -41,7 +41,7 @@ learning rate (the recipe's own warms a trained head up to a rate that makes it 
 
 ``answers`` adds to the committed corpus the target's greedy answers (up to :data:`ANSWER_TOKENS`
 tokens, as the corpus's others) to the instruction prompts it does not answer yet, up to ``--to``
-(default: the whole pool), in resumable shards in ``<cache>/training/<target>/answers-corpus/``;
+(default: the whole pool), in resumable shards in ``<cache>/training/<target>/answers-384-s0/``;
 ``--minutes`` ends it on time, keeping every answer finished by then. ``agreement`` reads the corpus's
 answers of ``--splits`` once (teacher forcing) and counts where the target's argmax is not the
 answer's next token: how far answers made on another storage are from this target's own.
@@ -88,12 +88,12 @@ MEDUSA_HEADS = 4
 #: head, EAGLE-3, classic Medusa heads, Hydra heads
 STAGES = {"classic": RECIPES["eagle", "classic"], "eagle3": RECIPES["eagle", "eagle3"],
           "medusa": RECIPES["medusa", "classic"], "hydra": RECIPES["medusa", "hydra"]}
+WINDOW, DEPTH, LEVELS, WINDOWS, ROOTS, POSITIONS = 128, 3, 5, 256, 600, 4096
 
 
 def stage_of(kind: str, recipe: str) -> str:
     """The training stage that makes ``kind`` heads by ``recipe`` (a manifest's fields)."""
     return next(name for name, r in STAGES.items() if (r.kind, r.name) == (kind, recipe))
-WINDOW, DEPTH, LEVELS, WINDOWS, ROOTS, POSITIONS = 128, 3, 5, 256, 600, 4096
 
 
 def load_split(*folders: Path) -> TeacherSet:
@@ -108,15 +108,24 @@ def load_split(*folders: Path) -> TeacherSet:
     return TeacherSet.concat([TeacherSet.load(p) for p in shards])
 
 
+def committed_corpus(target) -> tuple[Path, str, dict[int, list[int]]]:
+    """(the committed corpus's path, the key of the target's weights, its answers by prompt index)."""
+    from specplay.core.paths import shipped_corpus
+    from specplay.core.progress import log_progress
+    from specplay.core.training.data import load_corpus, target_key
+
+    key = target_key(target.path, log_progress)
+    path = shipped_corpus(target.model_id)
+    return path, key, load_corpus(path, target.model_id, key)
+
+
 def capture(target, splits: list[str]) -> None:
     """Read the target's layers, final features and top-K once for each of ``splits``' answers, into
     resumable shards (a stopped capture goes on where it stopped)."""
-    from specplay.core.paths import shipped_corpus
     from specplay.core.progress import log_progress
-    from specplay.core.training.data import chat_prompt_ids, instruction_prompts, load_corpus, target_key
+    from specplay.core.training.data import chat_prompt_ids, instruction_prompts
 
-    key = target_key(target.path, log_progress)
-    corpus = load_corpus(shipped_corpus(target.model_id), target.model_id, key)
+    _, key, corpus = committed_corpus(target)
     prompts = instruction_prompts(max(corpus) + 1)
     layers = default_layers(target.model.cfg.num_layers)
     for name in splits:
@@ -130,26 +139,25 @@ def capture(target, splits: list[str]) -> None:
 
 def extend_corpus(target, to: int | None = None, minutes: float | None = None, log=print) -> dict:
     """Generate the target's greedy answers to the instruction prompts below ``to`` (default: all of them) that
-    its committed corpus does not hold, and add them to it; stop after ``minutes`` with what is finished."""
-    from specplay.core.paths import shipped_corpus
+    its committed corpus does not hold, and add them to it; stop after ``minutes`` with what is finished.
+    The shards are those of ``specplay train``'s answers of the same length (:func:`answers_dir`)."""
     from specplay.core.progress import log_progress
-    from specplay.core.training.data import generate_answers, instruction_prompts, load_corpus, save_corpus, target_key
+    from specplay.core.training.data import (DataSettings, answers_dir, generate_answers, instruction_prompts,
+                                             save_corpus)
 
-    key = target_key(target.path, log_progress)
-    path = shipped_corpus(target.model_id)
-    before = load_corpus(path, target.model_id, key)
+    path, key, before = committed_corpus(target)
+    shards = answers_dir(default_workdir(target.model_id), DataSettings(answer_tokens=ANSWER_TOKENS))
     prompts = instruction_prompts(to if to is not None else 1 << 30)
     missing = [k for k in range(len(prompts)) if k not in before]
     deadline = time.monotonic() + minutes * 60 if minutes else None
     log(f"{len(before)} answers in {path}; answering {len(missing)} more of the pool's {len(prompts)} prompts")
     try:
-        generate_answers(target.model, target.tokenizer, prompts, ANSWER_TOKENS,
-                         default_workdir(target.model_id) / "answers-corpus", target_key=key, only=missing,
-                         progress=log_progress,
+        generate_answers(target.model, target.tokenizer, prompts, ANSWER_TOKENS, shards, target_key=key,
+                         only=missing, progress=log_progress,
                          should_cancel=lambda: deadline is not None and time.monotonic() > deadline)
     except Cancelled:
         log(f"{minutes:g} minutes spent: the answers finished so far are kept")
-    held = save_corpus(default_workdir(target.model_id) / "answers-corpus", path, target.model_id, key)
+    held = save_corpus(shards, path, target.model_id, key)
     return {"corpus": str(path), "answers_before": len(before), "answers": held, "added": held - len(before),
             "pool": len(prompts)}
 
@@ -409,11 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(record))
         return 0
     if args.stage == "agreement":
-        from specplay.core.paths import shipped_corpus
-        from specplay.core.progress import log_progress
-        from specplay.core.training.data import load_corpus, target_key
-
-        corpus = load_corpus(shipped_corpus(TARGET), TARGET, target_key(target.path, log_progress))
+        _, _, corpus = committed_corpus(target)
         record = {"stage": "agreement", "splits": named, "storage": target.model.storage,
                   **greedy_agreement(target, corpus, [k for name in named for k in SPLITS[name]]),
                   "wall_s": round(time.perf_counter() - w0, 1)}
