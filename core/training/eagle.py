@@ -45,14 +45,7 @@ class EagleObjective:
         self.window, self.unroll = window, unroll
         self.labels = vocab_lookup(vocab_ids, vocab_size)[data.labels.long()]
         self.noise = noise * float(data.features[:4096].float().pow(2).mean().sqrt())
-        # Windows start anywhere a full window (plus its target) fits inside one sequence.
-        starts, ends = data.starts[:-1], data.starts[1:]
-        ok = []
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            length = min(window, e - s - 1)
-            if length >= 2:
-                ok.append(torch.arange(s, e - length))
-        self.window_starts = torch.cat(ok)
+        self.window_starts = window_starts(data, window)
 
     def _batch(self, starts: torch.Tensor, noisy: bool):
         d = self.data
@@ -124,7 +117,6 @@ def train_eagle(data: FeatureSet, head: EagleHead, embed, lm_rows: torch.Tensor,
     steps, last = run_loop(head, objective.loss, evaluate, train_starts, settings, checkpoint, progress,
                            should_cancel, resume)
     return last or objective.accuracy(eval_starts), steps
-
 
 
 LEVEL_DECAY = 0.8
