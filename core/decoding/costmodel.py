@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -197,6 +198,21 @@ def cost_curve(model) -> CorrectedCurve:
     if curve is None:
         curve = _CURVES[model] = CorrectedCurve(_kept_curve(model))
     return curve
+
+
+@contextmanager
+def pinned(model, curve):
+    """Within the block :func:`cost_curve` answers ``curve`` for ``model`` (a plain :class:`CostCurve`: the
+    runs' timed passes correct nothing); after it, what was held before, or nothing."""
+    before = _CURVES.get(model)
+    _CURVES[model] = curve
+    try:
+        yield curve
+    finally:
+        if before is None:
+            _CURVES.pop(model, None)
+        else:
+            _CURVES[model] = before
 
 
 def observe(model, rows: int, seconds: float) -> None:

@@ -49,6 +49,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
+from specplay.core.decoding.costmodel import CostCurve
 from specplay.core.decoding.sampling import probabilities
 from specplay.core.decoding.tree import ancestor_mask
 from specplay.core.decoding.types import GenerationConfig, SamplingConfig, StopReason
@@ -419,6 +420,15 @@ class ReusedPrompt(CausalLM):
         return self.model.head_rows(rows)
 
 
+#: The cost curve the audited methods size their drafts by: verifying n tokens costs what one does, so
+#: no draft is cut for its price. Each sample is a fresh run, whose sizing starts from half the
+#: drafter's word (core.decoding.calibration): on a CPU's steep curve EAGLE's first trees at T = 1
+#: were a node or two, and the verifier was judged at draft position 1 only. Which nodes a method
+#: verifies is chosen from the run's past, never from the target's answer in the step, so the
+#: largest drafts test the verifier on everything a sized run can give it.
+FREE_VERIFICATION = CostCurve.linear(0.0)
+
+
 def deepest_draft(method) -> int:
     """The deepest draft ``method`` proposes when its step's budget does not cut it."""
     return method.max_draft_depth
@@ -457,12 +467,21 @@ def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[i
     ``target`` and ``draft`` are loaded models (:class:`~specplay.core.models.loader.LoadedModel`); the
     method is built here, over models that read the prompt once (:class:`ReusedPrompt`).
     Cancelled (``should_stop``), the samples drawn so far are tested. Every step of a sample drafts
-    (no stand-down gate, so no plain first step either): the audit judges the drafts at every depth,
-    and a sample never depends on how long a step took.
+    (no stand-down gate, so no plain first step either), and the method sizes its drafts against a
+    flat cost curve (:data:`FREE_VERIFICATION`): the audit judges the drafts at every depth, and a
+    sample never depends on how long a step took.
     """
+    from specplay.core.decoding.costmodel import pinned
+
+    with pinned(target.model, FREE_VERIFICATION):
+        return _audit(target, draft, method_name, method_config, prompt_ids, sampling, config,
+                      should_stop or (lambda: False), progress)
+
+
+def _audit(target, draft, method_name: str, method_config, prompt_ids: list[int], sampling: SamplingConfig,
+           config: AuditConfig, stop: Callable[[], bool], progress: Progress | None) -> AuditResult:
     from specplay.core.methods import build_method
 
-    stop = should_stop or (lambda: False)
     reused_draft = None if draft is None else replace(draft, model=ReusedPrompt(draft.model))
     method = build_method(method_name, method_config, target, reused_draft)
     model = ReusedPrompt(target.model)

@@ -281,6 +281,22 @@ def test_medusa_passes_and_its_lossy_typical_acceptance_fails(target, tmp_path):
     assert lossy.lossy and lossy.verdict == "differs" and lossy.joint.p_value < 1e-3
 
 
+def test_a_method_sized_to_a_steep_cost_curve_is_audited_at_its_full_depth(target, tmp_path, monkeypatch):
+    """Each sample is a fresh run, sized from half the drafter's word: against a curve where a drafted
+    token costs a whole step a sized tree drafts nothing, and the verifier went unjudged. The audit
+    sizes against a flat curve instead, and leaves the model's own curve as it found it."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CostCurve, cost_curve
+
+    steep = CostCurve.linear(1.0)
+    monkeypatch.setitem(costmodel._CURVES, target.model, steep)
+    heads = str(medusa_heads(tmp_path / "heads.safetensors"))
+    result = audited(target, "medusa", MedusaConfig(heads=heads, tree="auto"), samples=200)
+    assert result.verdict == "consistent" and result.drafted > 0
+    assert result.deepest_draft == 2 and result.deepest_verified == 2
+    assert cost_curve(target.model) is steep
+
+
 def test_each_method_drafts_as_deep_as_its_settings_say(target):
     from specplay.core.methods.lookahead import LookaheadConfig
     from specplay.core.methods.prompt_lookup import PromptLookupConfig
