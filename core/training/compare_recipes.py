@@ -29,11 +29,11 @@ the static tree those accuracies choose, at the same 600 roots.
 
     python -m specplay.core.training.compare_recipes answers [--to N] [--minutes M]   # more answers in the corpus
     python -m specplay.core.training.compare_recipes agreement [--splits heldout]   # the corpus against the target
-    python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more,rest]   # the shards, once
+    python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more,rest,late]   # the shards, once
     python -m specplay.core.training.compare_recipes shipped | shipped-medusa
-    python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--rest] [--out FILE]
+    python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--rest] [--late] [--out FILE]
     python -m specplay.core.training.compare_recipes classic --seconds S [--name classic-time]
-    python -m specplay.core.training.compare_recipes medusa | hydra --steps N [--more] [--rest] [--out FILE]
+    python -m specplay.core.training.compare_recipes medusa | hydra --steps N [--more] [--rest] [--late] [--out FILE]
 
 A training stage with ``--init FILE`` starts from that heads file's head and draft vocabulary (a
 head learnt on one storage's features, trained on for a while on another's); ``--lr`` sets the peak
@@ -77,9 +77,12 @@ from specplay.core.training.teacher import TeacherSet, capture_teacher, corpus_s
 TARGET = "qwen2.5-coder-1.5b-instruct"
 #: Which answers of the committed corpus (assets/training/) each split holds: the first 200 to
 #: learn from, 48 from the shipped head's own held-out tail (its last 5%, answers 1966-2073), and
-#: 800 more to learn from for the comparison at more data (``--more``), and the 966 after them up to the
-#: held-out tail (``--rest``: with both, every answer the held-out ones do not hold).
-SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(200, 1000), "rest": range(1000, 1966)}
+#: 800 more to learn from for the comparison at more data (``--more``), the 966 after them up to the
+#: held-out tail (``--rest``), and every answer after the 48 (``--late``: the shipped heads' unused
+#: held-out answers 2014-2073, then the GGUF target's own answers that ``answers`` added from 2074).
+#: With all three, every answer of the corpus the held-out ones do not hold.
+SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(200, 1000), "rest": range(1000, 1966),
+          "late": range(2014, 1 << 20)}
 ANSWER_TOKENS = 384  # the longest answer of the committed corpus
 TRAINING = {"batch_size": 16, "lr": 3e-4}  # specplay train eagle's defaults
 MEDUSA_TRAINING = {"batch_size": 128, "lr": 1e-3}  # specplay train medusa's
@@ -390,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                    "judge (default heldout); of %s" % ", ".join(SPLITS))
     p.add_argument("--more", action="store_true", help="train on the 'more' split too (capture it first)")
     p.add_argument("--rest", action="store_true", help="train on the 'rest' split too (capture it first)")
+    p.add_argument("--late", action="store_true", help="train on the 'late' split too (capture it first)")
     p.add_argument("--out", type=Path, help="training stages: save the head there as a heads file (int8 rows, as "
                    "shipped) and judge it once more as saved")
     p.add_argument("--lr", type=float, help="training stages: the peak learning rate (default: the recipe's; a "
@@ -426,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "capture":
         capture(target, named)
         return 0
-    splits = ("train",) + (("more",) if args.more else ()) + (("rest",) if args.rest else ())
+    splits = ("train",) + tuple(name for name in ("more", "rest", "late") if getattr(args, name))
     cmp = Comparison(model, load_split(*(root / "teacher" / name for name in splits)),
                      load_split(root / "teacher" / "heldout"))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731

@@ -149,11 +149,16 @@ def test_training_can_start_from_a_heads_file_and_its_draft_vocabulary(tmp_path)
 
 def test_the_comparison_never_learns_from_its_held_out_answers():
     """The splits to learn from are disjoint from each other and from the held-out answers, and
-    together hold every answer before the held-out tail."""
-    from specplay.core.training.compare_recipes import SPLITS
+    together hold every answer of the committed corpus the held-out ones do not."""
+    from specplay.core.weights.catalog import CATALOG
+    from specplay.core.paths import shipped_corpus
+    from specplay.core.training.compare_recipes import SPLITS, TARGET
+    from specplay.core.training.data import load_corpus
 
-    learn = [set(SPLITS[name]) for name in ("train", "more", "rest")]
+    learn = [set(SPLITS[name]) for name in ("train", "more", "rest", "late")]
     held = set(SPLITS["heldout"])
     assert all(not (a & b) for i, a in enumerate(learn) for b in learn[i + 1:])
     assert all(not (part & held) for part in learn)
-    assert set().union(*learn) == set(range(min(held)))
+    corpus = set(load_corpus(shipped_corpus(TARGET), TARGET, CATALOG[TARGET].sha256))
+    assert corpus, "the committed corpus did not load"
+    assert held <= corpus and corpus - held <= set().union(*learn)
