@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 text file")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--samples", type=int, default=AUDIT_SAMPLES, help="independent samples N (each its own seed)")
-    p.add_argument("--tokens", type=int, default=AUDIT_DEPTH, help="new tokens tested per sample K; each sample's steps draft as deep as the method does, and "
+    p.add_argument("--tokens", type=int, default=AUDIT_DEPTH, help="new tokens tested per sample K; each sample's steps draft as deep as the method's settings allow "
+                        "(nothing cut to what verification costs here), and "
                         "the record's deepest_verified says how deep a draft position the verifier was judged at "
                         "within them")
     p.add_argument("--temperature", type=float, default=1.0)

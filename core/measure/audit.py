@@ -7,11 +7,12 @@ asks the target for its own distribution of those K tokens and runs chi-square
 goodness-of-fit tests.
 
 Each sample is a run of K tokens plus the method's deepest draft (:func:`deepest_draft`), ended
-once it holds K: every step that decides a tested token drafts as deep as in a real run (a
-step may draft one token less than the run has left). A draft token judged at depth d in a
-step that starts after j tokens decides token j + d; the deepest such d that falls within
-the K tested tokens is the record's ``deepest_verified``, the deepest draft position the
-audit tests the verifier at.
+once it holds K: every step that decides a tested token drafts as deep as the method's settings
+allow (a step may draft one token less than the run has left), its drafts sized against a flat
+cost curve (:data:`FREE_VERIFICATION`) rather than cut to what pays on this machine. A draft
+token judged at depth d in a step that starts after j tokens decides token j + d; the deepest
+such d that falls within the K tested tokens is the record's ``deepest_verified``, the deepest
+draft position the audit tests the verifier at.
 
 The joint test. Every K-token sequence whose expected count N·P(s) reaches the minimum
 (5, the usual rule) has a bin of its own; every other sequence shares one pooled bin, whose
