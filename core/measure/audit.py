@@ -50,7 +50,7 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from specplay.core.decoding.costmodel import CostCurve
+from specplay.core.decoding.costmodel import CostCurve, pinned
 from specplay.core.decoding.sampling import probabilities
 from specplay.core.decoding.tree import ancestor_mask
 from specplay.core.decoding.types import GenerationConfig, SamplingConfig, StopReason
@@ -472,8 +472,6 @@ def run_audit(target, draft, method_name: str, method_config, prompt_ids: list[i
     flat cost curve (:data:`FREE_VERIFICATION`): the audit judges the drafts at every depth, and a
     sample never depends on how long a step took.
     """
-    from specplay.core.decoding.costmodel import pinned
-
     with pinned(target.model, FREE_VERIFICATION):
         return _audit(target, draft, method_name, method_config, prompt_ids, sampling, config,
                       should_stop or (lambda: False), progress)

@@ -150,10 +150,10 @@ def test_training_can_start_from_a_heads_file_and_its_draft_vocabulary(tmp_path)
 def test_the_comparison_never_learns_from_its_held_out_answers():
     """The splits to learn from are disjoint from each other and from the held-out answers, and
     together hold every answer of the committed corpus the held-out ones do not."""
-    from specplay.core.weights.catalog import CATALOG
     from specplay.core.paths import shipped_corpus
     from specplay.core.training.compare_recipes import SPLITS, TARGET
     from specplay.core.training.data import load_corpus
+    from specplay.core.weights.catalog import CATALOG
 
     learn = [set(SPLITS[name]) for name in ("train", "more", "rest", "late")]
     held = set(SPLITS["heldout"])
