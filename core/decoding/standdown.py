@@ -64,15 +64,20 @@ class StandDownGate:
         return self._left <= 0 and not self._first
 
     def record(self, drafted: bool, new_tokens: int, seconds: float,
-               plain_estimate: Callable[[], float | None] | None = None) -> None:
+               plain_estimate: Callable[[], float | None] | None = None, looked_s: float = 0.0) -> None:
         """One finished step: whether it drafted, the tokens it added and its time. For a drafting
         step, ``plain_estimate()`` says what a plain step would have cost (its verification pass over
-        the cost curve), used until the run has timed a plain step of its own."""
+        the cost curve), used until the run has timed a plain step of its own. ``looked_s``: of a step
+        the gate let draft and whose method drafted nothing, the seconds it took to decide so (a head's
+        first level whose nodes could not pay, a lookup that found no match). That is drafting's cost
+        with no token to show for it, so it joins the drafting steps' seconds, and the rest of the step
+        is a plain step's time: drafting then pays when its tokens over its seconds, looks included,
+        beat a plain step's rate, which is when the whole run beats plain steps."""
         self._first = False
         if not drafted:
             self._tokens *= DECAY
-            self._seconds *= DECAY
-            self._plain_step(seconds)
+            self._seconds = self._seconds * DECAY + looked_s
+            self._plain_step(seconds - looked_s)
             return
         self._tokens = self._tokens * DECAY + new_tokens
         self._seconds = self._seconds * DECAY + seconds

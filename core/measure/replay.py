@@ -249,11 +249,12 @@ def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_
             chance = dict(zip(within, calibration.values([at.get(tree.parents[i], -1) for i in within],
                                                          [tree.prob[i] for i in within])))
             ranked = sorted(within, key=lambda i: (-chance[i], i))[:cap]
-            ranked = ranked[:max(1, best_size([chance[i] for i in ranked], curve))]
+            ranked = ranked[:best_size([chance[i] for i in ranked], curve)]  # none: a plain step
             keep = sorted(ranked)
             index = {old: new for new, old in enumerate(keep)}
-            calibration.observe([index.get(tree.parents[i], -1) for i in keep], [tree.prob[i] for i in keep],
-                                [index[i] for i in keep if tree.matched[i]])
+            if keep:  # as the method: a step that drafted nothing tells the calibration nothing
+                calibration.observe([index.get(tree.parents[i], -1) for i in keep], [tree.prob[i] for i in keep],
+                                    [index[i] for i in keep if tree.matched[i]])
         accepted = max((tree.level[i] for i in ranked if tree.matched[i]), default=0)
         out.add(accepted + 1, len(ranked), min(deep, tree.levels) + first)
         pos += accepted + 1

@@ -255,7 +255,7 @@ def test_a_draft_resuming_after_plain_steps_reads_what_they_added_as_setup(monke
     plan = [False] + [True] * 3 + [False] * 8 + [True] * 40  # the first step is plain, as the gate's is
     recorded = []
     monkeypatch.setattr(StandDownGate, "drafting", lambda self: plan[len(recorded)])
-    monkeypatch.setattr(StandDownGate, "record", lambda self, drafted, tokens, seconds, plain_estimate=None:
+    monkeypatch.setattr(StandDownGate, "record", lambda self, drafted, tokens, seconds, **timings:
                         recorded.append((drafted, seconds)))
     prompt = [4 + (7 * i) % 50 for i in range(40)]
     gen = GenerationConfig(max_new_tokens=30, stop_at_eos=False)

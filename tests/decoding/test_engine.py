@@ -226,6 +226,45 @@ def test_the_drafts_read_of_the_prompt_is_not_held_against_drafting(models, monk
     assert res.metrics.stood_down_steps == 0 and all(e.num_drafted for e in res.events[1:-1])
 
 
+@pytest.mark.parametrize("look", [0.006, 0.0005])
+def test_a_look_that_drafts_nothing_is_held_against_drafting(models, monkeypatch, look):
+    """A method let draft may look and draft nothing (an EAGLE tree none of whose nodes pay). On a clock
+    the passes and its looks advance, where it drafts two right tokens at every fourth look, a look of
+    0.6 plain steps loses more than the drafts earn: the gate charges the looks to drafting and stands
+    down (it counted such a step as a plain one, slow, and looked at every step for ever). A look of 0.05
+    steps costs less than they earn: it keeps drafting. The tokens are greedy decoding's either way."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.method import Method
+    from specplay.core.decoding.types import Draft
+    from specplay.core.methods.autoregressive import AutoregressiveConfig
+    from tiny import on_a_clock
+
+    target = models[0]
+    greedy = run(target, "autoregressive", gen=GenerationConfig(max_new_tokens=80, stop_at_eos=False)).token_ids
+    clock = on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * (1 + 0.25 * (n - 1))})
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.25))
+
+    class Looking(Method):
+        name = "looking"
+        looks = 0
+
+        def propose(self, ctx, budget):
+            if budget <= 0:
+                return Draft()
+            clock[0] += look
+            self.looks += 1
+            return Draft() if self.looks % 4 else Draft.chain(greedy[ctx.new_tokens:ctx.new_tokens + min(2, budget)])
+
+    method = Looking(AutoregressiveConfig())
+    res = drain(generate(target.model, target.tokenizer, method, PROMPT,
+                         GenerationConfig(max_new_tokens=80, stop_at_eos=False)))
+    assert res.token_ids == greedy
+    if look > 0.001:
+        assert res.metrics.stood_down_steps > 30
+    else:
+        assert res.metrics.stood_down_steps == 0 and method.looks >= len(res.events) - 2  # not the first, the last
+
+
 @pytest.mark.parametrize("draft_index,accepted", [(2, [0, 1, 2, 3]), (3, [])])
 def test_one_step_commits_exactly_the_tokens_the_verifier_accepted(models, draft_index, accepted):
     """The target's own weights as the draft: all four accepted; an unrelated draft: none."""

@@ -102,3 +102,39 @@ def test_a_paying_draft_keeps_drafting_through_its_occasional_misses(alpha):
         ungated = simulate_misses(StandDownGate(enabled=False), 2000, alpha, seed)
         assert 2000 * T1 / ungated > 1.15  # drafting pays: the case the test is about
         assert ungated / gated >= 0.97, (seed, ungated / gated)
+
+
+def run_looking(gate: StandDownGate, steps: int, look: float, pays_every: int) -> tuple[float, int]:
+    """A method that looks before it drafts (a head's first level, ``look`` plain steps) and finds a
+    draft worth verifying one step in ``pays_every`` (3 tokens at 1.3 plain steps); the other steps it
+    is let draft, it drafts nothing and the step is plain, its look included. Returns (time, tokens)."""
+    clock, out, asked = 0.0, 0, 0
+    for _ in range(steps):
+        if not gate.drafting():
+            gate.record(False, 1, T1)
+            clock, out = clock + T1, out + 1
+            continue
+        asked += 1
+        if asked % pays_every == 0:
+            seconds, new = look + 1.3 * T1, 3
+            gate.record(True, new, seconds, plain_estimate=lambda: T1)
+        else:
+            seconds, new = look + T1, 1
+            gate.record(False, new, seconds, looked_s=look)
+        clock, out = clock + seconds, out + new
+    return clock, out
+
+
+def test_looks_that_find_nothing_to_draft_count_against_drafting():
+    """A look that drafts nothing is drafting's cost: where the looks cost more than the drafts they find
+    earn, the gate stands down (before, such steps counted as plain ones and the method looked at every
+    step for ever); where they cost little, it keeps looking. Either way a plain step's time is its own."""
+    dear = StandDownGate()
+    # Four looks and a verification (2.7 plain steps) for 2 tokens more than plain steps: 0.9x them.
+    clock, out = run_looking(dear, 400, look=0.6, pays_every=4)
+    assert dear.stood_down_steps > 300 and out * T1 / clock >= 0.98
+    assert dear.state().plain_rate == pytest.approx(1.0 / T1)
+    cheap = StandDownGate()
+    clock, out = run_looking(cheap, 400, look=0.05, pays_every=4)  # 0.5 plain steps for 2 more tokens: 1.33x
+    assert cheap.stood_down_steps == 0 and out * T1 / clock > 1.2
+    assert cheap.state().plain_rate == pytest.approx(1.0 / T1)

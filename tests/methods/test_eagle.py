@@ -147,8 +147,9 @@ def test_a_training_step_lowers_the_loss(target, unroll):
 
 def test_auto_size_grows_only_levels_that_can_pay(target, tmp_path, monkeypatch):
     """With the tree sized by the verify cost, a level whose nodes are too unlikely to pay is not
-    grown: nothing past the first when verifying is dear, every level when it is free, and on a costly (convex)
-    curve the same draft as growing every level, from fewer drafter passes."""
+    grown: nothing past the first when verifying is dear (and nothing kept: the step is plain, the
+    tokens greedy decoding's), every level when it is free, and on a costly (convex) curve the same
+    draft as growing every level, from fewer drafter passes."""
     from specplay.core.decoding.costmodel import CostCurve
 
     head = make_head_file(tmp_path / "eagle.safetensors", target.model)
@@ -164,15 +165,19 @@ def test_auto_size_grows_only_levels_that_can_pay(target, tmp_path, monkeypatch)
         events = list(generate(target.model, target.tokenizer, method, PROMPT, gen))
         drafted = [(e.tree, e.internals) for e in events if "levels_grown" in e.internals]
         assert len(drafted) > len(events) // 2
+        assert [t for e in events for t in e.committed] == greedy[:30]
         return drafted
+
+    greedy = greedy_continuations(target, [PROMPT], 30)[0][len(PROMPT):]
 
     free = steps(CostCurve.linear(0.0))
     assert all(i["levels_grown"] == i["depth"] for _, i in free)  # the depth the step allowed
     assert {i["nodes_grown"] for _, i in free if i["depth"] == 5} == {3 + 4 * 3 * 3}
     dear = steps(CostCurve.linear(10.0))
-    assert {(i["levels_grown"], i["nodes_grown"], i["kept"]) for _, i in dear} == {(1, 3, 1)}
+    assert {(i["levels_grown"], i["nodes_grown"], i["kept"]) for _, i in dear} == {(1, 3, 0)}
+    assert not any(t for t, _ in dear)
     costly, everything = steps(CostCurve.linear(0.2)), steps(CostCurve.linear(0.2), prune=False)
-    assert [t for t, _ in costly] == [t for t, _ in everything] and any(t["tokens"] for t, _ in costly)
+    assert [t for t, _ in costly] == [t for t, _ in everything] and any(t.get("tokens") for t, _ in costly)
     assert all(i["levels_grown"] == i["depth"] for _, i in everything)
     assert any(i["levels_grown"] < i["depth"] for _, i in costly)
     # A level's own drafting is priced too: where growing one costs a whole step, verifying for free
@@ -195,6 +200,36 @@ def test_level_cost_is_the_runs_own_timing_over_its_step(target, tmp_path):
     assert method.level_cost() == pytest.approx(0.002 / 0.040)
     method._time_levels(0.012, 3)  # the newest weighs LEVEL_NEWEST
     assert method.level_cost() == pytest.approx((0.002 + method.LEVEL_NEWEST * 0.002) / 0.040)
+
+
+def test_the_heads_read_of_the_prompt_is_not_held_against_drafting(target, knowing_head, monkeypatch):
+    """The head reads its window of the prompt once, inside the first step that drafts. On a clock only
+    the passes advance, where that read costs 40 plain steps and the head's later passes nothing, the
+    stand-down gate judges drafting without it and never stands down (it had stood down after two
+    drafting steps, the first of them holding the read)."""
+    from types import SimpleNamespace
+
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CostCurve
+    from specplay.core.methods import eagle
+    from tiny import on_a_clock
+
+    clock = on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * (1 + 0.25 * (n - 1))})
+    monkeypatch.setattr(eagle, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.25))
+    method = build_method("eagle", EagleConfig(head=str(knowing_head[1]), tree="chain", depth=3), target)
+    head_run = method.drafter.run
+
+    def run(feats, tokens, positions, mask=None):
+        clock[0] += 0.4 if int(positions[0]) == 0 else 0.0  # the prompt's pairs start at position 0
+        return head_run(feats, tokens, positions, mask)
+
+    monkeypatch.setattr(method.drafter, "run", run)
+    res = drain(generate(target.model, target.tokenizer, method, PROMPT,
+                         GenerationConfig(max_new_tokens=40, stop_at_eos=False)))  # the gate on, as by default
+    assert res.token_ids == knowing_head[0][:40]
+    assert res.events[1].num_drafted and res.metrics.wall_time > 0.4  # the read happened, in step 2
+    assert res.metrics.stood_down_steps == 0
 
 
 @pytest.mark.parametrize("shape", ["chain", "dynamic"])
