@@ -151,3 +151,39 @@ def test_cost_sized_lookahead_runs_everything_where_rows_are_free_and_waits_wher
     guessing = run(target, LookaheadConfig(window=5, ngram=4, guesses=5))
     assert guessing.token_ids == base.token_ids and guessing.metrics.drafted > 0 == guessing.metrics.accepted
     assert all(e.num_drafted == 0 for e in guessing.events[len(guessing.events) // 2:])
+
+
+def test_only_the_windows_own_ngrams_make_the_window_worth_running(target, monkeypatch):
+    """The window is run for the n-grams it adds to the pool. Guesses from the prompt's own n-grams,
+    accepted step after step (an answer repeating its prompt), leave the window's yield at its prior,
+    so on a curve where a row costs 15% of a step it still waits (it had counted every pool hit as the
+    window's and run its 5-15 rows); the same hits credited to n-grams the window made set it running."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CostCurve
+    from specplay.core.decoding.method import StepOutcome
+    from specplay.core.decoding.types import Fate, GenerationConfig, Verdict
+
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.15))
+
+    def window_runs_after_hits(by_window: bool) -> bool:
+        """Whether, after up to six steps accepting a pool guess whole, a step runs the window."""
+        method = build_method("lookahead", LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False),
+                              target)
+        ctx = RunContext(target_lm=target.model, tokens=[9, 8, 7], prompt_len=3, config=GenerationConfig(),
+                         draft_generator=torch.Generator())
+        method.start(ctx)
+        for _ in range(6):
+            method.pool.add((7, 1, 2, 3), by_window=by_window)
+            draft = method.propose(ctx, budget=10)
+            assert draft.tokens == [1, 2, 3]  # the guess is verified
+            if draft.aux_tokens:
+                return True
+            verdict = Verdict(accepted=[0, 1, 2], next_token=7, next_fate=Fate.BONUS, next_p=None,
+                              fates=[Fate.ACCEPTED] * 3, p=[None] * 3, u=[None] * 3, accept_prob=[None] * 3,
+                              rule=[None] * 3)
+            method.observe(ctx, StepOutcome(draft=draft, verdict=verdict, target_out=None, kept_rows=[0, 1, 2, 3],
+                                            new_tokens=[1, 2, 3, 7]))
+        return bool(method.propose(ctx, budget=10).aux_tokens)
+
+    assert not window_runs_after_hits(by_window=False)
+    assert window_runs_after_hits(by_window=True)
