@@ -65,7 +65,7 @@ class NgramPool:
     def __init__(self, per_key: int, max_total: int):
         self.per_key = per_key
         self.max_total = max_total
-        self._by_key: OrderedDict[int, OrderedDict[tuple[int, ...], None]] = OrderedDict()
+        self._by_key: OrderedDict[int, OrderedDict[tuple[int, ...], bool]] = OrderedDict()  # -> made by the window
         self.size = 0
 
     def add(self, ngram: tuple[int, ...], by_window: bool = False) -> None:
@@ -198,7 +198,7 @@ class Lookahead(Method):
 
     def _sized(self, cands: list) -> tuple[list, bool, float]:
         """The first guesses to verify and whether to run the window: the most expected tokens per unit of
-        time (the step's 1 + guessed nodes x their acceptance + window columns x the pool's yield, over the
+        time (the step's 1 + guessed nodes x their acceptance + window columns x the window's yield, over the
         verify curve at the pass's rows), and that gain over a plain step."""
         per_node = self._rate(self.GUESS_PRIOR, self._accepted, self._nodes)
         per_column = self._rate(self.WINDOW_PRIOR, self._window_accepted, self._columns)
