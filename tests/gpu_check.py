@@ -183,7 +183,7 @@ def run_methods(target: LoadedModel, draft: LoadedModel, heads: tuple[Path, Path
     medusa_path, eagle_path = heads
     methods = [("autoregressive", None), ("speculative", SpeculativeConfig(cost_sized=False, gamma=5)), ("prompt_lookup", None),
                ("lookahead", LookaheadConfig()), ("medusa", MedusaConfig(heads=str(medusa_path), tree="small")),
-               ("eagle", EagleConfig(head=str(eagle_path)))]
+               ("eagle", EagleConfig(head=str(eagle_path), auto_size=False))]
     # Every method drafts in every step: the check is about its accepted paths, not about when drafting pays.
     gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False, stand_down=False)
     rows, baseline = [], None
