@@ -266,12 +266,20 @@ int sp_dequantize_rows(int type, const void *w, int64_t rows, int64_t nb, const 
     return SP_OK;
 }
 
-/* Quantize rows of x (``m`` x ``width``, row stride ``ldx``) into blocks of 256, row by row, the
- * values from ``width`` up to ``k`` (a multiple of 256) taken as zeros. Shares the outputs among
- * the threads of the parallel region it is called in. */
+/* fmaxf(a, b) for an ``a`` that is never NaN, inlined (glibc's is a call): a NaN ``b`` leaves ``a``. */
+static inline float larger(float a, float b) { return b > a ? b : a; }
+
+/* (int)lrintf(x) for a NaN or an |x| below 2^31, inlined (lrintf is a call through the PLT, which was
+ * most of a row's quantization): the conversion rounds in the current mode as lrintf does, and a NaN,
+ * which lrintf makes LONG_MIN, is 0 as that cast to int. */
+static inline int nearest(float x) { return x == x ? _mm_cvtss_si32(_mm_set_ss(x)) : 0; }
+
+/* Quantize rows of x (``m`` x ``width``, row stride ``ldx``) into blocks of 256, the values from
+ * ``width`` up to ``k`` (a multiple of 256) taken as zeros. Shares the blocks among the threads of
+ * the parallel region it is called in (a lone row's too: each block depends on its own values alone). */
 void sp_quantize_rows(const float *x, int64_t m, int64_t k, int64_t width, int64_t ldx, blockx *out) {
     int64_t nb = k / QK;
-#pragma omp for schedule(static)
+#pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < m; r++) {
         for (int64_t i = 0; i < nb; i++) {
             float padded[QK];
@@ -284,14 +292,14 @@ void sp_quantize_rows(const float *x, int64_t m, int64_t k, int64_t width, int64
             }
             blockx *b = out + r * nb + i;
             float amax = 0.0f;
-            for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(v[l]));
+            for (int l = 0; l < QK; l++) amax = larger(amax, fabsf(v[l]));
             float id = amax > 0.0f ? 127.0f / amax : 0.0f;
             memset(b, 0, sizeof *b);
             b->d = amax / 127.0f;
             int sums[16] = {0};
             for (int byte = 0; byte < QK; byte++) {
                 int p = position(byte);
-                int q = (int)lrintf(v[p] * id);
+                int q = nearest(v[p] * id);
                 q = q > 127 ? 127 : q < -127 ? -127 : q;
                 b->q[byte] = (int8_t)q;
                 sums[p / 16] += q;

@@ -69,9 +69,9 @@ def _lib() -> ctypes.CDLL:
     lib.sp_quantize_q4k.argtypes = [vp, i64, i64, i64, vp]
     lib.sp_fit_q4k_from.argtypes = [cint, vp, i64, i64, i64, vp]
     lib.sp_linear.argtypes = [cint, vp, vp, i64, i64, vp, vp, i64]
-    lib.sp_layer_scratch.argtypes = [vp, i64]
-    lib.sp_layer_scratch.restype = i64
-    lib.sp_layer.argtypes = [cint, vp, vp, i64, vp, vp, vp, i64, i64, vp, cint, vp]
+    lib.sp_layers_scratch.argtypes = [vp, i64, i64]
+    lib.sp_layers_scratch.restype = i64
+    lib.sp_layers.argtypes = [cint, vp, i64, vp, i64, vp, vp, vp, i64, i64, vp, cint, vp]
     return lib
 
 
@@ -350,16 +350,18 @@ def check_shapes(cfg, layers: list, head: KQuantLinear, name: str) -> None:
 
 
 class FusedLayers:
-    """A decoder's layers on the kernel as one C call each (``layer.c``): norm, projections,
-    RoPE, cache write, attention and MLP without torch's per-operation cost (a third of a small
-    model's token). Row-invariant like the kernel, so a target may decode and verify on it alike."""
+    """A decoder's layers on the kernel as one C call (``layer.c``): norm, projections, RoPE, cache
+    write, attention and MLP of every layer in one parallel region, without torch's per-operation cost
+    (a third of a small model's token) or a region's start a layer. Row-invariant like the kernel, so a
+    target may decode and verify on it alike."""
 
     def __init__(self, cfg, layers: list):
         self._norms = [(l.ln_in.float().contiguous(), l.ln_post.float().contiguous()) for l in layers]
-        self._layers = [_Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                               cfg.rms_norm_eps, 0, ln_in.data_ptr(), ln_post.data_ptr(), l.qkv.projection,
-                               l.o.projection, l.gate_up.projection, l.down.projection)
-                        for l, (ln_in, ln_post) in zip(layers, self._norms)]
+        self._layers = (_Layer * len(layers))(*[
+            _Layer(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                   cfg.rms_norm_eps, 0, ln_in.data_ptr(), ln_post.data_ptr(), l.qkv.projection, l.o.projection,
+                   l.gate_up.projection, l.down.projection)
+            for l, (ln_in, ln_post) in zip(layers, self._norms)])
         self._isa = isa()
 
     @staticmethod
@@ -377,16 +379,24 @@ class FusedLayers:
         and values written into ``kv`` (float32 ``[2, kv_heads, capacity, head_dim]``) from slot ``base``;
         a row sees the slots ``mask`` (``[m, base + m]``) allows, else its own and those before it
         (``causal``) or all."""
-        lib, layer = _lib(), ctypes.byref(self._layers[i])
-        m = x.shape[0]
-        size = lib.sp_layer_scratch(layer, m)
+        self.run_span(i, i + 1, x, cos, sin, kv[None], base, mask, causal)
+
+    def run_span(self, start: int, stop: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kvs: torch.Tensor, base: int, mask: torch.Tensor | None, causal: bool) -> None:
+        """Layers ``start`` .. ``stop - 1`` one after another, as :meth:`run` of each in turn, in one call:
+        layer i's keys and values go into ``kvs[i - start]`` (contiguous)."""
+        lib, n, m = _lib(), stop - start, x.shape[0]
+        layers = ctypes.byref(self._layers, start * ctypes.sizeof(_Layer))
+        what = f"run layer {start}" if n == 1 else f"run layers {start}-{stop - 1}"
+        size = lib.sp_layers_scratch(layers, n, m)
         if size < 0:
-            _checked(size, f"run layer {i}")
+            _checked(size, what)
         scratch = torch.empty(size, dtype=torch.uint8)
+        caches = (ctypes.c_void_p * n)(*[kvs[i].data_ptr() for i in range(n)])
         mask_bytes = None if mask is None else mask.to(torch.uint8).contiguous()
-        _checked(lib.sp_layer(self._isa, layer, x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), kv.data_ptr(),
-                              kv.shape[2], base, None if mask_bytes is None else mask_bytes.data_ptr(), int(causal),
-                              scratch.data_ptr()), f"run layer {i} over {m} rows")
+        _checked(lib.sp_layers(self._isa, layers, n, x.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), caches,
+                               kvs.shape[-2], base, None if mask_bytes is None else mask_bytes.data_ptr(),
+                               int(causal), scratch.data_ptr()), f"{what} over {m} rows")
 
 
 def adversarial_rows(k: int, rows: int, seed: int = 0) -> torch.Tensor:

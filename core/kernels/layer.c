@@ -3,7 +3,8 @@
  * Torch runs a layer as some forty small operations; at one row each costs more in dispatch than
  * in arithmetic, a third of a 0.5B draft's token. Here the same layer is one C call: RMS norm,
  * the fused q/k/v projection, RoPE, the cache write, attention, the output projection, the gated
- * MLP and both residual adds.
+ * MLP and both residual adds; and a model's layers one after another are one call and one parallel
+ * region too (sp_layers).
  *
  * Row-invariant by construction, like the kernel it calls: every row's norm, RoPE and attention
  * read that row (and the cache) alone, each sum runs in one fixed order (eight float lanes, then
@@ -76,92 +77,168 @@ int64_t sp_layer_scratch(const sp_layer_t *L, int64_t m) {
     return floats * (int64_t)sizeof(float) + 64 + m * most_blocks(L) * sp_sizeof_blockx();
 }
 
-/* Attention of row i, head h over the visible slots, ascending; ``sc`` holds a score a slot. */
+/* Four consecutive slots' dot8 with q, each the same sum as dot8's alone: four chains in flight
+ * instead of one. */
+__attribute__((target(VEC))) static void dot8x4(const float *q, const float *k0, int64_t d, float *out) {
+    const float *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 v = _mm256_loadu_ps(q + i);
+        a[0] = _mm256_fmadd_ps(v, _mm256_loadu_ps(k0 + i), a[0]);
+        a[1] = _mm256_fmadd_ps(v, _mm256_loadu_ps(k1 + i), a[1]);
+        a[2] = _mm256_fmadd_ps(v, _mm256_loadu_ps(k2 + i), a[2]);
+        a[3] = _mm256_fmadd_ps(v, _mm256_loadu_ps(k3 + i), a[3]);
+    }
+    for (int s = 0; s < 4; s++) {
+        float l[8];
+        _mm256_storeu_ps(l, a[s]);
+        out[s] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    }
+}
+
+/* Lanes [j, j + 64) of the weighted sum of the values V over the slots whose weight ``p`` is not
+ * -INFINITY (unseen), in ascending slot order, each lane's running sum kept in a register. */
+__attribute__((target(VEC))) static void weigh64(const float *p, const float *V, int64_t d, int64_t slots, int64_t j,
+                                                 float *out) {
+    __m256 a[8];
+    for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < slots; t++) {
+        if (p[t] == -INFINITY) continue;
+        __m256 w = _mm256_set1_ps(p[t]);
+        const float *v = V + t * d + j;
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + j + 8 * c, a[c]);
+}
+
+/* Attention of row i, head h over the visible slots, ascending; ``sc`` holds a score a slot, then
+ * its weight. Whatever the grouping of the work, each score is dot8's, the weights and their total
+ * one scalar sequence in slot order, and each output lane one chain of fused multiply-adds in slot
+ * order. */
 __attribute__((target(VEC))) static void attend(const sp_layer_t *L, const float *q, const float *kv, int64_t cap,
                                                 int64_t i, int64_t h, int64_t slots, const uint8_t *mask,
                                                 int causal, int64_t base, float *sc, float *out) {
-    int64_t d = L->head_dim, g = h / (L->heads / L->kv_heads);
+    int64_t d = L->head_dim, g = h / (L->heads / L->kv_heads), t = 0, j = 0;
     const float *K = kv + g * cap * d, *V = kv + (L->kv_heads + g) * cap * d;
-    float scale = 1.0f / sqrtf((float)d), top = -INFINITY;
-    for (int64_t t = 0; t < slots; t++) {
+    float scale = 1.0f / sqrtf((float)d), top = -INFINITY, total = 0.0f, acc[256];
+    for (; t + 4 <= slots; t += 4) dot8x4(q, K + t * d, d, sc + t);
+    for (; t < slots; t++) sc[t] = dot8(q, K + t * d, d);
+    for (t = 0; t < slots; t++) {
         int seen = mask ? mask[i * slots + t] != 0 : causal ? t <= base + i : 1;
-        sc[t] = seen ? dot8(q, K + t * d, d) * scale : -INFINITY;
-        top = fmaxf(top, sc[t]);
+        sc[t] = seen ? sc[t] * scale : -INFINITY;
+        top = sc[t] > top ? sc[t] : top; /* fmaxf inlined: a NaN score leaves top, as fmaxf does */
     }
-    float acc[256] = {0}, total = 0.0f;
-    for (int64_t t = 0; t < slots; t++) {
+    for (t = 0; t < slots; t++) {
         if (sc[t] == -INFINITY) continue;
-        float p = expf(sc[t] - top);
-        total += p;
-        const float *v = V + t * d;
-        for (int64_t j = 0; j < d; j += 8)
-            _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + j), _mm256_loadu_ps(acc + j)));
+        sc[t] = expf(sc[t] - top);
+        total += sc[t];
     }
-    for (int64_t j = 0; j < d; j++) out[j] = acc[j] / total;
+    for (; j + 64 <= d; j += 64) weigh64(sc, V, d, slots, j, acc);
+    for (; j < d; j += 8) { /* a head of a size not a multiple of 64: eight lanes at a time */
+        __m256 a = _mm256_setzero_ps();
+        for (t = 0; t < slots; t++)
+            if (sc[t] != -INFINITY) a = _mm256_fmadd_ps(_mm256_set1_ps(sc[t]), _mm256_loadu_ps(V + t * d + j), a);
+        _mm256_storeu_ps(acc + j, a);
+    }
+    for (j = 0; j < d; j++) out[j] = acc[j] / total;
 }
 
-/* One decoder layer over ``m`` new rows ``x`` (``m`` x hidden, updated in place) at cache slots
- * ``base`` .. ``base + m - 1`` of ``kv`` (this layer's [2, kv_heads, cap, head_dim] float32).
- * ``cos``/``sin``: the rows' RoPE tables (m x head_dim). A row sees the slots ``mask`` allows
- * (m x (base + m) bytes), or without one: slots up to its own (``causal``) or all of them.
- * ``scratch``: :func:`sp_layer_scratch` bytes. Returns a status: bad arguments for sizes that
- * disagree (:func:`bad_layer`) or rows past the cache, out of memory where a thread's attention
- * scores could not be had (``x`` and ``kv`` are then to be thrown away). */
-int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos, const float *sin, float *kv,
-             int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch) {
-    if ((isa != 2 && isa != 3) || !L || bad_layer(L) || m < 0 || m > MOST_SIZE || base < 0 || cap < 0 ||
-        base > cap - m || (m && (!x || !cos || !sin || !kv || !scratch)))
-        return SP_BAD_ARGUMENTS;
+/* Layer ``L``'s work inside the parallel region over the rows ``x`` (see sp_layers), its scratch at
+ * ``scratch``. ``sc``: this thread's score a slot, or NULL where it could not be had (the caller then
+ * fails the call). */
+static void layer_rows(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos, const float *sin,
+                       float *kv, int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch,
+                       float *sc) {
     int64_t H = L->hidden, d = L->head_dim, nq = L->heads * d, nkv = L->kv_heads * d, I = L->inter;
     float *h = (float *)scratch, *qkv = h + m * H, *att = qkv + m * L->qkv.out, *gu = att + m * nq,
           *act = gu + m * 2 * I, *y = act + m * I;
     blockx *xq = (blockx *)(((uintptr_t)(y + m * H) + 63) & ~(uintptr_t)63);
     int64_t slots = base + m;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) rms_norm_row(x + r * H, L->ln_in, H, L->eps, h + r * H);
+    sp_project(isa, &L->qkv, h, m, H, xq, qkv, L->qkv.out);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        float *row = qkv + r * L->qkv.out;
+        for (int64_t hq = 0; hq < L->heads; hq++) rope(row + hq * d, cos + r * d, sin + r * d, d);
+        for (int64_t g = 0; g < L->kv_heads; g++) {
+            float *k = row + nq + g * d;
+            rope(k, cos + r * d, sin + r * d, d);
+            memcpy(kv + (g * cap + base + r) * d, k, (size_t)d * sizeof(float));
+            memcpy(kv + ((L->kv_heads + g) * cap + base + r) * d, row + nq + nkv + g * d, (size_t)d * sizeof(float));
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < m * L->heads; p++) {
+        int64_t r = p / L->heads, hq = p % L->heads;
+        if (sc) attend(L, qkv + r * L->qkv.out + hq * d, kv, cap, r, hq, slots, mask, causal, base, sc, att + r * nq + hq * d);
+    }
+    sp_project(isa, &L->o, att, m, nq, xq, y, H);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t j = 0; j < H; j++) x[r * H + j] += y[r * H + j];
+        rms_norm_row(x + r * H, L->ln_post, H, L->eps, h + r * H);
+    }
+    sp_project(isa, &L->gate_up, h, m, H, xq, gu, 2 * I);
+    /* Each value its own: a lone row's are shared among the threads too. */
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < I; j++) {
+            float g = gu[r * 2 * I + j], u = gu[r * 2 * I + I + j];
+            act[r * I + j] = g / (1.0f + expf(-g)) * u;
+        }
+    sp_project(isa, &L->down, act, m, I, xq, y, H);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < H; j++) x[r * H + j] += y[r * H + j];
+}
+
+/* Bytes of scratch a call of ``m`` rows through the ``n`` layers ``Ls`` needs, or -1 (bad arguments)
+ * where sp_layers refuses one of them. */
+int64_t sp_layers_scratch(const sp_layer_t *Ls, int64_t n, int64_t m) {
+    if (!Ls || n < 1 || n > MOST_SIZE) return SP_BAD_ARGUMENTS;
+    int64_t most = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t bytes = sp_layer_scratch(Ls + i, m);
+        if (bytes < 0) return bytes;
+        most = bytes > most ? bytes : most;
+    }
+    return most;
+}
+
+/* The ``n`` decoder layers ``Ls`` one after another over ``m`` new rows ``x`` (``m`` x hidden, updated
+ * in place) at cache slots ``base`` .. ``base + m - 1`` of each layer's cache ``kvs[i]`` ([2, kv_heads,
+ * cap, head_dim] float32), in one parallel region. ``cos``/``sin``: the rows' RoPE tables (m x
+ * head_dim). A row sees the slots ``mask`` allows (m x (base + m) bytes), or without one: slots up to
+ * its own (``causal``) or all of them. ``scratch``: :func:`sp_layers_scratch` bytes. Returns a status:
+ * bad arguments for a layer whose sizes disagree (:func:`bad_layer`, every layer checked before any
+ * runs) or rows past the cache, out of memory where a thread's attention scores could not be had
+ * (``x`` and the caches are then to be thrown away). */
+int sp_layers(int isa, const sp_layer_t *Ls, int64_t n, float *x, int64_t m, const float *cos, const float *sin,
+              float *const *kvs, int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch) {
+    if ((isa != 2 && isa != 3) || sp_layers_scratch(Ls, n, m) < 0 || base < 0 || cap < 0 || base > cap - m ||
+        (m && (!x || !cos || !sin || !kvs || !scratch)))
+        return SP_BAD_ARGUMENTS;
+    for (int64_t i = 0; m && i < n; i++)
+        if (!kvs[i]) return SP_BAD_ARGUMENTS;
     int failed = 0;
 #pragma omp parallel
     {
-        float *sc = malloc((size_t)slots * sizeof(float));
+        float *sc = malloc((size_t)(base + m) * sizeof(float));
         if (!sc) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) rms_norm_row(x + r * H, L->ln_in, H, L->eps, h + r * H);
-        sp_project(isa, &L->qkv, h, m, H, xq, qkv, L->qkv.out);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            float *row = qkv + r * L->qkv.out;
-            for (int64_t hq = 0; hq < L->heads; hq++) rope(row + hq * d, cos + r * d, sin + r * d, d);
-            for (int64_t g = 0; g < L->kv_heads; g++) {
-                float *k = row + nq + g * d;
-                rope(k, cos + r * d, sin + r * d, d);
-                memcpy(kv + (g * cap + base + r) * d, k, (size_t)d * sizeof(float));
-                memcpy(kv + ((L->kv_heads + g) * cap + base + r) * d, row + nq + nkv + g * d, (size_t)d * sizeof(float));
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < m * L->heads; p++) {
-            int64_t r = p / L->heads, hq = p % L->heads;
-            if (sc) attend(L, qkv + r * L->qkv.out + hq * d, kv, cap, r, hq, slots, mask, causal, base, sc, att + r * nq + hq * d);
-        }
-        sp_project(isa, &L->o, att, m, nq, xq, y, H);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            for (int64_t j = 0; j < H; j++) x[r * H + j] += y[r * H + j];
-            rms_norm_row(x + r * H, L->ln_post, H, L->eps, h + r * H);
-        }
-        sp_project(isa, &L->gate_up, h, m, H, xq, gu, 2 * I);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t j = 0; j < I; j++) {
-                float g = gu[r * 2 * I + j], u = gu[r * 2 * I + I + j];
-                act[r * I + j] = g / (1.0f + expf(-g)) * u;
-            }
-        sp_project(isa, &L->down, act, m, I, xq, y, H);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t j = 0; j < H; j++) x[r * H + j] += y[r * H + j];
+        for (int64_t i = 0; i < n; i++)
+            layer_rows(isa, Ls + i, x, m, cos, sin, kvs[i], cap, base, mask, causal, scratch, sc);
         free(sc);
     }
     return failed ? SP_OUT_OF_MEMORY : SP_OK;
+}
+
+/* One decoder layer: sp_layers of the one layer ``L`` and its cache ``kv``, with
+ * :func:`sp_layer_scratch` bytes of scratch. */
+int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos, const float *sin, float *kv,
+             int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch) {
+    return sp_layers(isa, L, 1, x, m, cos, sin, &kv, cap, base, mask, causal, scratch);
 }

@@ -345,10 +345,12 @@ class NativeDecoder(CausalLM):
         layer_out: dict[int, torch.Tensor] = {}
         if self._fused is not None and not prefill:
             x, cos, sin = x.contiguous(), cos[0].contiguous(), sin[0].contiguous()
-            for i in range(len(self.layers)):
-                self._fused.run(i, x, cos, sin, self._kv[i], base, mask, causal)
-                if i in wanted:
-                    layer_out[i] = x.clone()
+            start = 0
+            for stop in sorted({i + 1 for i in wanted if 0 <= i < len(self.layers)} | {len(self.layers)}):
+                self._fused.run_span(start, stop, x, cos, sin, self._kv[start:stop], base, mask, causal)
+                if stop - 1 in wanted:
+                    layer_out[stop - 1] = x.clone()
+                start = stop
         else:
             with attention_kernels(self.device):
                 for i, layer in enumerate(self.layers):

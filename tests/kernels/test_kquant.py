@@ -126,16 +126,18 @@ def test_bad_shapes_are_refused_with_the_reason():
         KQuantWeight.from_raw(8, np.zeros((2, 34 * 8), dtype=np.uint8), 256)
 
 
-def _tiny_gguf_decoder(seed: int = 0):
-    """A two-layer Qwen2 decoder on random k-quant blocks (hidden 256: one block per row)."""
+def _tiny_gguf_decoder(seed: int = 0, heads: int = 4):
+    """A two-layer Qwen2 decoder on random k-quant blocks (hidden 256: one block per row), ``heads``
+    attention heads over 2 key/value heads."""
     from specplay.core.models.native import NativeDecoder
     from tiny import tiny_hf_config
 
     from specplay.core.models.layers import DecoderConfig
 
-    cfg = DecoderConfig.from_hf(tiny_hf_config(vocab=64, hidden=256, heads=4, kv_heads=2, inter=512))
+    cfg = DecoderConfig.from_hf(tiny_hf_config(vocab=64, hidden=256, heads=heads, kv_heads=2, inter=512))
     gen = torch.Generator().manual_seed(seed)
-    shapes = {"q_proj": (256, 256), "k_proj": (128, 256), "v_proj": (128, 256), "o_proj": (256, 256),
+    kv = 2 * 256 // heads
+    shapes = {"q_proj": (256, 256), "k_proj": (kv, 256), "v_proj": (kv, 256), "o_proj": (256, 256),
               "gate_proj": (512, 256), "up_proj": (512, 256), "down_proj": (256, 512)}
     tensors = {"model.embed_tokens.weight": weight(Q4_K, 64, 256, seed), "lm_head.weight": weight(Q6_K, 64, 256, seed),
                "model.norm.weight": torch.ones(256)}
@@ -152,10 +154,11 @@ def _tiny_gguf_decoder(seed: int = 0):
     return NativeDecoder(cfg, tensors.get, name="tiny-gguf", storage="gguf", eos_token_ids=(2,))
 
 
-def test_a_gguf_model_verifies_like_it_decodes():
+@pytest.mark.parametrize("heads", [4, 8])  # heads of 64 values, and of 32 (attention's lanes past the last 64)
+def test_a_gguf_model_verifies_like_it_decodes(heads):
     from tiny import block_and_singles
 
-    a, b = _tiny_gguf_decoder(), _tiny_gguf_decoder()
+    a, b = _tiny_gguf_decoder(heads=heads), _tiny_gguf_decoder(heads=heads)
     assert a.info.dtype == "gguf" and a._fused is not None and a._kv.dtype == torch.float32
     block, singles = block_and_singles(a, b, [1, 5, 9, 13, 7, 3, 22, 40, 41, 17, 8, 30])
     assert torch.equal(block, singles)
@@ -179,10 +182,11 @@ def test_a_tree_verified_on_the_c_layer_gives_its_paths_decoded_alone():
     assert torch.equal(block[[0, 2, 3]], torch.cat(alone))
 
 
-def test_the_c_layer_computes_torchs_layer():
-    """The one-call layer is the same function as the torch layers it replaces: logits within
+@pytest.mark.parametrize("heads", [4, 8])
+def test_the_c_layer_computes_torchs_layer(heads):
+    """The one-call layers are the same function as the torch layers they replace: logits within
     float32 rounding (the norms' last bits can move an activation across a quantization step)."""
-    fused, plain = _tiny_gguf_decoder(seed=1), _tiny_gguf_decoder(seed=1)
+    fused, plain = _tiny_gguf_decoder(seed=1, heads=heads), _tiny_gguf_decoder(seed=1, heads=heads)
     plain._fused = None
     seq = [1, 5, 9, 13, 7, 3, 22, 40, 41, 17, 8, 30]
     got, want = (m.forward_chain(seq).logits for m in (fused, plain))

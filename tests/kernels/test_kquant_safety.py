@@ -72,19 +72,19 @@ def _q8_rows() -> np.ndarray:
     return quantize(values, GGMLQuantizationType.Q8_0)
 
 
-ENTRIES = ("sp_repack", "sp_quantize_q4k", "sp_fit_q4k_from", "sp_dequantize_rows", "sp_linear", "sp_layer")
+ENTRIES = ("sp_repack", "sp_quantize_q4k", "sp_fit_q4k_from", "sp_dequantize_rows", "sp_linear", "sp_layers")
 
 
 def _call(entry: str):
     """The Python side's call of ``entry``, its inputs made first (before the kernel is swapped)."""
     w, raw, q8 = weight(Q4_K, 8, 256), random_blocks(Q4_K, 4, 256), _q8_rows()
-    model = decoder(tiny_config(), tiny_tensors()) if entry == "sp_layer" else None
+    model = decoder(tiny_config(), tiny_tensors()) if entry == "sp_layers" else None
     return {"sp_repack": lambda: KQuantWeight.from_raw(Q4_K, raw, 256),
             "sp_quantize_q4k": lambda: KQuantWeight.quantize(torch.randn(4, 300)),
             "sp_fit_q4k_from": lambda: KQuantWeight.fit_blocks(8, q8, 96),  # GGML's Q8_0
             "sp_dequantize_rows": lambda: w.rows_float(torch.tensor([0, 3])),
             "sp_linear": lambda: KQuantLinear(w)(torch.randn(2, 256)),
-            "sp_layer": lambda: model.forward(torch.tensor([5]))}[entry]
+            "sp_layers": lambda: model.forward(torch.tensor([5]))}[entry]
 
 
 @pytest.mark.parametrize("status, error", [(-1, ModelError), (-2, MemoryError)])

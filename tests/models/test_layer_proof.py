@@ -63,6 +63,24 @@ def test_both_instruction_sets_give_the_same_layer_bits(monkeypatch):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+def test_a_span_of_layers_in_one_call_gives_each_layer_run_in_turn():
+    """The model's forward runs its layers as one call (``sp_layers``); the proofs run one layer a call:
+    the same rows and caches, bit for bit, for a tree's block after a cache."""
+    cfg, layers = tiny_config(), [tiny_layer(0), tiny_layer(10), tiny_layer(3)]
+    fused, x = FusedLayers(cfg, layers), kquant.adversarial_rows(HIDDEN, 6)
+    cos, sin = torch.rand(6, cfg.head_dim), torch.rand(6, cfg.head_dim)
+    mask = torch.ones(6, 10, dtype=torch.bool).tril_(4)
+    mask[4, 8] = False  # row 4 a sibling of row 3, not its child
+    one, span = x.clone(), x.clone()
+    one_kv, span_kv = torch.rand(3, 2, KV_HEADS, 12, cfg.head_dim), torch.zeros(3, 2, KV_HEADS, 12, cfg.head_dim)
+    span_kv[:, :, :, :4] = one_kv[:, :, :, :4]
+    for i in range(3):
+        fused.run(i, one, cos, sin, one_kv[i], 4, mask, False)
+    fused.run_span(0, 3, span, cos, sin, span_kv, 4, mask, False)
+    assert torch.equal(one, span) and torch.equal(one_kv[:, :, :, :10], span_kv[:, :, :, :10])
+    assert not torch.equal(one, x)
+
+
 def _nudged(x: torch.Tensor) -> None:
     x.mul_(1 + 1e-6)
 
