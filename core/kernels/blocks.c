@@ -269,14 +269,49 @@ int sp_dequantize_rows(int type, const void *w, int64_t rows, int64_t nb, const 
 /* fmaxf(a, b) for an ``a`` that is never NaN, inlined (glibc's is a call): a NaN ``b`` leaves ``a``. */
 static inline float larger(float a, float b) { return b > a ? b : a; }
 
-/* (int)lrintf(x) for a NaN or an |x| below 2^31, inlined (lrintf is a call through the PLT, which was
- * most of a row's quantization): the conversion rounds in the current mode as lrintf does, and a NaN,
- * which lrintf makes LONG_MIN, is 0 as that cast to int. */
-static inline int nearest(float x) { return x == x ? _mm_cvtss_si32(_mm_set_ss(x)) : 0; }
+/* One block of 256 values into ``b``, eight at a time: the largest magnitude (NaNs left out, as
+ * larger() leaves them), q = value * (127 / that) rounded in the current mode (to even), as lrintf
+ * rounds, and clamped to -127..127, a NaN product 0 (lrintf's LONG_MIN cast to int, as this was one
+ * value at a time before, through the PLT), q stored in the order of ``position``, the 16-group sums
+ * of q. Each product and conversion is the same operation as one value at a time; a maximum and
+ * integer sums come out the same in any order. */
+__attribute__((target("avx2,fma"))) static void quantize_block(const float *v, blockx *b) {
+    __m256 top = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    for (int l = 0; l < QK; l += 8) top = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(v + l)), top);
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) amax = larger(amax, lanes[l]);
+    float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    memset(b, 0, sizeof *b);
+    b->d = amax / 127.0f;
+    __m256 scale = _mm256_set1_ps(id);
+    __m256i most = _mm256_set1_epi32(127), least = _mm256_set1_epi32(-127);
+    int32_t q[QK];
+    int8_t q8[QK];
+    for (int l = 0; l < QK; l += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(v + l), scale);
+        __m256i n = _mm256_and_si256(_mm256_cvtps_epi32(x), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+        _mm256_storeu_si256((__m256i *)(q + l), _mm256_max_epi32(_mm256_min_epi32(n, most), least));
+    }
+    int sums[16] = {0};
+    for (int l = 0; l < QK; l++) {
+        q8[l] = (int8_t)q[l];
+        sums[l / 16] += q[l];
+    }
+    /* Four values 32i + 4t + j of a half go to its bytes 16t + 4i + j (``position``'s inverse). */
+    for (int h = 0; h < 2; h++)
+        for (int i4 = 0; i4 < 4; i4++)
+            for (int t = 0; t < 8; t++) memcpy(b->q + 128 * h + 16 * t + 4 * i4, q8 + 128 * h + 32 * i4 + 4 * t, 4);
+    for (int i4 = 0; i4 < 4; i4++) {
+        for (int e = 0; e < 2; e++) b->xmin[e][i4] = b->d * (float)(sums[8 * e + 2 * i4] + sums[8 * e + 2 * i4 + 1]);
+        for (int hu = 0; hu < 4; hu++) b->neg32[hu][i4] = -32 * sums[8 * (hu / 2) + 2 * i4 + hu % 2];
+    }
+}
 
 /* Quantize rows of x (``m`` x ``width``, row stride ``ldx``) into blocks of 256, the values from
  * ``width`` up to ``k`` (a multiple of 256) taken as zeros. Shares the blocks among the threads of
- * the parallel region it is called in (a lone row's too: each block depends on its own values alone). */
+ * the parallel region it is called in (a lone row's too: each block depends on its own values alone).
+ * Its callers run on the AVX2 path or the AVX-512 one, so on a CPU with AVX2. */
 void sp_quantize_rows(const float *x, int64_t m, int64_t k, int64_t width, int64_t ldx, blockx *out) {
     int64_t nb = k / QK;
 #pragma omp for collapse(2) schedule(static)
@@ -290,24 +325,7 @@ void sp_quantize_rows(const float *x, int64_t m, int64_t k, int64_t width, int64
                 if (have > 0) memcpy(padded, v, (size_t)have * sizeof(float));
                 v = padded;
             }
-            blockx *b = out + r * nb + i;
-            float amax = 0.0f;
-            for (int l = 0; l < QK; l++) amax = larger(amax, fabsf(v[l]));
-            float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            memset(b, 0, sizeof *b);
-            b->d = amax / 127.0f;
-            int sums[16] = {0};
-            for (int byte = 0; byte < QK; byte++) {
-                int p = position(byte);
-                int q = nearest(v[p] * id);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                b->q[byte] = (int8_t)q;
-                sums[p / 16] += q;
-            }
-            for (int i4 = 0; i4 < 4; i4++) {
-                for (int e = 0; e < 2; e++) b->xmin[e][i4] = b->d * (float)(sums[8 * e + 2 * i4] + sums[8 * e + 2 * i4 + 1]);
-                for (int hu = 0; hu < 4; hu++) b->neg32[hu][i4] = -32 * sums[8 * (hu / 2) + 2 * i4 + hu % 2];
-            }
+            quantize_block(v, out + r * nb + i);
         }
     }
 }

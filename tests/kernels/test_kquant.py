@@ -53,6 +53,59 @@ def weight_from(raw, type_):
     return KQuantWeight.from_raw(type_, raw, raw.shape[1] // (144 if type_ == Q4_K else 210) * 256)
 
 
+BLOCKX = np.dtype([("q", np.int8, 256), ("neg32", np.int32, (4, 4)), ("xmin", np.float32, (2, 4)),
+                   ("d", np.float32), ("pad", np.float32, 3)])
+
+
+def _quantized_as_the_rule_says(row: np.ndarray, k: int) -> np.ndarray:
+    """kquant.h's activation blocks of one row, value by value in NumPy: the row zero-padded to ``k``;
+    per block of 256 the largest magnitude past NaNs, q = rint(value * (127 / it)) (ties to even) clamped
+    to -127..127 with a NaN product 0, q in ``position``'s order, the 16-group sums' xmin and neg32."""
+    v = np.zeros(k, np.float32)
+    v[:row.size] = row
+    out = np.zeros(k // 256, BLOCKX)
+    byte = np.arange(256)
+    position = 128 * (byte // 128) + 32 * ((byte % 16) // 4) + 4 * ((byte % 128) // 16) + byte % 4
+    with np.errstate(invalid="ignore", over="ignore"):
+        for i, block in enumerate(v.reshape(-1, 256)):
+            mags = np.abs(block[~np.isnan(block)])
+            amax = np.float32(mags.max() if mags.size else 0.0)
+            inverse = np.float32(127) / amax if amax > 0 else np.float32(0)
+            x = block * inverse
+            q = np.where(np.isnan(x), 0, np.clip(np.rint(np.nan_to_num(x, nan=0.0)), -127, 127)).astype(np.int32)
+            sums = q.reshape(16, 16).sum(1)
+            out[i]["d"] = amax / np.float32(127)
+            out[i]["q"] = q[position]
+            for i4 in range(4):
+                for e in range(2):
+                    out[i]["xmin"][e, i4] = out[i]["d"] * np.float32(sums[8 * e + 2 * i4] + sums[8 * e + 2 * i4 + 1])
+                for hu in range(4):
+                    out[i]["neg32"][hu, i4] = -32 * sums[8 * (hu // 2) + 2 * i4 + hu % 2]
+    return out
+
+
+def test_activations_are_quantized_as_the_rule_says_nans_ties_and_a_rows_tail_included():
+    """The kernel's quantization of activation rows (eight values at a time) against the rule value by
+    value: ties at a half, NaNs and infinities, a block of zeros, subnormals, a row that ends inside a block."""
+    import ctypes
+
+    rng = np.random.default_rng(7)
+    width, k, m = 700, 768, 3
+    x = (rng.normal(size=(m, width)) * 3).astype(np.float32)
+    x[0, :256] = np.arange(256, dtype=np.float32) - 127.5  # after scaling by 127 / 127.5: ties everywhere
+    x[0, 256:512] = 0.0
+    x[1, 3], x[1, 300], x[1, 301] = np.nan, np.inf, -np.inf
+    x[2, 10:20] = np.float32(1e-40)
+    lib = kquant._lib()
+    lib.sp_quantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_void_p]
+    got = np.zeros(m * k // 256, BLOCKX)
+    lib.sp_quantize_rows(x.ctypes.data, m, k, width, width, got.ctypes.data)
+    want = np.concatenate([_quantized_as_the_rule_says(row, k) for row in x])
+    for field in ("q", "neg32", "xmin", "d"):
+        assert np.array_equal(got[field], want[field], equal_nan=True), field
+
+
 @pytest.mark.parametrize("type_", [Q4_K, Q6_K])
 def test_the_layer_computes_x_times_the_weights(type_):
     w = weight(type_, 96, 768, seed=1)
