@@ -287,21 +287,14 @@ __attribute__((target("avx2,fma"))) static void quantize_block(const float *v, b
     __m256 scale = _mm256_set1_ps(id);
     __m256i most = _mm256_set1_epi32(127), least = _mm256_set1_epi32(-127);
     int32_t q[QK];
-    int8_t q8[QK];
     for (int l = 0; l < QK; l += 8) {
         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(v + l), scale);
         __m256i n = _mm256_and_si256(_mm256_cvtps_epi32(x), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
         _mm256_storeu_si256((__m256i *)(q + l), _mm256_max_epi32(_mm256_min_epi32(n, most), least));
     }
     int sums[16] = {0};
-    for (int l = 0; l < QK; l++) {
-        q8[l] = (int8_t)q[l];
-        sums[l / 16] += q[l];
-    }
-    /* Four values 32i + 4t + j of a half go to its bytes 16t + 4i + j (``position``'s inverse). */
-    for (int h = 0; h < 2; h++)
-        for (int i4 = 0; i4 < 4; i4++)
-            for (int t = 0; t < 8; t++) memcpy(b->q + 128 * h + 16 * t + 4 * i4, q8 + 128 * h + 32 * i4 + 4 * t, 4);
+    for (int l = 0; l < QK; l++) sums[l / 16] += q[l];
+    for (int byte = 0; byte < QK; byte++) b->q[byte] = (int8_t)q[position(byte)];
     for (int i4 = 0; i4 < 4; i4++) {
         for (int e = 0; e < 2; e++) b->xmin[e][i4] = b->d * (float)(sums[8 * e + 2 * i4] + sums[8 * e + 2 * i4 + 1]);
         for (int hu = 0; hu < 4; hu++) b->neg32[hu][i4] = -32 * sums[8 * (hu / 2) + 2 * i4 + hu % 2];
