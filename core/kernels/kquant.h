@@ -114,9 +114,6 @@ int sp_fit_q4k_from(int type, const uint8_t *raw, int64_t rows, int64_t width, i
 int sp_dequantize_rows(int type, const void *w, int64_t rows, int64_t nb, const int64_t *ids, int64_t n, float *y);
 int sp_linear(int isa, const sp_linear_t *l, const float *x, int64_t m, int64_t ldx, blockx *xq, float *y,
               int64_t ldy);
-int64_t sp_layer_scratch(const sp_layer_t *L, int64_t m);
-int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos, const float *sin, float *kv,
-             int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch);
 int64_t sp_layers_scratch(const sp_layer_t *Ls, int64_t n, int64_t m);
 int sp_layers(int isa, const sp_layer_t *Ls, int64_t n, float *x, int64_t m, const float *cos, const float *sin,
               float *const *kvs, int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch);

@@ -320,7 +320,7 @@ def check_shapes(cfg, layers: list, head: KQuantLinear, name: str) -> None:
     """Raise :class:`ModelError` naming ``name`` and the disagreement where a k-quant model's matrices
     disagree with its config (the head counts and sizes a file's metadata states) or with each other.
     Checked at load, before any layer runs: the C layer would refuse such sizes at the first decode
-    (``sp_layer`` checks them again), torch's layers fail on them with a shape error."""
+    (``sp_layers`` checks them again), torch's layers fail on them with a shape error."""
     heads, kv, d, hidden, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
 
     def disagree(what: str) -> ModelError:

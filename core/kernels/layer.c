@@ -70,8 +70,8 @@ static int bad_layer(const sp_layer_t *L) {
            bad_projection(&L->gate_up, H, 2 * I) || bad_projection(&L->down, I, H);
 }
 
-/* Bytes of scratch a call of ``m`` rows needs, or -1 (bad arguments) for a layer :func:`sp_layer` refuses. */
-int64_t sp_layer_scratch(const sp_layer_t *L, int64_t m) {
+/* Bytes of scratch one layer's ``m`` rows need, or -1 (bad arguments) for a layer :func:`sp_layers` refuses. */
+static int64_t layer_scratch(const sp_layer_t *L, int64_t m) {
     if (!L || bad_layer(L) || m < 0 || m > MOST_SIZE) return SP_BAD_ARGUMENTS;
     int64_t floats = m * (2 * L->hidden + L->qkv.out + L->heads * L->head_dim + 3 * L->inter);
     return floats * (int64_t)sizeof(float) + 64 + m * most_blocks(L) * sp_sizeof_blockx();
@@ -199,7 +199,7 @@ int64_t sp_layers_scratch(const sp_layer_t *Ls, int64_t n, int64_t m) {
     if (!Ls || n < 1 || n > MOST_SIZE) return SP_BAD_ARGUMENTS;
     int64_t most = 0;
     for (int64_t i = 0; i < n; i++) {
-        int64_t bytes = sp_layer_scratch(Ls + i, m);
+        int64_t bytes = layer_scratch(Ls + i, m);
         if (bytes < 0) return bytes;
         most = bytes > most ? bytes : most;
     }
@@ -234,11 +234,4 @@ int sp_layers(int isa, const sp_layer_t *Ls, int64_t n, float *x, int64_t m, con
         free(sc);
     }
     return failed ? SP_OUT_OF_MEMORY : SP_OK;
-}
-
-/* One decoder layer: sp_layers of the one layer ``L`` and its cache ``kv``, with
- * :func:`sp_layer_scratch` bytes of scratch. */
-int sp_layer(int isa, const sp_layer_t *L, float *x, int64_t m, const float *cos, const float *sin, float *kv,
-             int64_t cap, int64_t base, const uint8_t *mask, int causal, void *scratch) {
-    return sp_layers(isa, L, 1, x, m, cos, sin, &kv, cap, base, mask, causal, scratch);
 }
