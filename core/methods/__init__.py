@@ -38,7 +38,7 @@ METHODS: dict[str, MethodSpec] = {
                    lambda c, t, d: Autoregressive(c), "Plain decoding, one target token per step (the baseline)."),
         MethodSpec("speculative", "Speculative (draft model)", SpeculativeConfig, True,
                    lambda c, t, d: Speculative(c, d.model, t.model,
-                                               ranked_vocabulary(t.model_id) if c.draft_vocab else None),
+                                               ranked_vocabulary(t.model_id)),
                    "A small draft model proposes γ tokens; the target verifies them in one pass."),
         MethodSpec("prompt_lookup", "Prompt lookup", PromptLookupConfig, False,
                    lambda c, t, d: PromptLookup(c, t.model),

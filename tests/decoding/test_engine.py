@@ -5,6 +5,7 @@ that study a method as it drafts turn the gate off (``stand_down=False``); the g
 tested below and, on a deterministic cost model, in test_standdown.py.
 """
 
+import dataclasses
 import itertools
 import json
 
@@ -509,6 +510,46 @@ def test_a_ranked_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(models
     assert pvalue > 1e-3, f"p = {pvalue:.2e}"
     # A ranking shorter than the vocabulary is filled up with the other ids in order.
     assert Speculative(SpeculativeConfig(draft_vocab=4), near.model, target.model, [9, 2]).draft_ids.tolist() == [9, 2, 0, 1]
+
+
+def test_the_default_draft_vocabulary_is_dropped_for_the_run_whose_answer_leaves_it(monkeypatch):
+    """A CPU draft drafts its target's most used ids by default; a run whose answer's tokens lie
+    outside them drafts from the whole head once that pays (here after its first drafts, every one
+    outside), a run inside them keeps them to its end, and the next run starts on them again. Every
+    run stays greedy. On a clock the passes advance (a draft pass 0.4 of a target step), the curve
+    pinned."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.methods import speculative
+    from tiny import on_a_clock
+
+    base = tiny_hf_model(seed=0, dtype=torch.float64)
+    target, draft = loaded(native_from_hf(base)), loaded(native_from_hf(perturbed_copy(base, 0.01)))
+    on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * (1 + 0.15 * (n - 1)), draft.model: lambda n: 0.004})
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.15))
+    gen = GenerationConfig(max_new_tokens=160, stop_at_eos=False)
+    plain = run(target, "autoregressive", gen=gen).token_ids
+    used = list(dict.fromkeys(plain))
+    unused = [t for t in range(target.model.info.vocab_size) if t not in used]
+
+    def runs(ranking, size, times=1):
+        monkeypatch.setattr(speculative, "AUTO_VOCAB", size)
+        method = speculative.Speculative(SpeculativeConfig(), draft.model, target.model, ranking)
+        assert method.draft_ids.tolist() == ranking[:size]
+        for _ in range(times):
+            res = drain(generate(target.model, target.tokenizer, method, PROMPT, gen))
+            assert res.token_ids == plain
+            yield [e for e in res.events if e.num_drafted]
+
+    (inside,) = runs(used, len(used))
+    assert inside and all(e.internals["vocabulary"] == len(used) for e in inside)
+    for outside in runs(unused[:8], 8, times=2):
+        kinds = [e.internals["vocabulary"] for e in outside]
+        cut = kinds.index("all")  # the vocabulary's drafts are judged before it goes, then it stays gone
+        assert 1 <= cut <= 3 and set(kinds[:cut]) == {8} and set(kinds[cut:]) == {"all"}
+        assert sum(e.num_accepted for e in outside[:cut]) == 0 < sum(e.num_accepted for e in outside[cut:])
+    # A GPU draft's head costs little of its time: it keeps it whole by default.
+    monkeypatch.setattr(draft.model, "info", dataclasses.replace(draft.model.info, device="cuda:0"))
+    assert speculative.Speculative(SpeculativeConfig(), draft.model, target.model, used).draft_ids is None
 
 
 def test_a_draft_with_more_vocabulary_rows_samples_the_target_and_never_its_own_extra_tokens():
