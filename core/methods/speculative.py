@@ -111,10 +111,11 @@ class SpeculativeConfig(MethodConfig):
                               "the draft sees less context", label="draft reads last", minimum=0,
                               maximum=1_000_000, cli="--draft-window")
     draft_vocab: int = param(0, "Draft only the N token ids the target uses most, ranked by their count in its "
-                             "shipped answers (the first N ids in merge order for a target without them; 0 = "
-                             f"{AUTO_VOCAB:,} ranked ids for a draft on the CPU, dropped for the rest of a cost-sized "
-                             "run whose answer leaves them more than they save, and all for a GPU draft; a number past "
-                             "the vocabulary = all); the target still emits any token", label="draft vocabulary",
+                             "shipped answers (the first N ids in merge order for a target without them; 0 = for a "
+                             f"draft on the CPU the {AUTO_VOCAB:,} ranked ids, dropped for the rest of a cost-sized run "
+                             "whose answer leaves them more than they save, and all for a GPU draft or a target without "
+                             "a ranking; a number past the vocabulary = all); the target still emits any token",
+                             label="draft vocabulary",
                              minimum=0, maximum=1_000_000, cli="--draft-vocab")
 
     def __post_init__(self):
