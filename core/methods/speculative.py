@@ -473,9 +473,7 @@ class ChainAcceptance:
 
     def best_gamma(self, c: float, curve, max_gamma: int) -> tuple[int, float]:
         """:func:`best_gamma` at this run's acceptance by position, and its :func:`chain_gain`."""
-        alphas = self.alphas(max_gamma)
-        gamma = best_gamma(alphas, c, curve)
-        return gamma, chain_gain(alphas[:gamma], c, curve)
+        return best_chain(self.alphas(max_gamma), c, curve)
 
 
 class _SizingStats:
@@ -531,7 +529,7 @@ class _VocabularyWatch:
     PRIOR_POSITIONS = 32
 
     def __init__(self, ids: torch.Tensor, info):
-        self.inside = torch.zeros(max(info.vocab_size, int(ids.max()) + 1), dtype=torch.bool)
+        self.inside = torch.zeros(info.vocab_size, dtype=torch.bool)  # ids are draft rows (_draft_ids)
         self.inside[ids] = True
         cut = max(0, info.vocab_size - ids.numel()) * info.hidden_size
         self.saving = min(0.9, cut / info.num_parameters) if info.num_parameters else 0.0
@@ -558,9 +556,7 @@ class _VocabularyWatch:
         r = self.outside / (self.judged + self.PRIOR_POSITIONS)
         alphas = sizing.acceptance.alphas(max_gamma)
         whole = [min(1.0, a + r * b) for a, b in zip(alphas, self.where_inside.alphas(max_gamma))]
-        mine = chain_gain(alphas[:best_gamma(alphas, c, curve)], c, curve)
-        wc = c / (1 - self.saving)
-        return chain_gain(whole[:best_gamma(whole, wc, curve)], wc, curve) > mine
+        return best_chain(whole, c / (1 - self.saving), curve)[1] > best_chain(alphas, c, curve)[1]
 
 
 def best_gamma(alphas: list[float], c: float, curve) -> int:
@@ -572,6 +568,12 @@ def best_gamma(alphas: list[float], c: float, curve) -> int:
         reach *= alpha
         values.append(reach)
     return max(1, best_size(values, lambda n: curve(n) + (n - 1) * c))
+
+
+def best_chain(alphas: list[float], c: float, curve) -> tuple[int, float]:
+    """:func:`best_gamma` at ``alphas`` and its :func:`chain_gain`."""
+    gamma = best_gamma(alphas, c, curve)
+    return gamma, chain_gain(alphas[:gamma], c, curve)
 
 
 def chain_gain(alphas: list[float], c: float, curve) -> float:
