@@ -3,13 +3,19 @@
 Speculation pays only when the tokens a drafting step adds outrun its cost; where acceptance is
 low (a draft model off its home ground, an n-gram pool that never hits) a drafting method runs
 slower than plain decoding. The gate measures the run itself: the rate of its recent drafting
-steps (tokens per second; every step of the run, drafting or plain, leaves what came before it
-:data:`DECAY` of its weight) against the time of a plain step (measured
-on the run's own plain steps, or estimated from the verification passes and the cost curve
-before there is one). When plain steps are faster it stands down for a while, then lets one
+steps (tokens per second; each drafting step, and each plain step the gate imposes, leaves what
+came before it :data:`DECAY` of its weight) against the time of a plain step (measured on the
+run's own plain steps, or estimated from the verification passes and the cost curve before there
+is one). A step the method was let draft and drafted nothing in (no match for a lookup, no node
+that pays for a sized tree) adds its look to drafting's seconds and ages nothing: a method that
+finds a guess one step in five is judged on its last ten guesses, as one that drafts every step
+is, not on the last one or two. When plain steps are faster it stands down for a while, then lets one
 drafting step probe again; each stand-down that the probe confirms lasts twice as long as the
-last, so a run that never gains from drafting spends a vanishing share of its steps probing, and
-a run that drafts well never stands down. Pure arithmetic on measured durations: the engine
+last, but no longer than makes what the probe lost against a plain step a hundredth of it: a run
+that never gains from drafting loses at most about 1% of its time to probes (a dear probe, a
+draft model's, comes back after a hundred steps or more), a cheap one (a one-token guess) comes
+back within a few tens of steps, so an answer that starts repeating itself late is still caught,
+and a run that drafts well never stands down. Pure arithmetic on measured durations: the engine
 feeds it, a test can feed it a deterministic cost model.
 
 A run's first step is always plain where the gate is on: its token then comes as soon as plain
@@ -19,6 +25,7 @@ step), and the gate has a plain step of the run's own, timed, to judge drafting 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,10 +33,14 @@ from typing import Callable
 FIRST_DECISION = 2
 #: Plain steps of the first stand-down; each one a probe confirms lasts twice as long, up to the cap.
 FIRST_BACKOFF, MAX_BACKOFF = 8, 256
-#: Weight of a drafting step's measurement after each newer step, drafting or plain: a memory of about
-#: ten steps. One fully rejected draft among good ones must not stand a paying draft down (at 0.5 a
-#: draft accepted 90% of the time per token lost a tenth of its speed to stand-downs after single
-#: misses, in a seeded simulation), and after a stand-down the probe is judged mostly on its own.
+#: A stand-down lasts no more plain steps (nor fewer than FIRST_BACKOFF) than make what drafting lost
+#: against plain steps since its last drafting step, looks included, this share of them.
+PROBE_SHARE = 0.01
+#: Weight of a drafting step's measurement after each newer drafting step or plain step the gate
+#: imposed: a memory of about ten drafting steps. One fully rejected draft among good ones must not
+#: stand a paying draft down (at 0.5 a draft accepted 90% of the time per token lost a tenth of its
+#: speed to stand-downs after single misses, in a seeded simulation), and after a stand-down the
+#: probe is judged mostly on its own.
 DECAY = 0.9
 
 
@@ -51,6 +62,7 @@ class StandDownGate:
         self.enabled = enabled
         self._tokens = 0.0  # decayed sums over drafting steps
         self._seconds = 0.0
+        self._looked_s = 0.0  # looks that drafted nothing since the last drafting step
         self._drafting_steps = 0
         self._plain_s: float | None = None  # a plain step's time: measured, else estimated
         self._plain_measured = False
@@ -73,12 +85,17 @@ class StandDownGate:
         with no token to show for it, so it joins the drafting steps' seconds, and the rest of the step
         is a plain step's time: drafting then pays when its tokens over its seconds, looks included,
         beat a plain step's rate, which is when the whole run beats plain steps."""
+        imposed = self._first or self._left > 0  # a plain step of the gate's, not the method's choice
         self._first = False
         if not drafted:
-            self._tokens *= DECAY
-            self._seconds = self._seconds * DECAY + looked_s
+            if imposed:
+                self._tokens *= DECAY
+                self._seconds *= DECAY
+            self._seconds += looked_s
+            self._looked_s += looked_s
             self._plain_step(seconds - looked_s)
             return
+        looks, self._looked_s = self._looked_s, 0.0
         self._tokens = self._tokens * DECAY + new_tokens
         self._seconds = self._seconds * DECAY + seconds
         self._drafting_steps += 1
@@ -91,7 +108,11 @@ class StandDownGate:
             self._left = 1
             return
         if rate < 1.0 / self._plain_s:
-            self._left = self._backoff
+            # What drafting lost to plain steps since the last drafting step, its looks included, in plain
+            # steps: a probe that costs little (a one-token guess) is worth making often, so the stand-down
+            # lasts no longer than makes that loss PROBE_SHARE of it.
+            lost = max(0.0, (looks + seconds) / self._plain_s - new_tokens)
+            self._left = min(self._backoff, max(FIRST_BACKOFF, math.ceil(lost / PROBE_SHARE)))
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
         else:
             self._backoff = FIRST_BACKOFF
