@@ -104,19 +104,21 @@ def test_a_paying_draft_keeps_drafting_through_its_occasional_misses(alpha):
         assert ungated / gated >= 0.97, (seed, ungated / gated)
 
 
-def run_looking(gate: StandDownGate, steps: int, look: float, pays_every: int) -> tuple[float, int]:
+def run_looking(gate: StandDownGate, steps: int, look: float, pays_every: int, verify: float = 1.3,
+                accepted=lambda step: 2) -> tuple[float, int]:
     """A method that looks before it drafts (a head's first level, ``look`` plain steps) and finds a
-    draft worth verifying one step in ``pays_every`` (3 tokens at 1.3 plain steps); the other steps it
-    is let draft, it drafts nothing and the step is plain, its look included. Returns (time, tokens)."""
+    draft worth verifying one step in ``pays_every`` it is let draft (its tokens verified in ``verify``
+    plain steps, ``accepted(step)`` of them accepted: 2 of 3 by default); the other steps it is let
+    draft, it drafts nothing and the step is plain, its look included. Returns (time, tokens)."""
     clock, out, asked = 0.0, 0, 0
-    for _ in range(steps):
+    for step in range(steps):
         if not gate.drafting():
             gate.record(False, 1, T1)
             clock, out = clock + T1, out + 1
             continue
         asked += 1
         if asked % pays_every == 0:
-            seconds, new = look + 1.3 * T1, 3
+            seconds, new = look + verify * T1, accepted(step) + 1
             gate.record(True, new, seconds, plain_estimate=lambda: T1)
         else:
             seconds, new = look + T1, 1
@@ -141,30 +143,20 @@ def test_looks_that_find_nothing_to_draft_count_against_drafting():
 
 
 def run_sparse(gate: StandDownGate, steps: int, alpha: float, seed: int, late: int = 0) -> tuple[float, int]:
-    """A lookup's shape: let draft, the method finds a guess one step in five (the others it drafts nothing,
-    after a look of 1% of a plain step); a guess is 3 tokens verified in 1.2 plain steps, each accepted with
-    chance ``alpha`` once the ones before it were (seeded), none in the first ``late`` steps. Returns
-    (time, tokens)."""
+    """A lookup's shape (:func:`run_looking`): a guess one step in five it is let draft, each other step a
+    look of 1% of a plain step; a guess is 3 tokens verified in 1.2 plain steps, each accepted with chance
+    ``alpha`` once the ones before it were (seeded), none in the first ``late`` steps."""
     import random
 
     rng = random.Random(seed)
-    clock, out, asked = 0.0, 0, 0
-    for step in range(steps):
-        if not gate.drafting():
-            gate.record(False, 1, T1)
-            clock, out = clock + T1, out + 1
-            continue
-        asked += 1
-        if asked % 5:
-            gate.record(False, 1, 0.01 + T1, looked_s=0.01)
-            clock, out = clock + 0.01 + T1, out + 1
-            continue
-        accepted = 0
-        while accepted < 3 and step >= late and rng.random() < alpha:
-            accepted += 1
-        gate.record(True, accepted + 1, 0.01 + 1.2 * T1, plain_estimate=lambda: T1)
-        clock, out = clock + 0.01 + 1.2 * T1, out + accepted + 1
-    return clock, out
+
+    def accepted(step: int) -> int:
+        n = 0
+        while n < 3 and step >= late and rng.random() < alpha:
+            n += 1
+        return n
+
+    return run_looking(gate, steps, look=0.01, pays_every=5, verify=1.2, accepted=accepted)
 
 
 def test_a_method_that_guesses_now_and_then_is_judged_on_its_guesses_not_its_last_one():
