@@ -9,8 +9,10 @@ run's own plain steps, or estimated from the verification passes and the cost cu
 is one). A step the method was let draft and drafted nothing in (no match for a lookup, no node
 that pays for a sized tree) adds its look to drafting's seconds and ages nothing: a method that
 finds a guess one step in five is judged on its last ten guesses, as one that drafts every step
-is, not on the last one or two. When plain steps are faster it stands down for a while, then lets one
-drafting step probe again; each stand-down that the probe confirms lasts twice as long as the
+is, not on the last one or two. When plain steps are faster, and drafting has lost a whole plain step's
+time since it last gained one back (a dear draft's failed chain loses that in a step or two, a lookup's
+one-token guess in tens of them, so a lookup that misses at an answer's start is still drafting when
+its copies begin), it stands down for a while, then lets one drafting step probe again; each stand-down that the probe confirms lasts twice as long as the
 last, but no longer than makes what the probe lost against a plain step a hundredth of it: a run
 that never gains from drafting loses at most about 1% of its time to probes (a dear probe, a
 draft model's, comes back after a hundred steps or more), a cheap one (a one-token guess) comes
@@ -36,6 +38,11 @@ FIRST_BACKOFF, MAX_BACKOFF = 8, 256
 #: A stand-down lasts no more plain steps (nor fewer than FIRST_BACKOFF) than make what drafting lost
 #: against plain steps since its last drafting step, looks included, this share of them.
 PROBE_SHARE = 0.01
+#: What drafting must have lost against plain steps, in plain steps, since it last gained more than that,
+#: before the gate may stand it down: a dear draft (a draft model's chain, a tree of several nodes) loses
+#: that in one or two failed steps, a one-token guess that costs a few percent of a step in tens of them,
+#: so a lookup that misses at an answer's start is still drafting when its copies begin to match.
+LOSS_TO_STAND_DOWN = 1.0
 #: Weight of a drafting step's measurement after each newer drafting step or plain step the gate
 #: imposed: a memory of about ten drafting steps. One fully rejected draft among good ones must not
 #: stand a paying draft down (at 0.5 a draft accepted 90% of the time per token lost a tenth of its
@@ -63,6 +70,7 @@ class StandDownGate:
         self._tokens = 0.0  # decayed sums over drafting steps
         self._seconds = 0.0
         self._looked_s = 0.0  # looks that drafted nothing since the last drafting step
+        self._lost = 0.0  # plain steps drafting lost since it last gained them back (never below 0)
         self._drafting_steps = 0
         self._plain_s: float | None = None  # a plain step's time: measured, else estimated
         self._plain_measured = False
@@ -94,11 +102,15 @@ class StandDownGate:
             self._seconds += looked_s
             self._looked_s += looked_s
             self._plain_step(seconds - looked_s)
+            if looked_s and self._plain_s:
+                self._lost += looked_s / self._plain_s
             return
         looks, self._looked_s = self._looked_s, 0.0
         self._tokens = self._tokens * DECAY + new_tokens
         self._seconds = self._seconds * DECAY + seconds
         self._drafting_steps += 1
+        if self._plain_s:
+            self._lost = max(0.0, self._lost + seconds / self._plain_s - new_tokens)
         if not self.enabled or self._drafting_steps < FIRST_DECISION:
             return
         rate = self._tokens / self._seconds
@@ -107,14 +119,16 @@ class StandDownGate:
         if self._plain_s is None:  # nothing to compare with: time one plain step
             self._left = 1
             return
-        if rate < 1.0 / self._plain_s:
-            # What drafting lost to plain steps since the last drafting step, its looks included, in plain
-            # steps: a probe that costs little (a one-token guess) is worth making often, so the stand-down
-            # lasts no longer than makes that loss PROBE_SHARE of it.
-            lost = max(0.0, (looks + seconds) / self._plain_s - new_tokens)
-            self._left = min(self._backoff, max(FIRST_BACKOFF, math.ceil(lost / PROBE_SHARE)))
+        # What drafting lost to plain steps since the last drafting step, its looks included, in plain steps.
+        lost = (looks + seconds) / self._plain_s - new_tokens
+        if rate < 1.0 / self._plain_s and self._lost >= LOSS_TO_STAND_DOWN:
+            # A probe that costs little (a one-token guess) is worth making often, so the stand-down lasts
+            # no longer than makes what this step lost PROBE_SHARE of it. A probe after it is judged on its
+            # own: losing anything then stands drafting down again.
+            self._left = min(self._backoff, max(FIRST_BACKOFF, math.ceil(max(0.0, lost) / PROBE_SHARE)))
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
-        else:
+            self._lost = LOSS_TO_STAND_DOWN
+        elif rate >= 1.0 / self._plain_s:
             self._backoff = FIRST_BACKOFF
 
     def _plain_step(self, seconds: float) -> None:
