@@ -1,8 +1,8 @@
 """Saving and loading trained draft heads (Medusa, EAGLE): safetensors plus a JSON manifest.
 
 A heads file holds the trainable weights (matrices in int8 with a float16 scale per row,
-which halves the file at no measurable cost in acceptance, vectors in float16) and, in its
-metadata, the manifest:
+which halves the file at no measurable cost in acceptance, but for :data:`FLOAT16_MATRICES`;
+vectors in float16) and, in its metadata, the manifest:
 which target it was trained for (hidden size, vocabulary size), how (command, data,
 steps) and how well (measured accuracies). Loading checks the file against the target and
 says clearly what does not match.
@@ -23,6 +23,11 @@ from specplay.core.paths import assets_dir
 
 
 _SCALE = ":row_scale"  # a matrix stored in int8 has its per-row scales under this suffix
+#: Matrices kept in float16, not int8 rows: EAGLE-3's fuse reads the target's raw layer outputs, whose few
+#: huge activations (thousands, against units) multiply its rounding: int8 rows' worth of it cost the
+#: shipped head half a point of held-out top-1 at its first level (float16 keeps each value's own exponent;
+#: the method runs the fuse in bfloat16 on a CPU with the units).
+FLOAT16_MATRICES = ("fuse.weight",)
 
 
 #: Heads that ship beside the default ones under a name (``--heads classic``): the seed's residual
@@ -112,7 +117,7 @@ def save_heads(path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> 
     for k, v in tensors.items():
         if not v.is_floating_point():
             stored[k] = v.to(torch.int32)
-        elif v.dim() == 2:
+        elif v.dim() == 2 and k not in FLOAT16_MATRICES:
             scale = (v.detach().abs().amax(dim=1, keepdim=True).float() / 127).clamp_min(1e-12).to(torch.float16)
             stored[k] = torch.round(v.detach().float() / scale.float()).clamp(-127, 127).to(torch.int8)
             stored[k + _SCALE] = scale

@@ -119,3 +119,34 @@ def test_heads_warn_on_a_target_whose_features_are_not_the_ones_they_learnt(tmp_
     warned = build_method("medusa", MedusaConfig(heads=str(old)), target).warnings
     assert len(warned) == 1
     assert "learnt the features of the target stored as int8; this one runs on float64" in warned[0]
+
+
+def test_an_eagle3_fuse_is_kept_in_float16_and_the_other_matrices_in_int8_rows(tmp_path, target):
+    """The fuse reads the target's raw layer outputs, a few of whose values are thousands of times the
+    rest: rounded to int8 rows, a fuse column that meets such a value moves the fused feature by far more
+    than float16's rounding does (which keeps each weight's own exponent)."""
+    from safetensors import safe_open
+
+    from specplay.core.heads import load_heads
+    from specplay.core.heads.eagle3 import Eagle3Head
+
+    head = Eagle3Head(head_config(target.model.cfg, 48))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        head.fuse.weight.normal_(0, 0.02)
+        head.fuse.weight[:, 0] = 1.0  # one large weight per row: int8 rows' step is then 1/127
+    path = tmp_path / "e3.safetensors"
+    save_heads(path, {**head.state_dict(), "vocab_ids": torch.arange(VOCAB)},
+               {"kind": "eagle", "recipe": "eagle3", "target": "tiny", "hidden_size": 32, "vocab_size": VOCAB,
+                "intermediate_size": 48, "layers": [0, 1, 1]})
+    with safe_open(str(path), "pt") as f:
+        assert f.get_slice("fuse.weight").get_dtype() == "F16" and "fuse.weight:row_scale" not in f.keys()
+        assert f.get_slice("fc.weight").get_dtype() == "I8"
+    weights, _ = load_heads(path, "eagle", target.model)
+    layers = torch.randn(8, 3 * 32)
+    layers[:, 5] = 3000.0  # a massive activation, as the residual stream carries
+    exact = layers @ head.fuse.weight.detach().T
+    error = ((layers @ weights["fuse.weight"].T - exact).norm() / exact.norm()).item()
+    step = head.fuse.weight.detach().abs().amax(1, keepdim=True) / 127
+    rows = torch.round(head.fuse.weight.detach() / step) * step
+    assert error < 0.1 * ((layers @ rows.T - exact).norm() / exact.norm()).item()
