@@ -29,9 +29,10 @@ the static tree those accuracies choose, at the same 600 roots.
 
     python -m specplay.core.training.compare_recipes answers [--to N] [--minutes M]   # more answers in the corpus
     python -m specplay.core.training.compare_recipes agreement [--splits heldout]   # the corpus against the target
-    python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more,rest,late]   # the shards, once
+    python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more,rest,late,unseen]   # the shards, once
     python -m specplay.core.training.compare_recipes shipped | shipped-medusa
     python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--rest] [--late] [--out FILE]
+    python -m specplay.core.training.compare_recipes eagle3 --steps N --splits unseen --init FILE --out FILE
     python -m specplay.core.training.compare_recipes classic --seconds S [--name classic-time]
     python -m specplay.core.training.compare_recipes medusa | hydra --steps N [--more] [--rest] [--late] [--out FILE]
 
@@ -48,7 +49,7 @@ answer's next token: how far answers made on another storage are from this targe
 
 Each writes ``<cache>/training/<target>/compare/<name or stage>.json`` and prints it; ``--out``
 saves the trained head as a heads file (what ``--heads`` and ``assets/heads/`` take) and judges
-it once more as saved (int8 rows).
+it once more as saved (int8 rows), its manifest keeping those figures as ``as_saved``.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ TARGET = "qwen2.5-coder-1.5b-instruct"
 #: 800 more to learn from for the comparison at more data (``--more``), the 966 after them up to the
 #: held-out tail (``--rest``), and every answer after the 48 (``--late``: the shipped heads' unused
 #: held-out answers 2014-2073, then the GGUF target's own answers that ``answers`` added from 2074).
-#: With all three, every answer of the corpus the held-out ones do not hold.
+#: With all three, every answer of the corpus the held-out ones do not hold. ``unseen``: the late
+#: answers past the 688 the heads shipped on 2026-12-06 learnt from (2014-2701), to train those on.
 SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(200, 1000), "rest": range(1000, 1966),
-          "late": range(2014, 1 << 20)}
+          "late": range(2014, 1 << 20), "unseen": range(2702, 1 << 20)}
 ANSWER_TOKENS = 384  # the longest answer of the committed corpus
 TRAINING = {"batch_size": 16, "lr": 3e-4}  # specplay train eagle's defaults
 MEDUSA_TRAINING = {"batch_size": 128, "lr": 1e-3}  # specplay train medusa's
@@ -356,6 +358,8 @@ def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor,
         manifest["tau_sim_tree"] = record["tau_sim_tree"]
     if "init" in record:  # the heads file it started from (--init)
         manifest["init"] = record["init"]
+    if "as_saved" in record:  # how the file itself judges, its int8 rows included
+        manifest["as_saved"] = record["as_saved"]
     save_heads(path, {**head.state_dict(), "vocab_ids": vocab_ids}, manifest)
 
 
@@ -390,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--to", type=int, help="answers: answer the pool's prompts below this index (default: all)")
     p.add_argument("--minutes", type=float, help="answers: stop after this long, keeping the finished answers")
     p.add_argument("--splits", help="capture: the splits to read (default train,heldout); agreement: the splits to "
-                   "judge (default heldout); of %s" % ", ".join(SPLITS))
+                   "judge (default heldout); training stages: the splits to train on, instead of train and the "
+                   "flags' (a head trained on from --init needs no answers it learnt from); of %s" % ", ".join(SPLITS))
     p.add_argument("--more", action="store_true", help="train on the 'more' split too (capture it first)")
     p.add_argument("--rest", action="store_true", help="train on the 'rest' split too (capture it first)")
     p.add_argument("--late", action="store_true", help="train on the 'late' split too (capture it first)")
@@ -408,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     named = (args.splits or ("heldout" if args.stage == "agreement" else "train,heldout")).split(",")
     if set(named) - set(SPLITS):
         p.error(f"unknown split {', '.join(sorted(set(named) - set(SPLITS)))}: the splits are {', '.join(SPLITS)}")
+    if args.stage in STAGES and args.splits and "heldout" in named:
+        p.error("the held-out answers judge the heads: train on other splits")
     torch.set_num_threads(2)
     from specplay.core.models.loader import load_model
 
@@ -430,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "capture":
         capture(target, named)
         return 0
-    splits = ("train",) + tuple(name for name in ("more", "rest", "late") if getattr(args, name))
+    splits = (tuple(named) if args.stage in STAGES and args.splits else
+              ("train",) + tuple(name for name in ("more", "rest", "late") if getattr(args, name)))
     cmp = Comparison(model, load_split(*(root / "teacher" / name for name in splits)),
                      load_split(root / "teacher" / "heldout"))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -449,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
                          default_layers(model.cfg.num_layers))  # the layers capture() read
             saved = cmp.shipped(args.out, STAGES[args.stage].kind)
             record["as_saved"] = {k: saved[k] for k in ("tau_sim", "top1_by_level", "top1_by_head") if k in saved}
+            # Saved again with those figures in its manifest: the same rows, since rounding them is deterministic.
+            save_trained(args.out, head, {**record, "command": command}, model, cmp.vocab_ids, TARGET,
+                         default_layers(model.cfg.num_layers))
     record = {"stage": args.stage, "command": command, **record, "wall_s": round(time.perf_counter() - w0, 1),
         "cpu_s": round(time.process_time() - c0, 1), "date": time.strftime("%Y-%m-%d %H:%M")}
     out = root / "compare" / f"{args.name or args.stage}.json"

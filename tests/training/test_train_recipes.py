@@ -94,6 +94,10 @@ def test_compare_recipes_trains_both_heads_on_the_same_answers_and_judges_them_a
         saved = cmp.shipped(out)
         assert saved["recipe"] == recipe and saved["steps"] == 12 and saved["draft_vocab"] == r["draft_vocab"]
         assert max(abs(a - b) for a, b in zip(saved["top1_by_level"], r["top1_by_level"])) <= 0.1
+        as_saved = {"tau_sim": saved["tau_sim"], "top1_by_level": saved["top1_by_level"]}
+        save_trained(out, head, {**r, "command": "test", "as_saved": as_saved}, model, cmp.vocab_ids, "tiny", LAYERS)
+        assert json.loads(out.with_suffix(".json").read_text())["as_saved"] == as_saved
+        assert cmp.shipped(out)["top1_by_level"] == saved["top1_by_level"]  # the same rows, saved again
     _, r = cmp.trained("classic", seconds=0.5, log=lambda line: None, batch_size=4, lr=1e-2, warmup=1)
     assert r["steps"] >= 1 and r["cpu_s_per_step_timed"] > 0
     assert r["train_cpu_s"] <= 0.5 + 4 * r["cpu_s_per_step_timed"] + 0.5
@@ -162,3 +166,17 @@ def test_the_comparison_never_learns_from_its_held_out_answers():
     corpus = set(load_corpus(shipped_corpus(TARGET), TARGET, CATALOG[TARGET].sha256))
     assert corpus, "the committed corpus did not load"
     assert held <= corpus and corpus - held <= set().union(*learn)
+    # unseen: the late answers the heads shipped on 2026-12-06 did not learn from (the first 688 of late)
+    assert set(SPLITS["unseen"]) <= set(SPLITS["late"]) and not set(SPLITS["unseen"]) & held
+    assert len([k for k in SPLITS["late"] if k in corpus and k not in SPLITS["unseen"]]) == 688
+
+
+def test_a_training_stage_refuses_to_learn_from_the_held_out_answers(capsys):
+    """``--splits`` names what a stage trains on (a head trained on from ``--init`` needs none of what it
+    learnt from); the held-out answers judge every head, so training on them is refused before any
+    model loads."""
+    from specplay.core.training.compare_recipes import main
+
+    with pytest.raises(SystemExit) as raised:
+        main(["eagle3", "--steps", "1", "--splits", "unseen,heldout"])
+    assert raised.value.code == 2 and "held-out answers judge the heads" in capsys.readouterr().err
