@@ -9,10 +9,11 @@ run's own plain steps, or estimated from the verification passes and the cost cu
 is one). A step the method was let draft and drafted nothing in (no match for a lookup, no node
 that pays for a sized tree) adds its look to drafting's seconds and ages nothing: a method that
 finds a guess one step in five is judged on its last ten guesses, as one that drafts every step
-is, not on the last one or two. When plain steps are faster, and drafting has lost a whole plain step's
-time since it last gained one back (a dear draft's failed chain loses that in a step or two, a lookup's
-one-token guess in tens of them, so a lookup that misses at an answer's start is still drafting when
-its copies begin), it stands down for a while, then lets one drafting step probe again; each stand-down that the probe confirms lasts twice as long as the
+is, not on the last one or two. When plain steps are faster, and drafting has lost a whole plain
+step's time since it last gained one back (a dear draft's failed chain loses that in a step or two, a
+lookup's one-token guess in tens of them, so a lookup that misses at an answer's start is still
+drafting when its copies begin), it stands down for a while, then lets one drafting step probe again;
+each stand-down that the probe confirms lasts twice as long as the
 last, but no longer than makes what the probe lost against a plain step a hundredth of it: a run
 that never gains from drafting loses at most about 1% of its time to probes (a dear probe, a
 draft model's, comes back after a hundred steps or more), a cheap one (a one-token guess) comes
