@@ -187,22 +187,19 @@ def test_guesses_that_start_paying_late_in_a_run_are_caught_by_cheap_probes():
         assert (out / clock) / (free_out / free_clock) >= 0.98, seed
 
 
-def run_copying(gate: StandDownGate, tokens: int, misses: int) -> tuple[float, int]:
-    """A lookup over an answer that copies its prompt (an extraction's): each step it is let draft it
-    guesses; its first ``misses`` guesses are one token, rejected, verified in 1.07 plain steps (this
-    CPU's curve: a second row costs 7% of a step), the ones after copy 4 tokens, all accepted, verified
-    in 1.57. Returns (time, tokens)."""
-    clock, out, guesses = 0.0, 0, 0
-    while out < tokens:
-        if not gate.drafting():
-            gate.record(False, 1, T1)
-            clock, out = clock + T1, out + 1
-            continue
+def copying(misses: int):
+    """A lookup's drafting steps over an answer that copies its prompt (an extraction's), for
+    :func:`run_gate`: each step it is let draft it guesses; its first ``misses`` guesses are one token,
+    rejected, verified in 1.07 plain steps (this CPU's curve: a second row costs 7% of a step), the ones
+    after copy 4 tokens, all accepted, verified in 1.57."""
+    guesses = 0
+
+    def step() -> tuple[float, int]:
+        nonlocal guesses
         guesses += 1
-        seconds, new = (1.07 * T1, 1) if guesses <= misses else (1.57 * T1, 5)
-        gate.record(True, new, seconds, plain_estimate=lambda: T1)
-        clock, out = clock + seconds, out + new
-    return clock, out
+        return (1.07 * T1, 1) if guesses <= misses else (1.57 * T1, 5)
+
+    return step
 
 
 def test_a_lookup_that_misses_its_first_guesses_is_still_drafting_when_its_copies_match():
@@ -213,12 +210,11 @@ def test_a_lookup_that_misses_its_first_guesses_is_still_drafting_when_its_copie
     other tests) and cheap guesses do in tens; a lookup that never hits still stands down."""
     gate = StandDownGate()
     gate.record(False, 1, T1)  # the run's first step is plain
-    clock, out = run_copying(gate, 64, misses=3)
-    free = StandDownGate(enabled=False)
-    free_clock, free_out = run_copying(free, 64, misses=3)
+    clock = run_gate(gate, 64, copying(misses=3))
+    free_clock = run_gate(StandDownGate(enabled=False), 64, copying(misses=3))
     assert gate.stood_down_steps == 0
-    assert (out / clock) / (free_out / free_clock) == pytest.approx(1.0)
+    assert free_clock / clock == pytest.approx(1.0)  # the same 64 tokens (and more), in the same time
     never = StandDownGate()
     never.record(False, 1, T1)
-    clock, out = run_copying(never, 400, misses=400)
-    assert never.stood_down_steps > 300 and out * T1 / clock >= 0.98
+    clock = run_gate(never, 400, copying(misses=400))  # a token a step: 400 tokens exactly
+    assert never.stood_down_steps > 300 and 400 * T1 / clock >= 0.98
