@@ -1,25 +1,26 @@
 """Standing down: plain steps while drafting does not pay, probed again later.
 
-Speculation pays only when the tokens a drafting step adds outrun its cost; where acceptance is
-low (a draft model off its home ground, an n-gram pool that never hits) a drafting method runs
-slower than plain decoding. The gate measures the run itself: the rate of its recent drafting
-steps (tokens per second; each drafting step, and each plain step the gate imposes, leaves what
-came before it :data:`DECAY` of its weight) against the time of a plain step (measured on the
-run's own plain steps, or estimated from the verification passes and the cost curve before there
-is one). A step the method was let draft and drafted nothing in (no match for a lookup, no node
-that pays for a sized tree) adds its look to drafting's seconds and ages nothing: a method that
-finds a guess one step in five is judged on its last ten guesses, as one that drafts every step
-is, not on the last one or two. When plain steps are faster, and drafting has lost a whole plain
-step's time since it last gained one back (a dear draft's failed chain loses that in a step or two, a
-lookup's one-token guess in tens of them, so a lookup that misses at an answer's start is still
-drafting when its copies begin), it stands down for a while, then lets one drafting step probe again;
-each stand-down that the probe confirms lasts twice as long as the
-last, but no longer than makes what the probe lost against a plain step a hundredth of it: a run
-that never gains from drafting loses at most about 1% of its time to probes (a dear probe, a
-draft model's, comes back after a hundred steps or more), a cheap one (a one-token guess) comes
-back within a few tens of steps, so an answer that starts repeating itself late is still caught,
-and a run that drafts well never stands down. Pure arithmetic on measured durations: the engine
-feeds it, a test can feed it a deterministic cost model.
+Speculation pays only when the tokens a drafting step adds outrun its cost; where acceptance is low
+(a draft model off its home ground, an n-gram pool that never hits) a drafting method runs slower
+than plain decoding. The gate measures the run itself: the rate of its recent drafting steps (tokens
+per second; each drafting step, and each plain step the gate imposes, leaves what came before it
+:data:`DECAY` of its weight) against the time of a plain step (measured on the run's own plain
+steps, or estimated from the verification passes and the cost curve before there is one). A step the
+method was let draft and drafted nothing in (no match for a lookup, no node that pays for a sized
+tree) adds its look to drafting's seconds and ages nothing: a method that finds a guess one step in
+five is judged on its last ten guesses, as one that drafts every step is, not on the last one or
+two; where a look costs a share of a plain step that matters (:data:`DEAR_LOOK`), it is judged as a
+drafting step is, so a head that looks at every step and never finds a node worth verifying stands
+down too. When plain steps are faster, and drafting has lost a whole plain step's time since it last
+gained one back (a dear draft's failed chain loses that in a step or two, a lookup's one-token guess
+in tens of them, so a lookup that misses at an answer's start is still drafting when its copies
+begin), it stands down for a while, then lets one drafting step probe again; each stand-down that
+the probe confirms lasts twice as long as the last, but no longer than makes what the probe lost
+against a plain step a hundredth of it: a run that never gains from drafting loses at most about 1%
+of its time to probes (a dear probe, a draft model's, comes back after a hundred steps or more), a
+cheap one (a one-token guess) comes back within a few tens of steps, so an answer that starts
+repeating itself late is still caught, and a run that drafts well never stands down. Pure arithmetic
+on measured durations: the engine feeds it, a test can feed it a deterministic cost model.
 
 A run's first step is always plain where the gate is on: its token then comes as soon as plain
 decoding's would (a draft model's read of the prompt, a tree's wider pass, wait for the second
@@ -44,6 +45,12 @@ PROBE_SHARE = 0.01
 #: that in one or two failed steps, a one-token guess that costs a few percent of a step in tens of them,
 #: so a lookup that misses at an answer's start is still drafting when its copies begin to match.
 LOSS_TO_STAND_DOWN = 1.0
+#: The least share of a plain step a look that finds nothing to draft must cost for looks alone to stand
+#: drafting down: a method that looks at every step and never drafts then loses no more than this to its
+#: looks (an EAGLE head's first level, 3-5 ms of a 24 ms step on the AMD EPYC model 17, looked at every
+#: step of a translation and kept no node: 0.90x plain decoding), while a lookup's search for a match,
+#: a fraction of that, keeps looking every step and catches a copy at its first token.
+DEAR_LOOK = 0.02
 #: Weight of a drafting step's measurement after each newer drafting step or plain step the gate
 #: imposed: a memory of about ten drafting steps. One fully rejected draft among good ones must not
 #: stand a paying draft down (at 0.5 a draft accepted 90% of the time per token lost a tenth of its
@@ -105,6 +112,10 @@ class StandDownGate:
             self._plain_step(seconds - looked_s)
             if looked_s and self._plain_s:
                 self._lost += looked_s / self._plain_s
+                # Looks dear enough to matter are judged as drafting steps are: a method that looks at
+                # every step and never finds a draft worth verifying would otherwise never be judged.
+                if self.enabled and looked_s / self._plain_s >= DEAR_LOOK:
+                    self._judge(self._looked_s / self._plain_s)
             return
         looks, self._looked_s = self._looked_s, 0.0
         self._tokens = self._tokens * DECAY + new_tokens
@@ -114,14 +125,18 @@ class StandDownGate:
             self._lost = max(0.0, self._lost + seconds / self._plain_s - new_tokens)
         if not self.enabled or self._drafting_steps < FIRST_DECISION:
             return
-        rate = self._tokens / self._seconds
         if not self._plain_measured and plain_estimate is not None:
             self._plain_s = plain_estimate() or self._plain_s
         if self._plain_s is None:  # nothing to compare with: time one plain step
             self._left = 1
             return
         # What drafting lost to plain steps since the last drafting step, its looks included, in plain steps.
-        lost = (looks + seconds) / self._plain_s - new_tokens
+        self._judge((looks + seconds) / self._plain_s - new_tokens)
+
+    def _judge(self, lost: float) -> None:
+        """Stand drafting down, or not, after a step it took part in, which with the looks before it lost
+        ``lost`` plain steps' time to plain steps (negative: gained)."""
+        rate = self._tokens / self._seconds
         if rate < 1.0 / self._plain_s and self._lost >= LOSS_TO_STAND_DOWN:
             # A probe that costs little (a one-token guess) is worth making often, so the stand-down lasts
             # no longer than makes what this step lost PROBE_SHARE of it. A probe after it is judged on its
@@ -129,7 +144,8 @@ class StandDownGate:
             self._left = min(self._backoff, max(FIRST_BACKOFF, math.ceil(max(0.0, lost) / PROBE_SHARE)))
             self._backoff = min(2 * self._backoff, MAX_BACKOFF)
             self._lost = LOSS_TO_STAND_DOWN
-        elif rate >= 1.0 / self._plain_s:
+        elif rate >= 1.0 / self._plain_s and lost <= 0.0:
+            # A probe that paid for itself and the looks before it: the next stand-down starts short again.
             self._backoff = FIRST_BACKOFF
 
     def _plain_step(self, seconds: float) -> None:
