@@ -17,13 +17,15 @@ The window tokens are never committed; their logits are computed only for the la
 
 How much of that pass to run is priced by default (``cost_sized``): on a CPU every row of a
 verification costs a share of a step, and the window's rows pay only later, through the pool.
-Each step takes the number of pool guesses and whether to run the window that give the most
-expected tokens per unit of time, from the target's verify curve (corrected by the run's passes)
-and two rates this run measures: the tokens accepted per guessed node verified, and the tokens
-accepted from the pool per window column run, each leaning on a prior until it has its own
-counts. Where rows are cheap (a GPU's flat curve) the whole window and every guess run; where a
-row costs a tenth of a step and the pool seldom hits, the window waits and only guesses that pay
-are verified.
+Each step takes the number of pool guesses, how deep to verify them, and whether to run the window
+that give the most expected tokens per unit of time, from the target's verify curve (corrected by
+the run's passes) and two kinds of rate this run measures: the tokens accepted per guessed node
+verified at each depth, and the tokens accepted from the pool per window column run, each leaning
+on a prior until it has its own counts. A guess's first token is right more often than its third
+is (given the two before), so where a row costs a large share of a step a guess is verified only
+as deep as its nodes pay. Where rows are cheap (a GPU's flat curve) the whole window and every
+guess run whole; where a row costs a tenth of a step and the pool seldom hits, the window waits
+and only the guesses, and the depths, that pay are verified.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class Lookahead(Method):
     #: prompt's, seeded at the start, had made the window look worth running where the answer repeated
     #: the prompt (a 10-15-row window, 2.5-3.5 one-token steps, on the AMD EPYC model 17 at T = 0.7).
     GUESS_PRIOR, WINDOW_PRIOR = (0.3, 10.0), (0.1, 20.0)
+    #: The weight, in nodes, of the rate over all depths in each depth's own: a depth seldom verified
+    #: takes the guesses' rate until it has counts of its own.
+    DEPTH_WEIGHT = 4.0
 
     def __init__(self, config: LookaheadConfig, target_lm=None):
         super().__init__(config)
@@ -123,14 +128,17 @@ class Lookahead(Method):
         self.levels: list[list[int]] = []
         self.hits = 0
         self._mask_cache: dict[tuple[int, int], torch.Tensor] = {}
-        # Guessed nodes verified, tokens accepted, window columns run, tokens accepted from the window's n-grams.
-        self._nodes = self._accepted = self._columns = self._window_accepted = 0
+        # Guessed nodes verified and tokens accepted at each depth (0: the first past the root), window
+        # columns run, tokens accepted from the window's n-grams.
+        self._nodes, self._accepted = [0] * self.levels_needed, [0] * self.levels_needed
+        self._columns = self._window_accepted = 0
 
     def start(self, ctx: RunContext) -> None:
         c = self.config
         self.pool = NgramPool(per_key=c.guesses, max_total=c.max_pool)
         self.hits = 0
-        self._nodes = self._accepted = self._columns = self._window_accepted = 0
+        self._nodes, self._accepted = [0] * self.levels_needed, [0] * self.levels_needed
+        self._columns = self._window_accepted = 0
         prompt = ctx.tokens
         if c.pool_from_prompt:
             for i in range(len(prompt) - c.ngram + 1):
@@ -172,7 +180,8 @@ class Lookahead(Method):
         shown = {}
         if self.cost is not None:
             cands, window, gain = self._sized(cands)
-            shown["sized"] = {"guesses": len(cands), "window": window, "gain": round(gain, 3)}
+            shown["sized"] = {"guesses": len(cands), "depth": max(map(len, cands), default=0), "window": window,
+                              "gain": round(gain, 3)}
         tokens, parents, _ = build_trie(cands)
         shown.update({"window": [list(l) for l in self.levels], "pool_size": self.pool.size,
                       "candidates": [list(g) for g in cands], "won": None, "hits": self.hits})
@@ -196,31 +205,47 @@ class Lookahead(Method):
         rate, weight = prior
         return (accepted + rate * weight) / (over + weight)
 
+    def _depth_rates(self) -> list[float]:
+        """Tokens accepted per guessed node verified at each depth, each leaning on the rate over all
+        depths (:data:`DEPTH_WEIGHT`), that one on :data:`GUESS_PRIOR`."""
+        pooled = self._rate(self.GUESS_PRIOR, sum(self._accepted), sum(self._nodes))
+        return [self._rate((pooled, self.DEPTH_WEIGHT), a, n) for a, n in zip(self._accepted, self._nodes)]
+
     def _sized(self, cands: list) -> tuple[list, bool, float]:
-        """The first guesses to verify and whether to run the window: the most expected tokens per unit of
-        time (the step's 1 + guessed nodes x their acceptance + window columns x the window's yield, over the
-        verify curve at the pass's rows), and that gain over a plain step."""
-        per_node = self._rate(self.GUESS_PRIOR, self._accepted, self._nodes)
+        """The first guesses to verify, as deep as they are verified, and whether to run the window: the
+        most expected tokens per unit of time (the step's 1 + each depth's guessed nodes x their acceptance
+        there + window columns x the window's yield, over the verify curve at the pass's rows), and that
+        gain over a plain step."""
+        per_node = self._depth_rates()
         per_column = self._rate(self.WINDOW_PRIOR, self._window_accepted, self._columns)
         window_rows = len(self.levels) * self.config.window
-        trie_nodes = [len(build_trie(cands[:g])[0]) for g in range(len(cands) + 1)]
-        best = (1.0 / self.cost(1), 0, False)
-        for window in (False, True):
-            for g, nodes in enumerate(trie_nodes):
-                rows = 1 + nodes + (window_rows if window else 0)
-                expected = 1 + nodes * per_node + (self.config.window * per_column if window else 0)
-                rate = expected / self.cost(rows)
-                if rate > best[0]:
-                    best = (rate, g, window)
-        rate, g, window = best
-        return cands[:g], window, rate * self.cost(1)
+        best = (1.0 / self.cost(1), [], False)
+        alone = (1 + self.config.window * per_column) / self.cost(1 + window_rows)  # the window, no guess
+        if alone > best[0]:
+            best = (alone, [], True)
+        for depth in range(1, max(map(len, cands), default=0) + 1):
+            cut = [g[:depth] for g in cands]
+            for g in range(1, len(cut) + 1):
+                tokens, parents, _ = build_trie(cut[:g])
+                levels = _depths(parents)
+                guessed = sum(per_node[d] for d in levels)
+                for window in (False, True):
+                    rows = 1 + len(tokens) + (window_rows if window else 0)
+                    expected = 1 + guessed + (self.config.window * per_column if window else 0)
+                    rate = expected / self.cost(rows)
+                    if rate > best[0]:
+                        best = (rate, cut[:g], window)
+        rate, chosen, window = best
+        return chosen, window, rate * self.cost(1)
 
     def observe(self, ctx: RunContext, outcome: StepOutcome) -> dict | None:
         c = self.config
         draft = outcome.draft
         accepted = outcome.verdict.accepted
-        self._nodes += len(draft)
-        self._accepted += len(accepted)
+        for d in _depths(draft.parents):
+            self._nodes[d] += 1
+        for d in range(len(accepted)):
+            self._accepted[d] += 1
         won = None
         if accepted:
             self.hits += 1
@@ -239,3 +264,11 @@ class Lookahead(Method):
             self.levels = self.levels[1:]
         self.levels.append(new_level)
         return {"won": won, "hits": self.hits}
+
+
+def _depths(parents: list[int]) -> list[int]:
+    """Each node's depth past the root (0: a child of the root), ``parents`` preceding their children."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth

@@ -187,3 +187,47 @@ def test_only_the_windows_own_ngrams_make_the_window_worth_running(target, monke
 
     assert not window_runs_after_hits(by_window=False)
     assert window_runs_after_hits(by_window=True)
+
+
+def test_guesses_are_verified_only_as_deep_as_they_pay(target, monkeypatch):
+    """Each depth of a guess has its own acceptance: a pool whose guesses are right at their first token
+    and wrong past it, on a curve where a row costs a quarter of a step, ends up verified one token deep
+    (1.6 expected tokens for 1.25 steps), where pricing every node at the guesses' mean rate had verified
+    all three (1.6 for 1.75 steps) or, once the misses had pulled that rate down, none. On a flat curve
+    the same counts keep every guess whole."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CostCurve
+    from specplay.core.decoding.method import StepOutcome
+    from specplay.core.decoding.types import Fate, Verdict
+
+    from types import SimpleNamespace
+
+    def drafts(per_row: float) -> list[tuple[list[int], int]]:
+        """The guessed tokens each of twelve steps verifies, and how deep, when every guess's first token is
+        accepted and its next rejected."""
+        monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(per_row))
+        method = build_method("lookahead", LookaheadConfig(window=5, ngram=4, guesses=5, pool_from_prompt=False),
+                              target)
+        ctx = RunContext(target_lm=target.model, tokens=[9, 8, 7], prompt_len=3, config=GenerationConfig(),
+                         draft_generator=torch.Generator())
+        method.start(ctx)
+        seen = []
+        for _ in range(12):
+            method.pool.add((7, 1, 2, 3))
+            draft = method.propose(ctx, budget=10)
+            seen.append((list(draft.tokens), draft.shown["sized"]["depth"]))
+            if not len(draft):
+                continue
+            n = len(draft)
+            verdict = Verdict(accepted=[0], next_token=5, next_fate=Fate.RESAMPLED, next_p=None,
+                              fates=[Fate.ACCEPTED] + [Fate.REJECTED] * (n - 1), p=[None] * n, u=[None] * n,
+                              accept_prob=[None] * n, rule=[None] * n)
+            rows = SimpleNamespace(logits=torch.zeros(1 + n + len(draft.aux_tokens), 16))  # the window's guesses
+            method.observe(ctx, StepOutcome(draft=draft, verdict=verdict, target_out=rows, kept_rows=[0, 1],
+                                            new_tokens=[1, 5]))
+        return seen
+
+    steep = drafts(0.25)
+    assert steep[0] == ([1, 2, 3], 3)  # the prior prices every depth alike
+    assert steep[-4:] == [([1], 1)] * 4
+    assert [depth for _, depth in drafts(0.0)] == [3] * 12  # (the window's n-grams join the guesses there)
