@@ -291,7 +291,7 @@ def decode_step(target_lm: CausalLM, method: Method, state: RunState) -> StepEve
     # A method let draft that drafted nothing still spent its look (a tree none of whose nodes pay).
     looked = max(0.0, t1 - t0 - draft.setup_s) if gate_state.drafting and not drafted else 0.0
     state.gate.record(drafted, len(new), t4 - t0 - draft.setup_s, looked_s=looked,
-                      plain_estimate=lambda: (t2 - t1) / curve(rows) if curve else None)
+                      plain_estimate=lambda: (t2 - t1) / curve(rows) + (t3 - t2) if curve else None)
     state.metrics.add_step(len(new), len(draft), accepted_len, max(draft.depths(), default=0), timing.draft_s,
                            timing.verify_s, timing.other_s)
     event = StepEvent(

@@ -4,23 +4,25 @@ Speculation pays only when the tokens a drafting step adds outrun its cost; wher
 (a draft model off its home ground, an n-gram pool that never hits) a drafting method runs slower
 than plain decoding. The gate measures the run itself: the rate of its recent drafting steps (tokens
 per second; each drafting step, and each plain step the gate imposes, leaves what came before it
-:data:`DECAY` of its weight) against the time of a plain step (measured on the run's own plain
-steps, or estimated from the verification passes and the cost curve before there is one). A step the
-method was let draft and drafted nothing in (no match for a lookup, no node that pays for a sized
-tree) adds its look to drafting's seconds and ages nothing: a method that finds a guess one step in
-five is judged on its last ten guesses, as one that drafts every step is, not on the last one or
-two; where a look costs a share of a plain step that matters (:data:`DEAR_LOOK`), it is judged as a
-drafting step is, so a head that looks at every step and never finds a node worth verifying stands
-down too. When plain steps are faster, and drafting has lost a whole plain step's time since it last
-gained one back (a dear draft's failed chain loses that in a step or two, a lookup's one-token guess
-in tens of them, so a lookup that misses at an answer's start is still drafting when its copies
-begin), it stands down for a while, then lets one drafting step probe again; each stand-down that
-the probe confirms lasts twice as long as the last, but no longer than makes what the probe lost
-against a plain step a hundredth of it: a run that never gains from drafting loses at most about 1%
-of its time to probes (a dear probe, a draft model's, comes back after a hundred steps or more), a
-cheap one (a one-token guess) comes back within a few tens of steps, so an answer that starts
-repeating itself late is still caught, and a run that drafts well never stands down. Pure arithmetic
-on measured durations: the engine feeds it, a test can feed it a deterministic cost model.
+:data:`DECAY` of its weight) against the time of a plain step: the median of the run's newest plain
+steps, or what the drafting steps' own verification passes say one takes over the cost curve, where
+that is less (plain steps are timed only while drafting stands down, so those may date from a busier
+moment) or there is no plain step yet. A step the method was let draft and drafted nothing in (no
+match for a lookup, no node that pays for a sized tree) adds its look to drafting's seconds and ages
+nothing: a method that finds a guess one step in five is judged on its last ten guesses, as one that
+drafts every step is, not on the last one or two; where a look costs a share of a plain step that
+matters (:data:`DEAR_LOOK`), it is judged as a drafting step is, so a head that looks at every step
+and never finds a node worth verifying stands down too. When plain steps are faster, and drafting
+has lost a whole plain step's time since it last gained one back (a dear draft's failed chain loses
+that in a step or two, a lookup's one-token guess in tens of them, so a lookup that misses at an
+answer's start is still drafting when its copies begin), it stands down for a while, then lets one
+drafting step probe again; each stand-down that the probe confirms lasts twice as long as the last,
+but no longer than makes what the probe lost against a plain step a hundredth of it: a run that
+never gains from drafting loses at most about 1% of its time to probes (a dear probe, a draft
+model's, comes back after a hundred steps or more), a cheap one (a one-token guess) comes back
+within a few tens of steps, so an answer that starts repeating itself late is still caught, and a
+run that drafts well never stands down. Pure arithmetic on measured durations: the engine feeds it,
+a test can feed it a deterministic cost model.
 
 A run's first step is always plain where the gate is on: its token then comes as soon as plain
 decoding's would (a draft model's read of the prompt, a tree's wider pass, wait for the second
@@ -30,6 +32,7 @@ step), and the gate has a plain step of the run's own, timed, to judge drafting 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,6 +54,8 @@ LOSS_TO_STAND_DOWN = 1.0
 #: step of a translation and kept no node: 0.90x plain decoding), while a lookup's search for a match,
 #: a fraction of that, keeps looking every step and catches a copy at its first token.
 DEAR_LOOK = 0.02
+#: Plain steps whose median is a plain step's time.
+PLAIN_STEPS = 5
 #: Weight of a drafting step's measurement after each newer drafting step or plain step the gate
 #: imposed: a memory of about ten drafting steps. One fully rejected draft among good ones must not
 #: stand a paying draft down (at 0.5 a draft accepted 90% of the time per token lost a tenth of its
@@ -82,6 +87,8 @@ class StandDownGate:
         self._drafting_steps = 0
         self._plain_s: float | None = None  # a plain step's time: measured, else estimated
         self._plain_measured = False
+        self._recent_plain: list[float] = []  # the newest plain steps' times
+        self._passes_s: float | None = None  # a plain step's time by the drafting steps' passes (decayed mean)
         self._left = 0  # plain steps still to take
         self._backoff = FIRST_BACKOFF
         self._first = enabled  # the run's first step is still to come
@@ -121,12 +128,20 @@ class StandDownGate:
         self._tokens = self._tokens * DECAY + new_tokens
         self._seconds = self._seconds * DECAY + seconds
         self._drafting_steps += 1
+        estimate = plain_estimate() if plain_estimate is not None else None
+        if estimate:
+            # What the drafting steps' own passes say a plain step takes, weighed as their rate is.
+            self._passes_s = estimate if self._passes_s is None else (
+                DECAY * self._passes_s + (1 - DECAY) * estimate)
+            if not self._plain_measured or self._passes_s < self._plain_s:
+                # Plain steps are timed only while drafting stands down: one through a busy moment had
+                # kept a plain step's time high for every drafting step after it (a one-node tree
+                # accepted a quarter of the time drafted on for 24 steps at 0.9x plain steps' speed).
+                self._plain_s = self._passes_s
         if self._plain_s:
             self._lost = max(0.0, self._lost + seconds / self._plain_s - new_tokens)
         if not self.enabled or self._drafting_steps < FIRST_DECISION:
             return
-        if not self._plain_measured and plain_estimate is not None:
-            self._plain_s = plain_estimate() or self._plain_s
         if self._plain_s is None:  # nothing to compare with: time one plain step
             self._left = 1
             return
@@ -152,8 +167,10 @@ class StandDownGate:
         if self._left > 0:
             self._left -= 1
             self.stood_down_steps += 1
-        # The newest plain steps count most: a run's plain step slows as its context grows.
-        self._plain_s = seconds if not self._plain_measured else 0.5 * (self._plain_s + seconds)
+        # The middle of the newest plain steps: a run's plain step slows as its context grows, and one
+        # step that shared the machine with another program says little of the next.
+        self._recent_plain = (self._recent_plain + [seconds])[-PLAIN_STEPS:]
+        self._plain_s = statistics.median(self._recent_plain)
         self._plain_measured = True
 
     def state(self) -> GateState:

@@ -75,6 +75,29 @@ def test_a_method_that_verifies_many_rows_for_little_gain_stands_down():
     assert gate.stood_down_steps > 25
 
 
+def test_plain_steps_timed_in_a_busy_moment_do_not_keep_a_losing_draft_drafting():
+    """Plain steps are timed only while drafting stands down. Where the machine was busy through the
+    first stand-down (its plain steps took 1.5), then quiet again, a one-node tree accepted a quarter of
+    the time (1.25 tokens for 1.35 plain steps, its pass saying a plain step takes T1) loses to plain
+    steps and must stand down again, not draft on for the rest of the run judged against the busy
+    moment's plain steps (it did: every step after the moment drafted, 0.92x plain steps)."""
+    gate = StandDownGate()
+    busy, clock, out, steps, extra = True, 0.0, 0, 0, 0.0
+    while out < 400:
+        if gate.drafting():
+            busy = busy and not gate.stood_down_steps  # the moment has passed when drafting resumes
+            steps += 1
+            seconds, new = 1.35 * T1, 2 if steps % 4 == 0 else 1
+            gate.record(True, new, seconds, plain_estimate=lambda: T1)
+        else:
+            seconds, new = (1.5 if busy and gate.stood_down_steps else 1.0) * T1, 1
+            extra += seconds - T1  # what the busy moment cost, as it would have cost plain decoding
+            gate.record(False, 1, seconds)
+        clock, out = clock + seconds, out + new
+    assert gate.stood_down_steps > 300, gate.stood_down_steps
+    assert (out * T1 + extra) / clock >= 0.98
+
+
 def simulate_misses(gate: StandDownGate, tokens: int, alpha: float, seed: int = 0) -> float:
     """Time to emit ``tokens`` when each draft token is accepted with chance ``alpha`` (seeded), the
     draft's γ = 3 tokens costing 0.37 of a plain step each and their verification 1.29 plain steps
