@@ -6,20 +6,20 @@ than plain decoding. The gate measures the run itself: the rate of its recent dr
 per second; each drafting step, and each plain step the gate imposes, leaves what came before it
 :data:`DECAY` of its weight) against the time of a plain step: the median of the run's newest plain
 steps, or what the drafting steps' own verification passes say one takes over the cost curve, where
-that is less (plain steps are timed only while drafting stands down, so those may date from a busier
-moment) or there is no plain step yet. A step the method was let draft and drafted nothing in (no
-match for a lookup, no node that pays for a sized tree) adds its look to drafting's seconds and ages
-nothing: a method that finds a guess one step in five is judged on its last ten guesses, as one that
-drafts every step is, not on the last one or two; where a look costs a share of a plain step that
-matters (:data:`DEAR_LOOK`), it is judged as a drafting step is, so a head that looks at every step
-and never finds a node worth verifying stands down too. When plain steps are faster, and drafting
-has lost a whole plain step's time since it last gained one back (a dear draft's failed chain loses
-that in a step or two, a lookup's one-token guess in tens of them, so a lookup that misses at an
-answer's start is still drafting when its copies begin), it stands down for a while, then lets one
-drafting step probe again; each stand-down that the probe confirms lasts twice as long as the last,
-but no longer than makes what the probe lost against a plain step a hundredth of it: a run that
-never gains from drafting loses at most about 1% of its time to probes (a dear probe, a draft
-model's, comes back after a hundred steps or more), a cheap one (a one-token guess) comes back
+that is clearly less (plain steps are timed only while drafting stands down, so those may date from
+a busier moment) or there is no plain step yet. A step the method was let draft and drafted nothing
+in (no match for a lookup, no node that pays for a sized tree) adds its look to drafting's seconds
+and ages nothing: a method that finds a guess one step in five is judged on its last ten guesses, as
+one that drafts every step is, not on the last one or two; where a look costs a share of a plain
+step that matters (:data:`DEAR_LOOK`), it is judged as a drafting step is, so a head that looks at
+every step and never finds a node worth verifying stands down too. When plain steps are faster, and
+drafting has lost a whole plain step's time since it last gained one back (a dear draft's failed
+chain loses that in a step or two, a lookup's one-token guess in tens of them, so a lookup that
+misses at an answer's start is still drafting when its copies begin), it stands down for a while,
+then lets one drafting step probe again; each stand-down that the probe confirms lasts twice as long
+as the last, but no longer than makes what the probe lost against a plain step a hundredth of it: a
+run that never gains from drafting loses at most about 1% of its time to probes (a dear probe, a
+draft model's, comes back after a hundred steps or more), a cheap one (a one-token guess) comes back
 within a few tens of steps, so an answer that starts repeating itself late is still caught, and a
 run that drafts well never stands down. Pure arithmetic on measured durations: the engine feeds it,
 a test can feed it a deterministic cost model.
@@ -56,6 +56,10 @@ LOSS_TO_STAND_DOWN = 1.0
 DEAR_LOOK = 0.02
 #: Plain steps whose median is a plain step's time.
 PLAIN_STEPS = 5
+#: How far below the plain steps' time the drafting steps' passes must put a plain step for the gate to
+#: judge by the passes: by more than the steps' own jitter (2-4% on the AMD EPYC model 17), so that the
+#: lower of two estimates of the same time, which is low by about that jitter, does not become the rule.
+STALE_PLAIN = 0.9
 #: Weight of a drafting step's measurement after each newer drafting step or plain step the gate
 #: imposed: a memory of about ten drafting steps. One fully rejected draft among good ones must not
 #: stand a paying draft down (at 0.5 a draft accepted 90% of the time per token lost a tenth of its
@@ -133,7 +137,7 @@ class StandDownGate:
             # What the drafting steps' own passes say a plain step takes, weighed as their rate is.
             self._passes_s = estimate if self._passes_s is None else (
                 DECAY * self._passes_s + (1 - DECAY) * estimate)
-            if not self._plain_measured or self._passes_s < self._plain_s:
+            if not self._plain_measured or self._passes_s < STALE_PLAIN * self._plain_s:
                 # Plain steps are timed only while drafting stands down: one through a busy moment had
                 # kept a plain step's time high for every drafting step after it (a one-node tree
                 # accepted a quarter of the time drafted on for 24 steps at 0.9x plain steps' speed).
