@@ -47,6 +47,17 @@ def _isolated_dirs(tmp_path_factory, monkeypatch, _measurements):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _no_recalled_gain(monkeypatch):
+    """Each test's first `speculative` run with a draft reads the prompt as a first run does: what an
+    earlier test's run measured of a shared draft's gain (a module's models) says nothing of this test's."""
+    import weakref
+
+    from specplay.core.methods import speculative
+
+    monkeypatch.setattr(speculative, "_RECALL", weakref.WeakKeyDictionary())
+
+
 @pytest.fixture()
 def aloop(qapp):
     """A qasync event loop on the test's QApplication, for the app's coroutines (tests/app/app_window.py,

@@ -27,11 +27,14 @@ on the tokens it skipped in one pass.
 
 The draft reads the prompt at the first step that drafts, off the first token's path, and by default
 only its last tokens where the whole would cost more than it can earn back: as many as it reads in a
-tenth of the answer's plain decoding time (:meth:`Speculative.read_window`, from this run's timings).
-The draft then sees less context, which changes q only. A run that continues the last one (a
-conversation's next turn: its prompt is the last prompt, then more) keeps what the draft's cache holds
-of it and reads only the rest (:data:`_HELD`); the same prompt again, or another, reads afresh, so a
-rerun or a warm-up never finds its read done.
+tenth of the answer's plain decoding time (:meth:`Speculative.read_window`, from this run's
+timings), and no more than half of what drafting is expected to save, at the gain the last run with
+this draft measured. Where that buys too little to draft from, the run does not draft at all (plain
+steps, as the stand-down gate's), and after four such runs of its length one drafts again to measure
+the gain afresh. The draft then sees less context, which changes q only. A run that continues the
+last one (a conversation's next turn: its prompt is the last prompt, then more) keeps what the
+draft's cache holds of it and reads only the rest (:data:`_HELD`); the same prompt again, or
+another, reads afresh, so a rerun or a warm-up never finds its read done.
 
 With a draft vocabulary (``draft_vocab``) the draft computes only those rows of its LM head, a
 quarter of a 0.5B draft's weights (FR-Spec; EAGLE-3's reduced vocabulary): the ids its target uses
@@ -79,6 +82,19 @@ log = logging.getLogger(__name__)
 READ_SHARE = 0.1
 #: The fewest prompt tokens the draft reads by default: the last lines before the answer.
 MIN_READ = 32
+#: The share of what drafting is expected to save the draft's read may cost by default, drafting's gain
+#: taken from the last run with this draft that measured one (:class:`_Recall`): a read that costs more
+#: than half the saving leaves too little of it to be worth the risk. Where that share does not buy
+#: :data:`MIN_READ` tokens, the run does not draft (a 48-token answer on the AMD EPYC model 17, where a
+#: 0.5B draft's chain gained 1.02-1.06x and its read of 32-46 tokens cost 3-5 of the answer's steps).
+READ_OF_SAVING = 0.5
+#: How many times its own answer's budget the runs that skipped drafting on the last measured gain must
+#: have had before a run drafts to measure it again (the fifth run of one length): the gain belongs to
+#: the last prompt, and the next may be one the draft knows better.
+MEASURE_EVERY = 4
+#: The least answer budget of a run whose gain is recalled: a warm-up's 8 tokens measure little more
+#: than the acceptance's prior.
+RECALL_BUDGET = 32
 #: The draft vocabulary of a CPU draft by default: the ids the target uses most. On the AMD EPYC model
 #: 17 it made a 0.5B draft's pass 13% cheaper (its head 39 of 92 MB) and cost the draft 0.4 points of
 #: agreement with the target's greedy tokens on code answers (89.4 to 89.0%); 32,000 ids saved 4 points
@@ -238,18 +254,33 @@ class Speculative(Method):
         prefill_s, config = getattr(ctx, "prefill_s", None), getattr(ctx, "config", None)
         self._read_plan = (prefill_s, len(ctx.tokens) - 1, config.max_new_tokens) if (
             not window and prefill_s and config is not None) else None
+        self._idle = False  # this run does not draft: the read it needs would cost more than drafting saves
 
     def read_window(self) -> int | None:
-        """How many of the prompt's last tokens the draft reads by default (None: all of them): as many as
-        it reads in :data:`READ_SHARE` of the answer's plain decoding time, its read of a token priced at
-        the target's (timed in this run's prefill) times the draft's share of the multiply-adds, the
-        answer's plain steps at the target's one-token pass (timed by this run's first step)."""
+        """How many of the prompt's last tokens the draft reads by default (None: all of them; 0: none, and
+        the run does not draft): as many as it reads in :data:`READ_SHARE` of the answer's plain decoding
+        time, its read of a token priced at the target's (timed in this run's prefill) times the draft's
+        share of the multiply-adds, the answer's plain steps at the target's one-token pass (timed by this
+        run's first step); and, where a run with this draft measured drafting's gain, no more than
+        :data:`READ_OF_SAVING` of what drafting saves at that gain, or none where that is fewer than
+        :data:`MIN_READ` tokens, until the runs that read none had :data:`MEASURE_EVERY` times this
+        answer's budget (this one then reads, and measures again)."""
         step = timed_step(self.cost)
         if self._read_plan is None or not step or not self._read_share:
             return None
         prefill_s, read, answer = self._read_plan
         per_token = prefill_s / read * self._read_share
-        return max(MIN_READ, int(READ_SHARE * answer * step / per_token))
+        window = max(MIN_READ, int(READ_SHARE * answer * step / per_token))
+        recall = _RECALL.setdefault(self.draft_model, _Recall())
+        if recall.gain is None:
+            return window
+        affordable = int(READ_OF_SAVING * answer * step * max(0.0, 1 - 1 / recall.gain) / per_token)
+        if affordable >= MIN_READ:
+            return min(window, affordable)
+        if recall.idle >= MEASURE_EVERY * answer:  # measure again; the count restarts once it is measured
+            return window
+        recall.idle += answer
+        return 0
 
     def _keep_held(self, prompt: list[int]) -> None:
         """Start the run on what the draft's cache holds where ``prompt`` continues the last run's (see
@@ -288,6 +319,9 @@ class Speculative(Method):
         self._unread = False
         dm = self.draft_model
         window = self.read_window()
+        if window == 0:
+            self._idle = True
+            return 0
         start = max(0, len(tokens) - 1 - window) if window is not None else self._window_start
         if dm.cache_len and self._offset + dm.cache_len < start:  # what it kept ends before the window
             dm.reset()
@@ -336,6 +370,10 @@ class Speculative(Method):
         vocab = ctx.target_lm.info.vocab_size
         reading = time.perf_counter()
         read = self.read_prompt(ctx.tokens)
+        if self._idle:  # shown in the step's internals: why this run's steps are plain
+            gain = _RECALL.get(self.draft_model, _Recall()).gain
+            return Draft(shown={"not drafting": f"its read would cost more than half of what drafting saves at "
+                                                f"the last run's gain ({gain:.2f}x)"})
         caught_up = self._catch_up(ctx.tokens)
         started = time.perf_counter()
         # Feed what the draft cache lacks: the root, and any token the target added last step.
@@ -404,6 +442,8 @@ class Speculative(Method):
             if sized is not None:
                 self.gamma, gain = sized
                 self.gain = round(gain, 3)
+                if ctx.config.max_new_tokens >= RECALL_BUDGET:
+                    _RECALL[self.draft_model] = _Recall(gain=gain)
 
 
 @dataclass(frozen=True)
@@ -423,6 +463,19 @@ class _Held:
         """The tokens the draft's cache holds (ids as in the context: past the draft's rows too)."""
         return (self.context[self.offset:self.end] + list(self.drafted))[:self.cache_len]
 
+
+@dataclass
+class _Recall:
+    """What the runs with a draft model measured for the next to size its read by: drafting's expected
+    gain over plain steps as the last run that drafted sized it (not a warm-up: :data:`RECALL_BUDGET`), and
+    the tokens of answer budget the runs since then did not draft for it."""
+
+    gain: float | None = None
+    idle: int = 0
+
+
+#: Each draft model's :class:`_Recall`.
+_RECALL: "weakref.WeakKeyDictionary[CausalLM, _Recall]" = weakref.WeakKeyDictionary()
 
 #: Each draft model's head over its default vocabulary, with the ids it computes: made once (a 0.5B
 #: draft's takes 60 ms to cut), not at every run's method.

@@ -202,6 +202,7 @@ def test_a_conversations_next_turn_finds_the_drafts_read_done(monkeypatch):
     from specplay.core.decoding.engine import drain, generate
     from specplay.core.decoding.types import GenerationConfig
     from specplay.core.methods import build_method
+    from specplay.core.methods import speculative
     from specplay.core.methods.speculative import _HELD, MIN_READ, SpeculativeConfig
     from tiny import loaded, on_a_clock, perturbed_copy
 
@@ -211,6 +212,15 @@ def test_a_conversations_next_turn_finds_the_drafts_read_done(monkeypatch):
     monkeypatch.setitem(costmodel._CURVES, target.model, CorrectedCurve(CostCurve.linear(PER_ROW)))
     gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
     method = build_method("speculative", SpeculativeConfig(), target, draft)
+
+    class Forgetful(dict):
+        """No run recalls the last one's gain (on this clock drafting gains about 1%, and a run that recalled
+        it would not read, nor draft: the next test's case): each reads as a first run does."""
+
+        def setdefault(self, key, default=None):
+            return speculative._Recall()
+
+    monkeypatch.setattr(speculative, "_RECALL", Forgetful())
 
     def run(prompt):
         res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
@@ -232,6 +242,52 @@ def test_a_conversations_next_turn_finds_the_drafts_read_done(monkeypatch):
     answer, _ = run(first)
     draft.model.reset()  # someone else's use of the draft
     assert run(first + answer.token_ids + [5, 9, 13, 17, 21])[1] == MIN_READ
+
+
+def test_a_run_does_not_draft_where_its_read_would_cost_more_than_drafting_saves(monkeypatch):
+    """The draft's read may cost half of what drafting is expected to save, at the gain the last run with
+    this draft measured. On the clock of the tests above (a 90-token prompt, the draft's read 1.6 ms a
+    token), a draft that disagrees with its target measures a gain below 1 in its first run, so the next
+    runs' 40-token answers run plain steps from the first to the last, until four of them have: the
+    next reads and drafts again; a draft that agrees with its target, gaining about half again over a 400-token answer
+    on this clock, reads the whole prompt in every run. Every run's tokens are plain decoding's."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CorrectedCurve
+    from specplay.core.decoding.engine import drain, generate
+    from specplay.core.decoding.types import GenerationConfig
+    from specplay.core.methods import build_method
+    from specplay.core.methods.speculative import _RECALL, MEASURE_EVERY, MIN_READ, SpeculativeConfig
+    from tiny import loaded, on_a_clock, perturbed_copy
+
+    base = tiny_hf_model(seed=0, dtype=torch.float64)
+    target = loaded(native_from_hf(base))
+    prompt = [4 + (7 * i) % 50 for i in range(90)]
+
+    def reads(draft, runs: int, answer: int) -> list[int | None]:
+        """Each run's read of the prompt (None: the run drafted nothing)."""
+        on_a_clock(monkeypatch, {target.model: lambda n: 0.010 * (1 + PER_ROW * (n - 1)),
+                                 draft.model: lambda n: 0.001})
+        monkeypatch.setitem(costmodel._CURVES, target.model, CorrectedCurve(CostCurve.linear(PER_ROW)))
+        gen = GenerationConfig(max_new_tokens=answer, stop_at_eos=False)
+        plain = drain(generate(target.model, target.tokenizer, build_method("autoregressive", None, target),
+                               prompt, gen)).token_ids
+        method = build_method("speculative", SpeculativeConfig(), target, draft)
+        seen = []
+        for _ in range(runs):
+            res = drain(generate(target.model, target.tokenizer, method, prompt, gen))
+            assert res.token_ids == plain
+            read = next((e.internals["read_prompt"] for e in res.events if e.num_drafted), None)
+            # A run that does not draft says why in every step it was let draft (the X-ray's internals).
+            assert read is not None or "not drafting" in res.events[1].internals
+            seen.append(read)
+        return seen
+
+    stranger = loaded(native_from_hf(tiny_hf_model(seed=7, dtype=torch.float64)))
+    assert reads(stranger, 2 + MEASURE_EVERY, 40) == [MIN_READ] + [None] * MEASURE_EVERY + [MIN_READ]
+    assert _RECALL[stranger.model].gain < 1
+    kin = loaded(native_from_hf(perturbed_copy(base, 0.01)))
+    assert reads(kin, 3, 400) == [90] * 3
+    assert _RECALL[kin.model].gain > 1.3
 
 
 def test_a_draft_resuming_after_plain_steps_reads_what_they_added_as_setup(monkeypatch):
