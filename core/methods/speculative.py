@@ -28,8 +28,8 @@ on the tokens it skipped in one pass.
 The draft reads the prompt at the first step that drafts, off the first token's path, and by default
 only its last tokens where the whole would cost more than it can earn back: as many as it reads in a
 tenth of the answer's plain decoding time (:meth:`Speculative.read_window`, from this run's
-timings), and no more than half of what drafting is expected to save, at the gain the last run with
-this draft measured. Where that buys too little to draft from, the run does not draft at all (plain
+timings). Where half of what drafting is expected to save, at the gain the last run with this draft
+measured, does not pay for the fewest tokens worth reading, the run does not draft at all (plain
 steps, as the stand-down gate's), and after four such runs of its length one drafts again to measure
 the gain afresh. The draft then sees less context, which changes q only. A run that continues the
 last one (a conversation's next turn: its prompt is the last prompt, then more) keeps what the
@@ -82,11 +82,11 @@ log = logging.getLogger(__name__)
 READ_SHARE = 0.1
 #: The fewest prompt tokens the draft reads by default: the last lines before the answer.
 MIN_READ = 32
-#: The share of what drafting is expected to save the draft's read may cost by default, drafting's gain
-#: taken from the last run with this draft that measured one (:class:`_Recall`): a read that costs more
-#: than half the saving leaves too little of it to be worth the risk. Where that share does not buy
-#: :data:`MIN_READ` tokens, the run does not draft (a 48-token answer on the AMD EPYC model 17, where a
-#: 0.5B draft's chain gained 1.02-1.06x and its read of 32-46 tokens cost 3-5 of the answer's steps).
+#: The share of what drafting is expected to save that must pay for the draft's read of :data:`MIN_READ`
+#: tokens, drafting's gain taken from the last run with this draft that measured one (:class:`_Recall`):
+#: a read that costs more than half the saving leaves too little of it to be worth the risk. Where it
+#: does not, the run does not draft (a 48-token answer on the AMD EPYC model 17, where a 0.5B draft's
+#: chain gained 1.02-1.06x and its read of 32-46 tokens cost 3-5 of the answer's steps).
 READ_OF_SAVING = 0.5
 #: How many times its own answer's budget the runs that skipped drafting on the last measured gain must
 #: have had before a run drafts to measure it again (the fifth run of one length): the gain belongs to
@@ -261,10 +261,10 @@ class Speculative(Method):
         the run does not draft): as many as it reads in :data:`READ_SHARE` of the answer's plain decoding
         time, its read of a token priced at the target's (timed in this run's prefill) times the draft's
         share of the multiply-adds, the answer's plain steps at the target's one-token pass (timed by this
-        run's first step); and, where a run with this draft measured drafting's gain, no more than
-        :data:`READ_OF_SAVING` of what drafting saves at that gain, or none where that is fewer than
-        :data:`MIN_READ` tokens, until the runs that read none had :data:`MEASURE_EVERY` times this
-        answer's budget (this one then reads, and measures again)."""
+        run's first step). None at all where a run with this draft measured drafting's gain and
+        :data:`READ_OF_SAVING` of what drafting saves at that gain buys fewer than :data:`MIN_READ`
+        tokens, until the runs that read none had :data:`MEASURE_EVERY` times this answer's budget (this
+        one then reads, and measures again)."""
         step = timed_step(self.cost)
         if self._read_plan is None or not step or not self._read_share:
             return None
@@ -274,9 +274,11 @@ class Speculative(Method):
         recall = _RECALL.setdefault(self.draft_model, _Recall())
         if recall.gain is None:
             return window
+        # Not a read cut to what is affordable: its draft would see less, gain less, and the next run
+        # afford less still (a code answer's read fell from whole prompts to 40 tokens within 8 runs).
         affordable = int(READ_OF_SAVING * answer * step * max(0.0, 1 - 1 / recall.gain) / per_token)
         if affordable >= MIN_READ:
-            return min(window, affordable)
+            return window
         if recall.idle >= MEASURE_EVERY * answer:  # measure again; the count restarts once it is measured
             return window
         recall.idle += answer

@@ -256,7 +256,7 @@ def test_a_run_does_not_draft_where_its_read_would_cost_more_than_drafting_saves
     from specplay.core.decoding.engine import drain, generate
     from specplay.core.decoding.types import GenerationConfig
     from specplay.core.methods import build_method
-    from specplay.core.methods.speculative import _RECALL, MEASURE_EVERY, MIN_READ, SpeculativeConfig
+    from specplay.core.methods.speculative import _RECALL, MEASURE_EVERY, MIN_READ, SpeculativeConfig, _Recall
     from tiny import loaded, on_a_clock, perturbed_copy
 
     base = tiny_hf_model(seed=0, dtype=torch.float64)
@@ -288,6 +288,11 @@ def test_a_run_does_not_draft_where_its_read_would_cost_more_than_drafting_saves
     kin = loaded(native_from_hf(perturbed_copy(base, 0.01)))
     assert reads(kin, 3, 400) == [90] * 3
     assert _RECALL[kin.model].gain > 1.3
+    # Where half the saving at the recalled gain pays for more than 32 tokens but fewer than the answer's
+    # window (45 of 62 for a 100-token answer at 1.17x), the draft reads the window: a read cut to 45 would
+    # make the draft see less, gain less, and the next run afford less still.
+    _RECALL[kin.model] = _Recall(gain=1.17)
+    assert reads(kin, 1, 100) == [62]
 
 
 def test_a_draft_resuming_after_plain_steps_reads_what_they_added_as_setup(monkeypatch):
