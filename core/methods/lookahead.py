@@ -38,7 +38,7 @@ import torch
 
 from specplay.core.decoding.costmodel import cost_curve
 from specplay.core.decoding.method import Method, MethodConfig, RunContext, StepOutcome, param
-from specplay.core.decoding.tree import build_trie
+from specplay.core.decoding.tree import build_trie, depths
 from specplay.core.decoding.types import Draft
 
 
@@ -227,8 +227,7 @@ class Lookahead(Method):
             cut = [g[:depth] for g in cands]
             for g in range(1, len(cut) + 1):
                 tokens, parents, _ = build_trie(cut[:g])
-                levels = _depths(parents)
-                guessed = sum(per_node[d] for d in levels)
+                guessed = sum(per_node[d - 1] for d in depths(parents))
                 for window in (False, True):
                     rows = 1 + len(tokens) + (window_rows if window else 0)
                     expected = 1 + guessed + (self.config.window * per_column if window else 0)
@@ -242,8 +241,8 @@ class Lookahead(Method):
         c = self.config
         draft = outcome.draft
         accepted = outcome.verdict.accepted
-        for d in _depths(draft.parents):
-            self._nodes[d] += 1
+        for d in draft.depths():
+            self._nodes[d - 1] += 1
         for d in range(len(accepted)):
             self._accepted[d] += 1
         won = None
@@ -265,10 +264,3 @@ class Lookahead(Method):
         self.levels.append(new_level)
         return {"won": won, "hits": self.hits}
 
-
-def _depths(parents: list[int]) -> list[int]:
-    """Each node's depth past the root (0: a child of the root), ``parents`` preceding their children."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
