@@ -90,8 +90,7 @@ class StandDownGate:
         self._lost = 0.0  # plain steps drafting lost since it last gained them back (never below 0)
         self._drafting_steps = 0
         self._plain_s: float | None = None  # a plain step's time: measured, else estimated
-        self._plain_measured = False
-        self._recent_plain: list[float] = []  # the newest plain steps' times
+        self._recent_plain: list[float] = []  # the newest plain steps' times (none: not measured yet)
         self._passes_s: float | None = None  # a plain step's time by the drafting steps' passes (decayed mean)
         self._left = 0  # plain steps still to take
         self._backoff = FIRST_BACKOFF
@@ -137,7 +136,7 @@ class StandDownGate:
             # What the drafting steps' own passes say a plain step takes, weighed as their rate is.
             self._passes_s = estimate if self._passes_s is None else (
                 DECAY * self._passes_s + (1 - DECAY) * estimate)
-            if not self._plain_measured or self._passes_s < STALE_PLAIN * self._plain_s:
+            if not self._recent_plain or self._passes_s < STALE_PLAIN * self._plain_s:
                 # Plain steps are timed only while drafting stands down: one through a busy moment had
                 # kept a plain step's time high for every drafting step after it (a one-node tree
                 # accepted a quarter of the time drafted on for 24 steps at 0.9x plain steps' speed).
@@ -175,7 +174,6 @@ class StandDownGate:
         # step that shared the machine with another program says little of the next.
         self._recent_plain = (self._recent_plain + [seconds])[-PLAIN_STEPS:]
         self._plain_s = statistics.median(self._recent_plain)
-        self._plain_measured = True
 
     def state(self) -> GateState:
         return GateState(drafting=self.drafting(), first_step=self._first,
