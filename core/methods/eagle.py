@@ -123,7 +123,10 @@ def grow_tree(drafter: EagleDrafter, log_probs: Callable[[torch.Tensor], torch.T
     keep = sorted(ranked)
     new_index = {old: i for i, old in enumerate(keep)}
     parents = [new_index[par[n]] if par[n] >= 0 else -1 for n in keep]
+    # A look that keeps nothing still names the head's likeliest next token and its word for it (node 0,
+    # the root's first child): the step's own token then says whether the head was right.
     return Draft(tokens=[tok[n] for n in keep], parents=parents, q_token=[prob[n] for n in keep],
+                 memo={} if keep else {"looked": (tok[0], prob[0])},
                  shown={"shape": "dynamic", "depth": depth, "levels_grown": levels, "nodes_grown": len(tok),
                         "kept": len(keep), **({} if calibration is None else {"calibration": round(calibration.factor, 3)})})
 
@@ -273,6 +276,12 @@ class Eagle(Method):
         draft = outcome.draft
         if len(draft) and draft.q_token is not None:
             self.calibration.observe(draft.parents, draft.q_token, outcome.verdict.accepted)
+        elif "looked" in draft.memo:
+            # A look whose nodes could not pay is evidence too, as a one-node draft would have been: without
+            # it a run whose first verdicts missed kept a calibration too low to draft for good (a code
+            # answer's 128 steps looked and never drafted again after its first node was rejected).
+            token, chance = draft.memo["looked"]
+            self.calibration.observe([-1], [chance], [0] if outcome.new_tokens[:1] == [token] else [])
 
     # --------------------------------------------------------------------------- drafting
     def _log_probs(self, feats: torch.Tensor) -> torch.Tensor:

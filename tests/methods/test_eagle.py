@@ -323,3 +323,22 @@ def test_auto_size_keeps_what_the_run_bears_out(target, knowing_head, tmp_path, 
     assert {n for n, _ in wrong[5:]} == {1} and wrong[-1][1] < 0.2
     # The knowing head's first tree is small too, and from its first verdict on it keeps a tree.
     assert min(n for n, _ in right[1:]) > 2 and len(right) < len(wrong) / 2
+
+
+def test_a_head_too_doubted_to_draft_is_judged_by_its_looks(target, knowing_head, monkeypatch):
+    """A look whose nodes cannot pay still says whether the head's likeliest token was the target's: on a
+    curve where a node pays only above a 0.6 chance, the run's prior (half the head's word) keeps every
+    node of a head that knows the answer, confident as it is, below that; its looks' verdicts bring the
+    calibration up and the run drafts (it looked for all 40 steps and never drafted before)."""
+    from specplay.core.decoding.costmodel import CostCurve
+
+    method = build_method("eagle", EagleConfig(head=str(knowing_head[1]), tree="dynamic", depth=3, top_k=2), target)
+    method.cost = CostCurve.linear(0.6)
+    monkeypatch.setattr(method, "level_cost", lambda: 0.0)
+    gen = GenerationConfig(max_new_tokens=40, stop_at_eos=False, stand_down=False)
+    events = list(generate(target.model, target.tokenizer, method, PROMPT, gen))
+    first = next(e for e in events if "calibration" in e.internals)
+    assert first.num_drafted == 0 and first.internals["calibration"] == 0.5
+    drafted = [e for e in events if e.num_drafted]
+    assert len(drafted) > 10 and sum(e.num_accepted for e in drafted) > 0.8 * sum(e.num_drafted for e in drafted)
+    assert [t for e in events for t in e.committed] == list(knowing_head[0][:40])
