@@ -23,7 +23,9 @@ verified for nothing, and on a CPU each node costs a share of a step: the first 
 run read 32 nodes, none accepted, at T(33)/T(1) of a step, on a reasoning question of 12 tokens.
 A tree sized too small where the head is right loses only the tokens its missing nodes would have
 added at one step, and the first verdicts restore the head's word (one step of a three-node chain
-accepted whole brings the factor from 0.5 to about 1).
+accepted whole brings the factor from 0.5 to about 1). A tree sized to nothing must still bring a
+verdict, or a factor that fell below what any node needs stays there for the rest of the run: EAGLE
+observes its look's likeliest token against the step's own as a one-node draft.
 """
 
 from __future__ import annotations

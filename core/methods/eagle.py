@@ -16,9 +16,9 @@ Drafting: ``chain`` follows the top token for ``depth`` steps (EAGLE-1). ``dynam
 ``top_k`` frontier nodes with the highest cumulative log-probability, and finally keeps the
 best nodes of all levels for verification: at most ``total_tokens``, and with ``auto_size``
 only as many as pay for their verification on this machine (:mod:`specplay.core.decoding.costmodel`),
-none where not one does (the step is then plain, its first level the price of looking), each
-node's chance being the head's confidence as far as this run's verdicts bear it out
-(:mod:`specplay.core.decoding.calibration`); a level whose nodes are all too unlikely to pay for
+none where not one does (the step is then plain, its first level the price of looking, and the
+look's likeliest token against the step's own a verdict too), each node's chance being the head's
+confidence as far as this run's verdicts bear it out (:mod:`specplay.core.decoding.calibration`); a level whose nodes are all too unlikely to pay for
 their verification and the level's own drafting is then not grown. The head keeps its own KV cache of (true
 feature, token) pairs across steps; draft-time entries are cropped after each step and the
 accepted tokens re-enter with the target's true features.
