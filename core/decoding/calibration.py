@@ -76,3 +76,8 @@ class Calibration:
                 reached = accepted[depth]
         self._predicted = self._predicted * DECAY + predicted
         self._realized = self._realized * DECAY + realized
+
+    def observe_look(self, chance: float, right: bool) -> None:
+        """A step that drafted nothing, its drafter's likeliest next token given ``chance``: judged as a
+        one-node draft would have been, ``right`` whether the step's own token was that one."""
+        self.observe([-1], [chance], [0] if right else [])

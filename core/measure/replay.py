@@ -256,7 +256,7 @@ def replay_eagle(trees: list[_Tree | None], n: int, depth: int, total: int, top_
                 calibration.observe([index.get(tree.parents[i], -1) for i in keep], [tree.prob[i] for i in keep],
                                     [index[i] for i in keep if tree.matched[i]])
             else:  # as the method: a look that kept nothing is judged by its likeliest token (node 0)
-                calibration.observe([-1], [tree.prob[0]], [0] if tree.matched[0] else [])
+                calibration.observe_look(tree.prob[0], tree.matched[0])
         accepted = max((tree.level[i] for i in ranked if tree.matched[i]), default=0)
         out.add(accepted + 1, len(ranked), min(deep, tree.levels) + first)
         pos += accepted + 1

@@ -18,10 +18,11 @@ best nodes of all levels for verification: at most ``total_tokens``, and with ``
 only as many as pay for their verification on this machine (:mod:`specplay.core.decoding.costmodel`),
 none where not one does (the step is then plain, its first level the price of looking, and the
 look's likeliest token against the step's own a verdict too), each node's chance being the head's
-confidence as far as this run's verdicts bear it out (:mod:`specplay.core.decoding.calibration`); a level whose nodes are all too unlikely to pay for
-their verification and the level's own drafting is then not grown. The head keeps its own KV cache of (true
-feature, token) pairs across steps; draft-time entries are cropped after each step and the
-accepted tokens re-enter with the target's true features.
+confidence as far as this run's verdicts bear it out (:mod:`specplay.core.decoding.calibration`); a
+level whose nodes are all too unlikely to pay for their verification and the level's own drafting is
+then not grown. The head keeps its own KV cache of (true feature, token) pairs across steps;
+draft-time entries are cropped after each step and the accepted tokens re-enter with the target's
+true features.
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ class Eagle(Method):
             # it a run whose first verdicts missed kept a calibration too low to draft for good (a code
             # answer's 128 steps looked and never drafted again after its first node was rejected).
             token, chance = draft.memo["looked"]
-            self.calibration.observe([-1], [chance], [0] if outcome.new_tokens[:1] == [token] else [])
+            self.calibration.observe_look(chance, outcome.new_tokens[:1] == [token])
 
     # --------------------------------------------------------------------------- drafting
     def _log_probs(self, feats: torch.Tensor) -> torch.Tensor:
