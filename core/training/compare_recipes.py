@@ -30,7 +30,9 @@ the static tree those accuracies choose, at the same 600 roots.
     python -m specplay.core.training.compare_recipes answers [--to N] [--minutes M]   # more answers in the corpus
     python -m specplay.core.training.compare_recipes agreement [--splits heldout]   # the corpus against the target
     python -m specplay.core.training.compare_recipes capture [--splits train,heldout,more,rest,late,unseen]   # the shards, once
+    python -m specplay.core.training.compare_recipes own --splits heldout,probe   # the target's own answers, read too
     python -m specplay.core.training.compare_recipes shipped | shipped-medusa
+    python -m specplay.core.training.compare_recipes judge --heads FILE [--held heldout-own] --splits SPLIT
     python -m specplay.core.training.compare_recipes eagle3 --steps N [--more] [--rest] [--late] [--out FILE]
     python -m specplay.core.training.compare_recipes eagle3 --steps N --splits unseen --init FILE --out FILE
     python -m specplay.core.training.compare_recipes classic --seconds S [--name classic-time]
@@ -46,6 +48,13 @@ tokens, as the corpus's others) to the instruction prompts it does not answer ye
 ``--minutes`` ends it on time, keeping every answer finished by then. ``agreement`` reads the corpus's
 answers of ``--splits`` once (teacher forcing) and counts where the target's argmax is not the
 answer's next token: how far answers made on another storage are from this target's own.
+
+``own`` answers the prompts of ``--splits`` afresh with the target itself (greedy, on this storage, up to the
+same length), as the committed answers were made on another storage (the int8 target's, up to answer 2073),
+in resumable shards in ``<cache>/training/<target>/own-384/``, kept as a corpus of their own beside the
+committed one (``own-corpus.safetensors``), then captures each as the split ``<split>-own``: what training
+stages take in ``--splits`` and ``--held`` (the split a head is judged on; default ``heldout``) like any other;
+``judge`` judges a heads file (``--heads``) on ``--held`` as ``shipped`` judges the shipped ones.
 
 Each writes ``<cache>/training/<target>/compare/<name or stage>.json`` and prints it; ``--out``
 saves the trained head as a heads file (what ``--heads`` and ``assets/heads/`` take) and judges
@@ -84,7 +93,11 @@ TARGET = "qwen2.5-coder-1.5b-instruct"
 #: With all three, every answer of the corpus the held-out ones do not hold. ``unseen``: the late
 #: answers past the 688 the heads shipped on 2026-12-06 learnt from (2014-2701), to train those on.
 SPLITS = {"train": range(0, 200), "heldout": range(1966, 2014), "more": range(200, 1000), "rest": range(1000, 1966),
-          "late": range(2014, 1 << 20), "unseen": range(2702, 1 << 20)}
+          "late": range(2014, 1 << 20), "unseen": range(2702, 1 << 20), "probe": range(1000, 1100)}
+#: A split's name with this suffix names the target's own greedy answers to that split's prompts, made afresh on
+#: its storage by the ``own`` stage (``probe``: the first 100 of ``rest``, which the EAGLE-3 head shipped on
+#: 2026-12-01 never learnt from, small enough to regenerate, read and train on within an hour).
+OWN = "-own"
 ANSWER_TOKENS = 384  # the longest answer of the committed corpus
 TRAINING = {"batch_size": 16, "lr": 3e-4}  # specplay train eagle's defaults
 MEDUSA_TRAINING = {"batch_size": 128, "lr": 1e-3}  # specplay train medusa's
@@ -124,22 +137,64 @@ def committed_corpus(target) -> tuple[Path, str, dict[int, list[int]]]:
     return path, key, load_corpus(path, target.model_id, key)
 
 
-def capture(target, splits: list[str]) -> None:
-    """Read the target's layers, final features and top-K once for each of ``splits``' answers, into
-    resumable shards (a stopped capture goes on where it stopped)."""
-    from specplay.core.progress import log_progress
-    from specplay.core.training.data import chat_prompt_ids, instruction_prompts
+def split_keys(name: str) -> range:
+    """The prompt indices of a split (``<split>-own`` answers the same prompts as ``<split>``)."""
+    return SPLITS[name.removesuffix(OWN)]
 
-    _, key, corpus = committed_corpus(target)
-    prompts = instruction_prompts(max(corpus) + 1)
+
+def capture(target, splits: list[str]) -> None:
+    """Read the target's layers, final features and top-K once for each of ``splits``' answers (the committed
+    corpus's, or for a ``-own`` split the target's own, :func:`own_answers`), into resumable shards (a stopped
+    capture goes on where it stopped)."""
+    from specplay.core.progress import log_progress
+    from specplay.core.training.data import chat_prompt_ids, instruction_prompts, load_corpus
+
+    _, key, committed = committed_corpus(target)
+    own = load_corpus(own_corpus_path(target), target.model_id, key)
+    prompts = instruction_prompts(max(committed) + 1)
     layers = default_layers(target.model.cfg.num_layers)
     for name in splits:
-        answers = SPLITS[name]
-        keys = [k for k in answers if k in corpus]
+        corpus = own if name.endswith(OWN) else committed
+        keys = [k for k in split_keys(name) if k in corpus]
         chats = {k: chat_prompt_ids(target.tokenizer, prompts[k]) for k in keys}
         sequences, prompt_lens = corpus_sequences(corpus, chats)
         capture_teacher(target.model, sequences, prompt_lens, default_workdir(target.model_id) / "teacher" / name,
                         target_key=key, layers=layers, progress=log_progress)
+
+
+def own_corpus_path(target) -> Path:
+    return default_workdir(target.model_id) / "own-corpus.safetensors"
+
+
+def own_answers(target, splits: list[str], log=print) -> dict:
+    """The target's own greedy answers to the prompts the committed corpus answers in ``splits``, made afresh
+    (resumable shards in ``<cache>/training/<target>/own-384/``) and kept in :func:`own_corpus_path`; then
+    captured as the splits ``<split>-own``. How far they are from the committed ones: how many answers are the
+    same throughout, and where the others first part from them (answer tokens in; the texts differ from there)."""
+    from specplay.core.progress import log_progress
+    from specplay.core.training.data import (chat_prompt_ids, generate_answers, instruction_prompts, load_corpus,
+                                             save_corpus)
+
+    _, key, committed = committed_corpus(target)
+    keys = sorted({k for name in splits for k in split_keys(name) if k in committed})
+    prompts = instruction_prompts(max(committed) + 1)
+    shards = default_workdir(target.model_id) / f"own-{ANSWER_TOKENS}"
+    log(f"answering {len(keys)} prompts of {', '.join(splits)} afresh with the target")
+    generate_answers(target.model, target.tokenizer, prompts, ANSWER_TOKENS, shards, target_key=key, only=keys,
+                     progress=log_progress)
+    path = own_corpus_path(target)
+    save_corpus(shards, path, target.model_id, key)
+    own = load_corpus(path, target.model_id, key)
+    capture(target, [name + OWN for name in splits])
+    parted = []
+    for k in keys:
+        a, b = committed[k], own[k]
+        if a != b:
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            parted.append(at - len(chat_prompt_ids(target.tokenizer, prompts[k])))
+    parted.sort()
+    return {"corpus": str(path), "answers": len(keys), "same_answers": len(keys) - len(parted),
+            "first_difference": parted, "first_difference_median": parted[len(parted) // 2] if parted else None}
 
 
 def extend_corpus(target, to: int | None = None, minutes: float | None = None, log=print) -> dict:
@@ -338,6 +393,14 @@ class Comparison:
                 **self.vocab_fields(vocab_ids)}
 
 
+def heads_kind(path: Path) -> str:
+    """The kind of heads (eagle, medusa) a heads file's manifest names."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {}).get("specplay", "{}")).get("kind", "eagle")
+
+
 def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor, model_id: str,
                  layers: tuple[int, ...] = ()) -> None:
     """A heads file the eagle or medusa method reads, its manifest saying how it was made and how it
@@ -386,7 +449,8 @@ def cpu_per_step(objective, end: int, batch: int, lr: float, bf16: bool, tries: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specplay.core.training.compare_recipes",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("answers", "agreement", "capture", "shipped", "shipped-medusa", *STAGES))
+    p.add_argument("stage", choices=("answers", "agreement", "capture", "own", "shipped", "shipped-medusa", "judge",
+                                     *STAGES))
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--seconds", type=float, help="training CPU seconds (steps from a short timing unless --steps; "
                    "EAGLE recipes)")
@@ -395,7 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, help="answers: stop after this long, keeping the finished answers")
     p.add_argument("--splits", help="capture: the splits to read (default train,heldout); agreement: the splits to "
                    "judge (default heldout); training stages: the splits to train on, instead of train and the "
-                   "flags' (a head trained on from --init needs no answers it learnt from); of %s" % ", ".join(SPLITS))
+                   "flags' (a head trained on from --init needs no answers it learnt from); own: the splits to "
+                   "answer afresh; of %s, each also as <split>%s (the target's own answers, made by own)"
+                   % (", ".join(SPLITS), OWN))
+    p.add_argument("--heads", type=Path, help="judge: the heads file to judge (its manifest names its kind)")
+    p.add_argument("--held", default="heldout", choices=("heldout", "heldout" + OWN),
+                   help="training stages, shipped and judge: the held-out answers to judge on (default heldout)")
     p.add_argument("--more", action="store_true", help="train on the 'more' split too (capture it first)")
     p.add_argument("--rest", action="store_true", help="train on the 'rest' split too (capture it first)")
     p.add_argument("--late", action="store_true", help="train on the 'late' split too (capture it first)")
@@ -411,9 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage in STAGES and STAGES[args.stage].kind == "medusa" and not args.steps:
         p.error(f"{args.stage} trains for --steps")
     named = (args.splits or ("heldout" if args.stage == "agreement" else "train,heldout")).split(",")
-    if set(named) - set(SPLITS):
-        p.error(f"unknown split {', '.join(sorted(set(named) - set(SPLITS)))}: the splits are {', '.join(SPLITS)}")
-    if args.stage in STAGES and args.splits and "heldout" in named:
+    unknown = {name for name in named
+               if name.removesuffix(OWN) not in SPLITS or (args.stage == "own" and name.endswith(OWN))}
+    if unknown:
+        p.error(f"unknown split {', '.join(sorted(unknown))}: the splits are {', '.join(SPLITS)}"
+                + ("" if args.stage == "own" else f", each also as <split>{OWN}"))
+    if args.stage == "own" and not args.splits:
+        p.error("own answers the prompts of --splits")
+    if args.stage == "judge" and not args.heads:
+        p.error("judge needs --heads FILE")
+    if args.stage in STAGES and args.splits and {n.removesuffix(OWN) for n in named} & {"heldout"}:
         p.error("the held-out answers judge the heads: train on other splits")
     torch.set_num_threads(2)
     from specplay.core.models.loader import load_model
@@ -437,15 +513,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "capture":
         capture(target, named)
         return 0
-    splits = (tuple(named) if args.stage in STAGES and args.splits else
+    if args.stage == "own":
+        record = {"stage": "own", "splits": named, "storage": target.model.storage,
+                  **own_answers(target, named, log=print), "wall_s": round(time.perf_counter() - w0, 1)}
+        print(json.dumps(record))
+        return 0
+    splits = (tuple(named) if (args.stage in STAGES or args.stage == "judge") and args.splits else
               ("train",) + tuple(name for name in ("more", "rest", "late") if getattr(args, name)))
     cmp = Comparison(model, load_split(*(root / "teacher" / name for name in splits)),
-                     load_split(root / "teacher" / "heldout"))
+                     load_split(root / "teacher" / args.held))
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     command = "python -m specplay.core.training.compare_recipes " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.stage.startswith("shipped"):
         kind = "medusa" if args.stage == "shipped-medusa" else "eagle"
         record = cmp.shipped(shipped_path(kind, TARGET), kind)
+    elif args.stage == "judge":
+        record = cmp.shipped(args.heads, heads_kind(args.heads))
     else:
         start, origin = cmp.start_from(args.init, args.stage) if args.init else (None, None)
         head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log, start=start,

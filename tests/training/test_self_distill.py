@@ -376,3 +376,40 @@ def test_a_corpus_keeps_the_answers_of_its_own_target_alone(tmp_path):
     assert load_corpus(tmp_path / "corpus.safetensors", "tiny", "one") == {}
     assert load_corpus(tmp_path / "corpus.safetensors", "tiny", "other") == \
         load_corpus(tmp_path / "alone.safetensors", "tiny", "other")
+
+
+def test_own_answers_are_the_targets_greedy_ones_made_afresh_and_read_as_splits_of_their_own(monkeypatch, tmp_path):
+    """compare_recipes' own stage: the prompts of the splits named are answered afresh by the target (its
+    greedy answers, whatever the committed corpus says), kept in a corpus beside the committed one, and
+    captured as ``<split>-own``; an answer the committed corpus holds differently is counted as different."""
+    from types import SimpleNamespace
+
+    from specplay.core.training import compare_recipes as cr
+    from specplay.core.training import data
+
+    model, _ = tiny_pair(dtype=torch.float64)
+    tok = chat_tokenizer()
+    stop = tuple(model.info.eos_token_ids)
+    monkeypatch.setattr(data, "instruction_prompts", lambda n, seed=0: PROMPTS[:n])
+    monkeypatch.setattr(cr, "default_workdir", lambda target_id: tmp_path)
+    monkeypatch.setattr(cr, "ANSWER_TOKENS", 8)
+    monkeypatch.setitem(cr.SPLITS, "heldout", range(0, 2))
+    monkeypatch.setitem(cr.SPLITS, "probe", range(2, 4))
+    greedy, committed = {}, {}
+    for k in range(5):
+        tokens, _, labels = plain_greedy(model, data.chat_prompt_ids(tok, PROMPTS[k]), 8, stop=stop)
+        greedy[k] = committed[k] = tokens + [int(labels[-1])]
+    start = len(data.chat_prompt_ids(tok, PROMPTS[2]))
+    changed = (committed[2][start + 2] + 1) % model.info.vocab_size
+    committed[2] = committed[2][:start + 2] + [changed] + committed[2][start + 3:]
+    monkeypatch.setattr(cr, "committed_corpus", lambda target: (tmp_path / "committed", KEY, committed))
+    target = SimpleNamespace(model=model, tokenizer=tok, model_id="tiny")
+
+    record = cr.own_answers(target, ["heldout", "probe"], log=lambda line: None)
+    assert record["answers"] == 4 and record["same_answers"] == 3 and record["first_difference"] == [2]
+    own = data.load_corpus(cr.own_corpus_path(target), "tiny", KEY)
+    assert own == {k: greedy[k] for k in range(4)}
+    for name, keys in (("heldout-own", (0, 1)), ("probe-own", (2, 3))):
+        split = cr.load_split(tmp_path / "teacher" / name)
+        assert split.starts.numel() - 1 == len(keys)
+        assert split.num_tokens == sum(len(greedy[k]) - 1 for k in keys)

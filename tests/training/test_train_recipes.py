@@ -175,8 +175,25 @@ def test_a_training_stage_refuses_to_learn_from_the_held_out_answers(capsys):
     """``--splits`` names what a stage trains on (a head trained on from ``--init`` needs none of what it
     learnt from); the held-out answers judge every head, so training on them is refused before any
     model loads."""
+    from specplay.core.training.compare_recipes import SPLITS, main
+
+    for splits in ("unseen,heldout", "probe-own,heldout-own"):
+        with pytest.raises(SystemExit) as raised:
+            main(["eagle3", "--steps", "1", "--splits", splits])
+        assert raised.value.code == 2 and "held-out answers judge the heads" in capsys.readouterr().err
+    # probe, the trial of the target's own answers, is answers no split to learn from ever held out
+    assert set(SPLITS["probe"]) <= set(SPLITS["rest"])
+
+
+def test_the_own_stage_answers_named_splits_and_judge_names_its_file(capsys):
+    """``own`` makes the ``-own`` splits from plain ones (it is not given one); ``judge`` needs the heads file;
+    both refuse before any model loads."""
     from specplay.core.training.compare_recipes import main
 
-    with pytest.raises(SystemExit) as raised:
-        main(["eagle3", "--steps", "1", "--splits", "unseen,heldout"])
-    assert raised.value.code == 2 and "held-out answers judge the heads" in capsys.readouterr().err
+    for argv, said in ((["own"], "own answers the prompts of --splits"),
+                       (["own", "--splits", "probe-own"], "unknown split probe-own"),
+                       (["judge", "--splits", "probe"], "judge needs --heads FILE"),
+                       (["eagle3", "--steps", "1", "--splits", "nothing-own"], "unknown split nothing-own")):
+        with pytest.raises(SystemExit) as raised:
+            main(argv)
+        assert raised.value.code == 2 and said in capsys.readouterr().err, argv
