@@ -480,16 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage in STAGES and STAGES[args.stage].kind == "medusa" and not args.steps:
         p.error(f"{args.stage} trains for --steps")
     named = (args.splits or ("heldout" if args.stage == "agreement" else "train,heldout")).split(",")
-    unknown = {name for name in named
-               if name.removesuffix(OWN) not in SPLITS or (args.stage == "own" and name.endswith(OWN))}
+    plain = args.stage in ("own", "agreement")  # stages that read the committed answers' splits only
+    unknown = {name for name in named if name.removesuffix(OWN) not in SPLITS or (plain and name.endswith(OWN))}
     if unknown:
         p.error(f"unknown split {', '.join(sorted(unknown))}: the splits are {', '.join(SPLITS)}"
-                + ("" if args.stage == "own" else f", each also as <split>{OWN}"))
+                + ("" if plain else f", each also as <split>{OWN}"))
     if args.stage == "own" and not args.splits:
         p.error("own answers the prompts of --splits")
     if args.stage == "judge" and not args.heads:
         p.error("judge needs --heads FILE")
-    if args.stage in STAGES and args.splits and {n.removesuffix(OWN) for n in named} & {"heldout"}:
+    if args.stage in STAGES and args.splits and any(name.removesuffix(OWN) == "heldout" for name in named):
         p.error("the held-out answers judge the heads: train on other splits")
     torch.set_num_threads(2)
     from specplay.core.models.loader import load_model

@@ -186,12 +186,13 @@ def test_a_training_stage_refuses_to_learn_from_the_held_out_answers(capsys):
 
 
 def test_the_own_stage_answers_named_splits_and_judge_names_its_file(capsys):
-    """``own`` makes the ``-own`` splits from plain ones (it is not given one); ``judge`` needs the heads file;
-    both refuse before any model loads."""
+    """``own`` makes the ``-own`` splits from plain ones (it is not given one, nor is ``agreement``, which judges
+    the committed answers); ``judge`` needs the heads file; each refuses before any model loads."""
     from specplay.core.training.compare_recipes import main
 
     for argv, said in ((["own"], "own answers the prompts of --splits"),
                        (["own", "--splits", "probe-own"], "unknown split probe-own"),
+                       (["agreement", "--splits", "heldout-own"], "unknown split heldout-own"),
                        (["judge", "--splits", "probe"], "judge needs --heads FILE"),
                        (["eagle3", "--steps", "1", "--splits", "nothing-own"], "unknown split nothing-own")):
         with pytest.raises(SystemExit) as raised:
