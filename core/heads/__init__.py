@@ -7,8 +7,8 @@ May import: the helpers in ``specplay.core`` and :mod:`specplay.core.models` (la
 
 from specplay.core.heads.eagle import EagleHead, head_config
 from specplay.core.heads.files import (draft_lm_rows, features_warning, heads_manifest, load_heads,
-                                      resolve_heads_path, save_heads, shipped_path)
+                                      read_manifest, resolve_heads_path, save_heads, shipped_path)
 from specplay.core.heads.medusa import MedusaHeads
 
 __all__ = ["EagleHead", "MedusaHeads", "draft_lm_rows", "features_warning", "head_config", "heads_manifest",
-           "load_heads", "resolve_heads_path", "save_heads", "shipped_path"]
+           "load_heads", "read_manifest", "resolve_heads_path", "save_heads", "shipped_path"]

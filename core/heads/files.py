@@ -129,25 +129,48 @@ def save_heads(path: Path, tensors: dict[str, torch.Tensor], manifest: dict) -> 
     write_text_atomic(path.with_suffix(".json"), json.dumps(manifest, indent=2) + "\n")
 
 
-def load_heads(path: Path, kind: str, target) -> tuple[dict[str, torch.Tensor], dict]:
-    """Read a heads file of ``kind`` ("medusa" or "eagle") and check it fits ``target`` (a CausalLM)."""
+def read_manifest(path: Path, kind: str | None = None) -> dict:
+    """A heads file's manifest, read from its metadata without its tensors; ``kind`` ("medusa" or
+    "eagle"), where given, is the kind it must hold. A missing, unreadable or unmanifested file, or one of
+    another kind, raises :class:`ModelError` saying which."""
+    path = Path(path)
+    meta, _ = _read(path, kind, tensors=False)
+    return _manifest(meta, path, kind)
+
+
+def _read(path: Path, kind: str | None, tensors: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A heads file's safetensors metadata and, where asked, its tensors."""
     from safetensors import safe_open
 
-    path = Path(path)
     if not path.is_file():
-        raise ModelError(f"{kind} heads file not found: {path}")
+        raise ModelError(f"{kind or 'the'} heads file not found: {path}")
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            return f.metadata() or {}, ({k: f.get_tensor(k) for k in f.keys()} if tensors else {})
     except Exception as exc:
         raise ModelError(f"{path} is not a readable heads file (corrupt or truncated?): {exc}") from None
+
+
+def _manifest(meta: dict, path: Path, kind: str | None) -> dict:
+    """The manifest in a heads file's safetensors metadata, checked to be of ``kind`` where that is given."""
     try:
         manifest = json.loads(meta["specplay"])
     except (KeyError, json.JSONDecodeError):
-        raise ModelError(f"{path} has no SpecPlay manifest; is it a {kind} heads file trained by SpecPlay?") from None
-    if manifest.get("kind") != kind:
-        raise ModelError(f"{path} holds {manifest.get('kind', 'unknown')} heads, not {kind} heads")
+        raise ModelError(f"{path} has no SpecPlay manifest; is it a {kind or 'Medusa or EAGLE'} heads file trained "
+                         f"by SpecPlay?") from None
+    if not isinstance(manifest, dict) or manifest.get("kind") not in ("medusa", "eagle"):
+        found = manifest.get("kind", "unknown") if isinstance(manifest, dict) else "unknown"
+        raise ModelError(f"{path} holds {found} heads, not {kind or 'Medusa or EAGLE'} heads")
+    if kind is not None and manifest["kind"] != kind:
+        raise ModelError(f"{path} holds {manifest['kind']} heads, not {kind} heads")
+    return manifest
+
+
+def load_heads(path: Path, kind: str, target) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a heads file of ``kind`` ("medusa" or "eagle") and check it fits ``target`` (a CausalLM)."""
+    path = Path(path)
+    meta, tensors = _read(path, kind, tensors=True)
+    manifest = _manifest(meta, path, kind)
     info = target.info
     if manifest.get("hidden_size") != info.hidden_size:
         raise ModelError(f"{path} was trained for hidden size {manifest.get('hidden_size')} "

@@ -72,8 +72,8 @@ from pathlib import Path
 
 import torch
 
-from specplay.core.errors import Cancelled
-from specplay.core.heads import heads_manifest, load_heads, save_heads, shipped_path
+from specplay.core.errors import Cancelled, ModelError
+from specplay.core.heads import heads_manifest, load_heads, read_manifest, save_heads, shipped_path
 from specplay.core.heads.eagle3 import Eagle3Head
 from specplay.core.heads.hydra import HydraHeads
 from specplay.core.kernels.linear import has_bf16_units
@@ -393,14 +393,6 @@ class Comparison:
                 **self.vocab_fields(vocab_ids)}
 
 
-def heads_kind(path: Path) -> str:
-    """The kind of heads (eagle, medusa) a heads file's manifest names."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads((f.metadata() or {}).get("specplay", "{}")).get("kind", "eagle")
-
-
 def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor, model_id: str,
                  layers: tuple[int, ...] = ()) -> None:
     """A heads file the eagle or medusa method reads, its manifest saying how it was made and how it
@@ -489,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("own answers the prompts of --splits")
     if args.stage == "judge" and not args.heads:
         p.error("judge needs --heads FILE")
+    if args.stage == "judge":
+        try:
+            judged = read_manifest(args.heads)["kind"]
+        except ModelError as exc:
+            p.error(str(exc))
     if args.stage in STAGES and args.splits and any(name.removesuffix(OWN) == "heldout" for name in named):
         p.error("the held-out answers judge the heads: train on other splits")
     torch.set_num_threads(2)
@@ -528,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = "medusa" if args.stage == "shipped-medusa" else "eagle"
         record = cmp.shipped(shipped_path(kind, TARGET), kind)
     elif args.stage == "judge":
-        record = cmp.shipped(args.heads, heads_kind(args.heads))
+        record = cmp.shipped(args.heads, judged)
     else:
         start, origin = cmp.start_from(args.init, args.stage) if args.init else (None, None)
         head, record = cmp.trained(args.stage, args.steps, args.seconds, log=log, start=start,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specplay.core.errors import ModelError
-from specplay.core.heads import EagleHead, MedusaHeads, head_config, save_heads
+from specplay.core.heads import EagleHead, MedusaHeads, head_config, read_manifest, save_heads
 from specplay.core.methods import build_method
 from specplay.core.methods.eagle import EagleConfig
 from specplay.core.methods.medusa import MedusaConfig
@@ -56,6 +56,30 @@ def test_a_heads_file_without_a_draft_vocabulary_is_refused_naming_the_file(tmp_
         config = EagleConfig(head=str(path))
     with pytest.raises(ModelError, match=r"no-vocab\.safetensors has no draft vocabulary"):
         build_method(kind, config, target)
+
+
+def test_a_manifest_is_read_without_the_tensors_and_a_file_that_lacks_one_is_named(tmp_path):
+    """The reader the methods' loader and compare_recipes' judge share: the manifest as saved, its kind
+    checked where one is asked for; a missing file, bytes that are no heads file, a safetensors file
+    without a manifest and one whose manifest names no kind of heads are each refused, naming the file
+    (the judge's own reader had taken a file without a manifest for EAGLE heads)."""
+    path = heads_file(tmp_path / "m.safetensors", torch.tensor([4, 5]))
+    assert read_manifest(path)["num_heads"] == 2 and read_manifest(path, "medusa")["kind"] == "medusa"
+    with pytest.raises(ModelError, match=r"m\.safetensors holds medusa heads, not eagle heads"):
+        read_manifest(path, "eagle")
+    with pytest.raises(ModelError, match="heads file not found: .*none"):
+        read_manifest(tmp_path / "none.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    with pytest.raises(ModelError, match=r"junk\.safetensors is not a readable heads file"):
+        read_manifest(tmp_path / "junk.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "bare.safetensors"))
+    with pytest.raises(ModelError, match=r"bare\.safetensors has no SpecPlay manifest"):
+        read_manifest(tmp_path / "bare.safetensors")
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "odd.safetensors"), metadata={"specplay": '{"kind": "lora"}'})
+    with pytest.raises(ModelError, match=r"odd\.safetensors holds lora heads, not Medusa or EAGLE heads"):
+        read_manifest(tmp_path / "odd.safetensors")
 
 
 def test_a_draft_vocabulary_of_distinct_target_ids_in_any_order_loads(tmp_path, target):

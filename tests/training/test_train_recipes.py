@@ -185,15 +185,21 @@ def test_a_training_stage_refuses_to_learn_from_the_held_out_answers(capsys):
     assert set(SPLITS["probe"]) <= set(SPLITS["rest"])
 
 
-def test_the_own_stage_answers_named_splits_and_judge_names_its_file(capsys):
+def test_the_own_stage_answers_named_splits_and_judge_names_its_file(capsys, tmp_path):
     """``own`` makes the ``-own`` splits from plain ones (it is not given one, nor is ``agreement``, which judges
-    the committed answers); ``judge`` needs the heads file; each refuses before any model loads."""
+    the committed answers); ``judge`` needs a heads file with a manifest; each refuses before any model loads."""
+    from safetensors.torch import save_file
+
     from specplay.core.training.compare_recipes import main
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "bare.safetensors"))
 
     for argv, said in ((["own"], "own answers the prompts of --splits"),
                        (["own", "--splits", "probe-own"], "unknown split probe-own"),
                        (["agreement", "--splits", "heldout-own"], "unknown split heldout-own"),
                        (["judge", "--splits", "probe"], "judge needs --heads FILE"),
+                       (["judge", "--heads", str(tmp_path / "none.safetensors")], "heads file not found"),
+                       (["judge", "--heads", str(tmp_path / "bare.safetensors")], "has no SpecPlay manifest"),
                        (["eagle3", "--steps", "1", "--splits", "nothing-own"], "unknown split nothing-own")):
         with pytest.raises(SystemExit) as raised:
             main(argv)
