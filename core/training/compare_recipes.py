@@ -280,7 +280,8 @@ class Comparison:
         tau = eagle_tau(head, self.held, self.model.embed, self.model.lm_head_weight()[vocab_ids], vocab_ids,
                         count=self.roots)
         return {"accuracy": accuracy, "top1_by_level": [round(a, 4) for a in accuracy["top1_by_level"]],
-                "tau_sim": tau["tau_sim"], "tau_sim_roots": tau["tau_sim_roots"], "eval_windows": int(starts.numel()),
+                "tau_sim": tau["tau_sim"], "tau_sim_se": tau["tau_sim_se"], "tau_sim_roots": tau["tau_sim_roots"],
+                "eval_windows": int(starts.numel()),
                 "eval_cpu_s": round(time.process_time() - c0, 1), **self.vocab_fields(vocab_ids)}
 
     def vocab_fields(self, vocab_ids: torch.Tensor) -> dict:
@@ -388,7 +389,8 @@ class Comparison:
         tau = medusa_tau(heads, accuracy, self.held, m.embed, lm_rows, vocab_ids, count=self.roots)
         return {"top1_by_head": [round(a[0], 4) for a in accuracy], "top5_by_head": [round(sum(a[:5]), 4) for a in accuracy],
                 "accuracy": [[round(a, 4) for a in row] for row in accuracy],
-                "tau_sim": tau["tau_sim"], "tau_sim_roots": tau["tau_sim_roots"], "tau_sim_tree": tau["tau_sim_tree"],
+                "tau_sim": tau["tau_sim"], "tau_sim_se": tau["tau_sim_se"], "tau_sim_roots": tau["tau_sim_roots"],
+                "tau_sim_tree": tau["tau_sim_tree"],
                 "eval_positions": int(positions.numel()), "eval_cpu_s": round(time.process_time() - c0, 1),
                 **self.vocab_fields(vocab_ids)}
 
@@ -405,6 +407,7 @@ def save_trained(path: Path, head, record: dict, model, vocab_ids: torch.Tensor,
                               coverage=record["coverage"], command=record["command"], data=data,
                               settings=record["settings"], steps=record["steps"], train_seconds=record["train_wall_s"],
                               train_cpu_s=record["train_cpu_s"], tau_sim=round(record["tau_sim"], 4),
+                              tau_sim_se=None if record["tau_sim_se"] is None else round(record["tau_sim_se"], 4),
                               tau_sim_roots=record["tau_sim_roots"],
                               heldout={"answers": record["heldout_answers"], "tokens": record["heldout_tokens"]})
     manifest.update(r.fields(head, record["accuracy"], window=record["window"], unroll=record["depth"], init="target",
@@ -536,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
             save_trained(args.out, head, {**record, "command": command}, model, cmp.vocab_ids, TARGET,
                          default_layers(model.cfg.num_layers))  # the layers capture() read
             saved = cmp.shipped(args.out, STAGES[args.stage].kind)
-            record["as_saved"] = {k: saved[k] for k in ("tau_sim", "top1_by_level", "top1_by_head") if k in saved}
+            record["as_saved"] = {k: saved[k] for k in ("tau_sim", "tau_sim_se", "top1_by_level", "top1_by_head")
+                                  if k in saved}
             # Saved again with those figures in its manifest: the same rows, since rounding them is deterministic.
             save_trained(args.out, head, {**record, "command": command}, model, cmp.vocab_ids, TARGET,
                          default_layers(model.cfg.num_layers))

@@ -253,7 +253,9 @@ def held_out(data: TrainingData, eval_fraction: float, prompts: list[list[int]])
 def tau_fields(result: dict) -> dict:
     """What the manifest keeps of an evaluation's τ_sim."""
     tau = result.get("tau_sim")
-    return {"tau_sim": None if tau is None else round(tau, 3), "tau_sim_roots": result.get("tau_sim_roots", 0),
+    se = result.get("tau_sim_se")
+    return {"tau_sim": None if tau is None else round(tau, 3), "tau_sim_se": None if se is None else round(se, 3),
+            "tau_sim_roots": result.get("tau_sim_roots", 0),
             "tau_sim_tree": result.get("tau_sim_tree")}
 
 

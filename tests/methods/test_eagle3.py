@@ -1,5 +1,7 @@
 """EAGLE-3 heads: shapes, training, the training step equal to the drafting step, exactness, τ_sim."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from specplay.core.methods import build_method
 from specplay.core.methods.eagle import EagleConfig
 from specplay.core.models.base import ForwardOutput
 from specplay.core.training.eagle import Eagle3Objective
-from specplay.core.training.tau import accepted_length, answer_roots, eagle_tau
+from specplay.core.training.tau import accepted_length, answer_roots, eagle_tau, standard_error
 from specplay.core.training.teacher import TeacherSet, read_teacher
 from specplay.core.decoding.types import GenerationConfig
 from tiny import assert_drafts_accepted, greedy_continuations, loaded, native_from_hf, sgd_steps_lower, tiny_hf_model
@@ -244,6 +246,13 @@ def test_tau_sim_replays_what_decoding_accepts(target, tmp_path):
                     depth=4, top_k=3, total_tokens=10)
     assert sim["per_root"] == accepted
     assert sim["tau_sim"] == pytest.approx(sum(accepted) / len(accepted))
+    assert sim["tau_sim_se"] == pytest.approx(statistics.stdev(accepted) / len(accepted) ** 0.5)
+
+
+def test_the_standard_error_of_tau_sim_is_its_roots_spread_over_their_count():
+    assert standard_error([1, 2, 3, 4]) == pytest.approx(1.2909944 / 2)  # sample deviation over sqrt(4)
+    assert standard_error([2, 2, 2]) == 0.0
+    assert standard_error([3]) is None and standard_error([]) is None  # one root says nothing of the spread
 
 
 def test_answer_roots_are_drawn_from_answers_only():

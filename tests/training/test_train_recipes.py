@@ -32,7 +32,7 @@ def test_specplay_train_eagle3_prints_tau_sim_and_writes_a_head_the_method_runs(
     assert "τ_sim" in err and "by level" in err
     manifest = json.loads(out.with_suffix(".json").read_text())
     assert manifest["recipe"] == "eagle3" and manifest["layers"] == [1, 0, 1] and manifest["unroll"] == 2
-    assert 1.0 <= manifest["tau_sim"] <= 1 + 5 and manifest["tau_sim_roots"] > 0
+    assert 1.0 <= manifest["tau_sim"] <= 1 + 5 and manifest["tau_sim_roots"] > 0 and manifest["tau_sim_se"] >= 0
     assert len(manifest["accuracy"]["top1_by_level"]) == 3 and manifest["steps"] == 4
     assert json.loads(printed.splitlines()[-1])["tau_sim"] == manifest["tau_sim"]
 
@@ -65,7 +65,7 @@ def test_classic_and_hydra_medusa_heads_record_tau_sim(tmp_path, capsys):
         assert "τ_sim" in capsys.readouterr().err
         manifest = json.loads(out.with_suffix(".json").read_text())
         assert manifest["recipe"] == recipe
-        assert 1.0 <= manifest["tau_sim"] <= 4.0 and manifest["tau_sim_roots"] > 0
+        assert 1.0 <= manifest["tau_sim"] <= 4.0 and manifest["tau_sim_roots"] > 0 and manifest["tau_sim_se"] >= 0
         assert manifest["tau_sim_tree"]["shape"] == "static" and len(manifest["top1"]) == 3
 
 
