@@ -146,12 +146,19 @@ def capture(target, splits: list[str]) -> None:
     """Read the target's layers, final features and top-K once for each of ``splits``' answers (the committed
     corpus's, or for a ``-own`` split the target's own, :func:`own_answers`), into resumable shards (a stopped
     capture goes on where it stopped)."""
-    from specplay.core.progress import log_progress
-    from specplay.core.training.data import chat_prompt_ids, instruction_prompts, load_corpus
+    from specplay.core.training.data import instruction_prompts, load_corpus
 
     _, key, committed = committed_corpus(target)
     own = load_corpus(own_corpus_path(target), target.model_id, key)
-    prompts = instruction_prompts(max(committed) + 1)
+    _capture(target, splits, key, committed, own, instruction_prompts(max(committed) + 1))
+
+
+def _capture(target, splits: list[str], key: str, committed: dict[int, list[int]], own: dict[int, list[int]],
+             prompts: list[str]) -> None:
+    """:func:`capture` on the corpora and prompts its caller has read."""
+    from specplay.core.progress import log_progress
+    from specplay.core.training.data import chat_prompt_ids
+
     layers = default_layers(target.model.cfg.num_layers)
     for name in splits:
         corpus = own if name.endswith(OWN) else committed
@@ -185,7 +192,7 @@ def own_answers(target, splits: list[str], log=print) -> dict:
     path = own_corpus_path(target)
     save_corpus(shards, path, target.model_id, key)
     own = load_corpus(path, target.model_id, key)
-    capture(target, [name + OWN for name in splits])
+    _capture(target, [name + OWN for name in splits], key, committed, own, prompts)
     parted = []
     for k in keys:
         a, b = committed[k], own[k]
@@ -482,9 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                 + ("" if plain else f", each also as <split>{OWN}"))
     if args.stage == "own" and not args.splits:
         p.error("own answers the prompts of --splits")
-    if args.stage == "judge" and not args.heads:
-        p.error("judge needs --heads FILE")
     if args.stage == "judge":
+        if not args.heads:
+            p.error("judge needs --heads FILE")
         try:
             judged = read_manifest(args.heads)["kind"]
         except ModelError as exc:
