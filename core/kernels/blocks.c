@@ -286,15 +286,31 @@ __attribute__((target("avx2,fma"))) static void quantize_block(const float *v, b
     b->d = amax / 127.0f;
     __m256 scale = _mm256_set1_ps(id);
     __m256i most = _mm256_set1_epi32(127), least = _mm256_set1_epi32(-127);
-    int32_t q[QK];
+    __m256i q[QK / 8]; /* value order, eight a vector */
     for (int l = 0; l < QK; l += 8) {
         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(v + l), scale);
         __m256i n = _mm256_and_si256(_mm256_cvtps_epi32(x), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
-        _mm256_storeu_si256((__m256i *)(q + l), _mm256_max_epi32(_mm256_min_epi32(n, most), least));
+        q[l / 8] = _mm256_max_epi32(_mm256_min_epi32(n, most), least);
     }
-    int sums[16] = {0};
-    for (int l = 0; l < QK; l++) sums[l / 16] += q[l];
-    for (int byte = 0; byte < QK; byte++) b->q[byte] = (int8_t)q[position(byte)];
+    /* The 16-group sums, eight groups at a time: each group's two vectors added, then pairs of lanes. */
+    int sums[16];
+    for (int s = 0; s < 16; s += 8) {
+        __m256i a[8];
+        for (int g = 0; g < 8; g++) a[g] = _mm256_add_epi32(q[2 * (s + g)], q[2 * (s + g) + 1]);
+        __m256i lo4 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+        __m256i hi4 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+        __m256i low = _mm256_permute2x128_si256(lo4, hi4, 0x20), high = _mm256_permute2x128_si256(lo4, hi4, 0x31);
+        _mm256_storeu_si256((__m256i *)(sums + s), _mm256_add_epi32(low, high));
+    }
+    /* The order of ``position``: bytes 128h + 32p .. + 31 are chunks t = 2p, 2p + 1 of half h, chunk t
+     * holding 4-value unit t of each 32-group 4h + i (i = 0..3), unit t being the low (t even) or high
+     * 128 bits of vector 16h + 4i + p. Two packs (in range: no saturation) lay them out in that order. */
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 4; p++) {
+            __m256i i01 = _mm256_packs_epi32(q[16 * h + p], q[16 * h + 4 + p]);
+            __m256i i23 = _mm256_packs_epi32(q[16 * h + 8 + p], q[16 * h + 12 + p]);
+            _mm256_storeu_si256((__m256i *)(void *)(b->q + 128 * h + 32 * p), _mm256_packs_epi16(i01, i23));
+        }
     for (int i4 = 0; i4 < 4; i4++) {
         for (int e = 0; e < 2; e++) b->xmin[e][i4] = b->d * (float)(sums[8 * e + 2 * i4] + sums[8 * e + 2 * i4 + 1]);
         for (int hu = 0; hu < 4; hu++) b->neg32[hu][i4] = -32 * sums[8 * (hu / 2) + 2 * i4 + hu % 2];
