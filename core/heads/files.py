@@ -60,9 +60,12 @@ def heads_manifest(kind: str, recipe: str, *, target: str, model, vocab_ids: tor
 _FINGERPRINT_IDS = (3, 1000, 17, 9001, 256, 42, 7777, 128, 5, 31415, 271, 828, 1828, 4590, 45, 2)
 #: How many of the last position's hidden values it keeps (evenly spaced over the hidden size).
 FINGERPRINT_VALUES = 32
-#: The relative distance between two fingerprints past which features differ: a storage or file that
-#: computes the same model otherwise moves them by float rounding alone (about 1e-6).
-FINGERPRINT_TOLERANCE = 1e-3
+#: The relative distance between two fingerprints past which features differ. The same storage moves
+#: them too, by more than its rounding: a row's activations are rounded to integers at every layer, and
+#: a last bit that crosses a rounding carries on. On the 1.5B target, an exponential changed in its last
+#: bits (the C layers' e^x, within 1 ulp) moved them by 2.8%; the same weights in int8 rows differ from
+#: its GGUF blocks by 11%.
+FINGERPRINT_TOLERANCE = 0.05
 _FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
