@@ -20,6 +20,16 @@ def target():
     return loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)))
 
 
+@pytest.fixture(autouse=True)
+def first_run():
+    """Every test's runs start at the guesses' prior, whatever the runs before it measured."""
+    from specplay.core.methods import lookahead
+
+    lookahead._RECALL.clear()
+    yield
+    lookahead._RECALL.clear()
+
+
 def run(target, config, n=80):
     gen = GenerationConfig(max_new_tokens=n, stop_at_eos=False, stand_down=False)
     return drain(generate(target.model, target.tokenizer, build_method("lookahead", config, target), PROMPT, gen))
@@ -135,6 +145,7 @@ def test_cost_sized_lookahead_runs_everything_where_rows_are_free_and_waits_wher
     verifying: every step is plain. Greedy decoding's tokens either way."""
     from specplay.core.decoding import costmodel
     from specplay.core.decoding.costmodel import CostCurve
+    from specplay.core.methods import lookahead
 
     base = run(target, LookaheadConfig(window=5, ngram=4, guesses=5, cost_sized=False))
     monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.0))
@@ -147,7 +158,9 @@ def test_cost_sized_lookahead_runs_everything_where_rows_are_free_and_waits_wher
     assert dear.token_ids == base.token_ids and dear.metrics.drafted == 0
     assert all(not e.internals["sized"]["window"] for e in dear.events[:-1])
     # With the prompt's n-grams in the pool, guesses are verified at first (their prior pays for a row);
-    # this tiny model never follows them, and once the run has seen that it verifies none.
+    # this tiny model never follows them, and once the run has seen that it verifies none. (A first run
+    # on this target: the runs above left it their rate.)
+    lookahead._RECALL.clear()
     guessing = run(target, LookaheadConfig(window=5, ngram=4, guesses=5))
     assert guessing.token_ids == base.token_ids and guessing.metrics.drafted > 0 == guessing.metrics.accepted
     assert all(e.num_drafted == 0 for e in guessing.events[len(guessing.events) // 2:])
@@ -231,3 +244,29 @@ def test_guesses_are_verified_only_as_deep_as_they_pay(target, monkeypatch):
     assert steep[0] == ([1, 2, 3], 3)  # the prior prices every depth alike
     assert steep[-4:] == [([1], 1)] * 4
     assert [depth for _, depth in drafts(0.0)] == [3] * 12  # (the window's n-grams join the guesses there)
+
+
+def test_a_run_starts_at_the_rate_the_last_run_on_its_target_ended_with(target, monkeypatch):
+    """The guesses' prior is the last run's rate on the same target: where a row costs 15% of a step, a
+    first run verifies the prompt's n-grams at the 0.3 prior until its misses pull the rate down; the
+    next, starting where that one ended, stops sooner, and the one after verifies none. A warm-up (a run shorter
+    than the recall's budget) leaves the rate as it was, and another target starts at the prior."""
+    from specplay.core.decoding import costmodel
+    from specplay.core.decoding.costmodel import CostCurve
+    from specplay.core.methods import lookahead
+    from specplay.core.methods.speculative import RECALL_BUDGET
+
+    monkeypatch.setitem(costmodel._CURVES, target.model, CostCurve.linear(0.15))
+    config = LookaheadConfig(window=5, ngram=4, guesses=5)
+    first = run(target, config)
+    assert first.events[0].num_drafted > 0 and first.metrics.accepted == 0
+    ended = lookahead._RECALL[target.model]
+    assert ended < Lookahead.GUESS_PRIOR[0]
+    run(target, config, n=RECALL_BUDGET - 1)
+    assert lookahead._RECALL[target.model] == ended
+    second, third = run(target, config), run(target, config)
+    assert second.token_ids == third.token_ids == first.token_ids
+    assert 0 < second.metrics.drafted < first.metrics.drafted and third.metrics.drafted == 0
+    other = loaded(native_from_hf(tiny_hf_model(seed=0, dtype=torch.float64)))
+    monkeypatch.setitem(costmodel._CURVES, other.model, CostCurve.linear(0.15))
+    assert run(other, config).events[0].num_drafted > 0
