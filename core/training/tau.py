@@ -14,6 +14,8 @@ by held-out accuracy (:func:`specplay.core.decoding.tree.choose_tree`).
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from specplay.core.decoding.tree import TreeSpec, choose_tree
@@ -48,11 +50,7 @@ def standard_error(lengths: list[int]) -> float | None:
     """The standard error of τ_sim, the mean of ``lengths`` (one accepted length per root), as an estimate
     of the mean over every held-out root: about 0.055 at 600 roots. Heads judged on the same roots differ
     by less noise than their two errors add up to, since they share the roots."""
-    n = len(lengths)
-    if n < 2:
-        return None
-    mean = sum(lengths) / n
-    return (sum((x - mean) ** 2 for x in lengths) / (n - 1) / n) ** 0.5
+    return statistics.stdev(lengths) / len(lengths) ** 0.5 if len(lengths) > 1 else None
 
 
 def accepted_length(parents: list[int], tokens: list[int], wanted: list[int]) -> int:
