@@ -219,10 +219,15 @@ class Lookahead(Method):
         rate, weight = prior
         return (accepted + rate * weight) / (over + weight)
 
+    def _guess_rate(self) -> float:
+        """Tokens accepted per guessed node verified over all depths, leaning on the last run's rate
+        (:data:`_RECALL`) or :data:`GUESS_PRIOR`."""
+        return self._rate(self._guess_prior, sum(self._accepted), sum(self._nodes))
+
     def _depth_rates(self) -> list[float]:
-        """Tokens accepted per guessed node verified at each depth, each leaning on the rate over all
-        depths (:data:`DEPTH_WEIGHT`), that one on the last run's (:data:`_RECALL`) or :data:`GUESS_PRIOR`."""
-        pooled = self._rate(self._guess_prior, sum(self._accepted), sum(self._nodes))
+        """Tokens accepted per guessed node verified at each depth, each leaning on :meth:`_guess_rate`
+        (:data:`DEPTH_WEIGHT`)."""
+        pooled = self._guess_rate()
         return [self._rate((pooled, self.DEPTH_WEIGHT), a, n) for a, n in zip(self._accepted, self._nodes)]
 
     def _sized(self, cands: list) -> tuple[list, bool, float]:
@@ -260,7 +265,7 @@ class Lookahead(Method):
         for d in range(len(accepted)):
             self._accepted[d] += 1
         if self._target is not None and len(draft) and ctx.config.max_new_tokens >= RECALL_BUDGET:
-            _RECALL[self._target] = self._rate(self._guess_prior, sum(self._accepted), sum(self._nodes))
+            _RECALL[self._target] = self._guess_rate()
         won = None
         if accepted:
             self.hits += 1
