@@ -39,10 +39,10 @@ __attribute__((target(VEC))) static void rms_norm_row(const float *x, const floa
 /* e^x in each of eight lanes, one fixed sequence of operations per lane (so a value's result never
  * depends on its neighbours, the vector width or the path): x clamped to [-87, 88] (a NaN kept),
  * x = n ln 2 + r with n the nearest integer to x / ln 2 and ln 2 in two parts (Cody and Waite), e^r
- * by Cephes' polynomial (within 1 ulp of e^x over the clamp: every eighth float of it checked
- * against double precision), times 2^n from its exponent bits. Outside
- * the clamp the result saturates (e^88 for more, e^-87 for less) instead of overflowing. Eight
- * lanes at once where libm's expf took one value at a time: the MLP's gate read 8,960 a row. */
+ * by Cephes' polynomial (within 1 ulp of e^x over the clamp: every eighth float of it checked against
+ * double precision), times 2^n from its exponent bits. Outside the clamp the result saturates (e^88
+ * for more, e^-87 for less) instead of overflowing. Eight lanes at once where libm's expf took one
+ * value at a time: the MLP's gate read 8,960 a row. */
 __attribute__((target(VEC))) static __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),

@@ -118,10 +118,10 @@ def _manifested_heads(path, model, **manifest):
 
 
 def test_heads_warn_on_a_target_whose_features_are_not_the_ones_they_learnt(tmp_path, target):
-    """A manifest keeps the features' fingerprint: heads on the target they learnt load in silence; on
-    a target whose features differ (a perturbed copy, as another storage of the same weights would
-    be) the method warns, on one whose features moved as rounding moves them it does not, the run's record and its stats line carry it; a file of before the
-    fingerprint warns by the storage it names."""
+    """A manifest keeps the features' fingerprint: heads on the target they learnt load in silence, and on
+    one whose features moved as rounding moves them; on a target whose features differ (a perturbed copy,
+    as another storage of the same weights would be) the method warns, the run's record and its stats
+    line carry it; a file of before the fingerprint warns by the storage it names."""
     from specplay.core.decoding.engine import drain, generate
     from specplay.core.decoding.types import GenerationConfig
     from specplay.core.records.runlog import RunRecord, stats_line

@@ -249,8 +249,8 @@ def test_guesses_are_verified_only_as_deep_as_they_pay(target, monkeypatch):
 def test_a_run_starts_at_the_rate_the_last_run_on_its_target_ended_with(target, monkeypatch):
     """The guesses' prior is the last run's rate on the same target: where a row costs 15% of a step, a
     first run verifies the prompt's n-grams at the 0.3 prior until its misses pull the rate down; the
-    next, starting where that one ended, stops sooner, and the one after verifies none. A warm-up (a run shorter
-    than the recall's budget) leaves the rate as it was, and another target starts at the prior."""
+    next, starting where that one ended, stops sooner, and the one after verifies none. A warm-up (a run
+    shorter than the recall's budget) leaves the rate as it was, and another target starts at the prior."""
     from specplay.core.decoding import costmodel
     from specplay.core.decoding.costmodel import CostCurve
     from specplay.core.methods import lookahead
