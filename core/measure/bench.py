@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import statistics
 import time
@@ -124,7 +125,45 @@ def _against_baseline(ok: list[dict], base_ok: list[dict], same_by: str) -> dict
             ratios.append(statistics.fmean(mine) / statistics.fmean(theirs))
     return {"speedup": statistics.fmean(ratios) if ratios else None,
             "speedup_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
+            "speedup_interval": _speedup_interval(pairs),
             "identical": all(r[same_by] == b[same_by] for r, b in pairs) if pairs else None}
+
+
+#: Resamplings of the questions behind a speedup's interval, and the interval's coverage.
+INTERVAL_DRAWS, INTERVAL_LEVEL = 2000, 0.95
+
+
+def _speedup_interval(pairs: list[tuple[dict, dict]]) -> list[float] | None:
+    """A percentile bootstrap interval of the speedup (:data:`INTERVAL_LEVEL`): the questions drawn again
+    with replacement :data:`INTERVAL_DRAWS` times (a fixed seed), each draw's speedup computed as the
+    speedup itself is (per repeat, a ratio of mean speeds; then their mean). A method and its baseline
+    answer each question within the same minute, so a question's ratio carries both what the question
+    asks of the method and what the shared machine was doing then: how far another set of questions,
+    or another minute, could move the figure. None with fewer than two questions."""
+    by_question: dict = {}
+    for r, b in pairs:
+        by_question.setdefault(r["question_id"], {})[r["repeat"]] = (_speed(r), _speed(b))
+    questions = sorted(by_question)
+    if len(questions) < 2:
+        return None
+    repeats = sorted({k for per in by_question.values() for k in per})
+    rng = random.Random(0)
+    draws = []
+    for _ in range(INTERVAL_DRAWS):
+        drawn = [by_question[rng.choice(questions)] for _ in questions]
+        ratios = []
+        for k in repeats:
+            mine = [per[k][0] for per in drawn if k in per]
+            theirs = [per[k][1] for per in drawn if k in per]
+            if mine and statistics.fmean(theirs) > 0:
+                ratios.append(statistics.fmean(mine) / statistics.fmean(theirs))
+        if ratios:
+            draws.append(statistics.fmean(ratios))
+    if not draws:
+        return None
+    draws.sort()
+    tail = (1 - INTERVAL_LEVEL) / 2
+    return [draws[int(tail * len(draws))], draws[min(len(draws) - 1, int((1 - tail) * len(draws)))]]
 
 
 def format_summary(summary: dict, verify_cost: dict | None = None, temperature: float = 0.0) -> str:
@@ -134,18 +173,23 @@ def format_summary(summary: dict, verify_cost: dict | None = None, temperature: 
     groups = [g for g in next(iter(summary.values())) if g != "overall"] + ["overall"]
     width = max(18, *(len(m) + 1 for m in summary))
     head = (f"{'method':{width}s}" + "".join(f"{g[:12]:>13s}" for g in groups)
-            + f"{'tok/s':>9s}{'TTFT s':>8s}{'τ':>7s}{'accept':>8s}  same")
+            + f"{'95% range':>12s}{'tok/s':>9s}{'TTFT s':>8s}{'τ':>7s}{'accept':>8s}  same")
     lines = [head, "-" * len(head)]
     for method, per in summary.items():
         cells = "".join(f"{per[g]['speedup']:12.2f}x" if per.get(g, {}).get("speedup") is not None else f"{'-':>13s}"
                         for g in groups)
         o = per["overall"]
+        interval = o.get("speedup_interval")
+        spread = f"{interval[0]:.2f}-{interval[1]:.2f}" if interval else "-"
         speed = f"{o['tokens_per_s']:9.2f}" if o["tokens_per_s"] is not None else f"{'-':>9s}"
         ttft = f"{o['time_to_first_token']:8.2f}" if o.get("time_to_first_token") is not None else f"{'-':>8s}"
         tau = f"{o['mean_accepted']:7.2f}" if o.get("mean_accepted") is not None else f"{'-':>7s}"
         acc = f"{o['acceptance_rate']:8.0%}" if o.get("acceptance_rate") is not None else f"{'-':>8s}"
         same = {True: "✓", False: "✗", None: "-"}[o.get("identical") if temperature == 0 else None]
-        lines.append(f"{method:{width}s}{cells}{speed}{ttft}{tau}{acc}  {same}")
+        lines.append(f"{method:{width}s}{cells}{spread:>12s}{speed}{ttft}{tau}{acc}  {same}")
+    if any(per["overall"].get("speedup_interval") for per in summary.values()):
+        lines.append(f"95% range: the overall speedup's {INTERVAL_LEVEL:.0%} bootstrap interval, the questions drawn "
+                     f"again {INTERVAL_DRAWS:,} times (how far other questions, or another minute, could move it)")
     for method, per in summary.items():
         o = per["overall"]
         if o["failures"]:

@@ -49,6 +49,28 @@ def test_repeats_average_speedups_per_repeat():
     assert s["m"]["code"]["speedup_std"] > 0
 
 
+
+def test_the_speedup_interval_spans_what_other_questions_would_give():
+    ids = range(1, 9)
+    qs = [Question(i, "code", ("x",)) for i in ids]
+    base = [rec(i, "code", [10], [1.0]) for i in ids]
+    # Every question twice as fast: no draw of the questions gives anything else.
+    even = summarize({"autoregressive": base, "m": [rec(i, "code", [10], [0.5]) for i in ids]}, qs)
+    assert even["m"]["overall"]["speedup_interval"] == pytest.approx([2.0, 2.0])
+    # Half the questions 3x, half 1x (speedup 2): the interval holds 2, stays inside 1..3 and is wide.
+    mixed = [rec(i, "code", [10], [1 / 3 if i % 2 else 1.0]) for i in ids]
+    s = summarize({"autoregressive": base, "m": mixed}, qs)
+    lo, hi = s["m"]["overall"]["speedup_interval"]
+    assert s["m"]["overall"]["speedup"] == pytest.approx(2.0)
+    assert 1.0 <= lo < 1.8 and 2.2 < hi <= 3.0
+    assert summarize({"autoregressive": base, "m": mixed}, qs)["m"]["overall"]["speedup_interval"] == [lo, hi]
+    assert f"{lo:.2f}-{hi:.2f}" in format_summary(s) and "95% range" in format_summary(s)
+    # One question: nothing to draw from.
+    one = summarize({"autoregressive": base[:1], "m": mixed[:1]}, qs[:1])
+    assert one["m"]["overall"]["speedup_interval"] is None
+    assert "95% range:" not in format_summary(one)
+
+
 def test_question_files_are_validated_line_by_line(tmp_path):
     p = tmp_path / "q.jsonl"
     p.write_text('{"question_id": 1, "category": "x", "turns": ["hi"]}\n{"question_id": 2, "turns": []}\n')
@@ -531,8 +553,9 @@ def test_a_temperature_sweep_reports_each_temperature_and_a_single_one_writes_wh
     assert [line.split()[:2] for line in table.splitlines() if line.startswith("prompt_lookup")] == [
         ["prompt_lookup", "code"]]
     # at T > 0 outputs are not expected to equal the baseline's, and the table does not judge them by it
-    last = format_summary(sweep["by_temperature"][1.0], temperature=1.0).splitlines()[-1]
-    assert last.startswith("prompt_lookup") and last.endswith("  -")
+    row = next(line for line in format_summary(sweep["by_temperature"][1.0], temperature=1.0).splitlines()
+               if line.startswith("prompt_lookup"))
+    assert row.endswith("  -")
 
     # A single temperature writes summary.json and the answer files as before a sweep existed,
     # and its answers are the sweep's at that temperature (same seed, same settings; compared on the
