@@ -293,6 +293,12 @@ def test_a_run_does_not_draft_where_its_read_would_cost_more_than_drafting_saves
     # make the draft see less, gain less, and the next run afford less still.
     _RECALL[kin.model] = _Recall(gain=1.17)
     assert reads(kin, 1, 100) == [62]
+    # A draft that had gained well (1.4x) and meets a prompt it knows badly: its next run still reads and
+    # drafts (the recall is that run's gain averaged with the 1.4x), the run after a second such one
+    # does not.
+    _RECALL[stranger.model] = _Recall(gain=1.4)
+    assert reads(stranger, 3, 100) == [62, 62, None]
+    assert _RECALL[stranger.model].gain < 1.17
 
 
 def test_a_draft_resuming_after_plain_steps_reads_what_they_added_as_setup(monkeypatch):
