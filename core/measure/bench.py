@@ -117,46 +117,47 @@ def _against_baseline(ok: list[dict], base_ok: list[dict], same_by: str) -> dict
     questions both answered."""
     by_key = {(r["repeat"], r["question_id"]): r for r in base_ok}
     pairs = [(r, by_key[(r["repeat"], r["question_id"])]) for r in ok if (r["repeat"], r["question_id"]) in by_key]
-    ratios = []
-    for k in sorted({r["repeat"] for r, _ in pairs}):
-        mine = [_speed(r) for r, b in pairs if r["repeat"] == k]
-        theirs = [_speed(b) for r, b in pairs if r["repeat"] == k]
-        if statistics.fmean(theirs) > 0:
-            ratios.append(statistics.fmean(mine) / statistics.fmean(theirs))
+    by_question: dict = {}
+    for r, b in pairs:
+        by_question.setdefault(r["question_id"], []).append((r["repeat"], _speed(r), _speed(b)))
+    ratios = _repeat_ratios([s for speeds in by_question.values() for s in speeds])
     return {"speedup": statistics.fmean(ratios) if ratios else None,
             "speedup_std": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
-            "speedup_interval": _speedup_interval(pairs),
+            "speedup_interval": _speedup_interval(by_question),
             "identical": all(r[same_by] == b[same_by] for r, b in pairs) if pairs else None}
+
+
+def _repeat_ratios(speeds: list[tuple[int, float, float]]) -> list[float]:
+    """Per repeat, in order, the method's mean speed over the baseline's, from (repeat, the method's speed,
+    the baseline's speed) a question; a repeat whose baseline made nothing is left out."""
+    ratios = []
+    for k in sorted({rep for rep, _, _ in speeds}):
+        mine = [m for rep, m, _ in speeds if rep == k]
+        theirs = [b for rep, _, b in speeds if rep == k]
+        if statistics.fmean(theirs) > 0:
+            ratios.append(statistics.fmean(mine) / statistics.fmean(theirs))
+    return ratios
 
 
 #: Resamplings of the questions behind a speedup's interval, and the interval's coverage.
 INTERVAL_DRAWS, INTERVAL_LEVEL = 2000, 0.95
 
 
-def _speedup_interval(pairs: list[tuple[dict, dict]]) -> list[float] | None:
+def _speedup_interval(by_question: dict[int, list[tuple[int, float, float]]]) -> list[float] | None:
     """A percentile bootstrap interval of the speedup (:data:`INTERVAL_LEVEL`): the questions drawn again
     with replacement :data:`INTERVAL_DRAWS` times (a fixed seed), each draw's speedup computed as the
     speedup itself is (per repeat, a ratio of mean speeds; then their mean). A method and its baseline
     answer each question within the same minute, so a question's ratio carries both what the question
     asks of the method and what the shared machine was doing then: how far another set of questions,
-    or another minute, could move the figure. None with fewer than two questions."""
-    by_question: dict = {}
-    for r, b in pairs:
-        by_question.setdefault(r["question_id"], {})[r["repeat"]] = (_speed(r), _speed(b))
+    or another minute, could move the figure. ``by_question``: each question's (repeat, the method's
+    speed, the baseline's speed). None with fewer than two questions."""
     questions = sorted(by_question)
     if len(questions) < 2:
         return None
-    repeats = sorted({k for per in by_question.values() for k in per})
     rng = random.Random(0)
     draws = []
     for _ in range(INTERVAL_DRAWS):
-        drawn = [by_question[rng.choice(questions)] for _ in questions]
-        ratios = []
-        for k in repeats:
-            mine = [per[k][0] for per in drawn if k in per]
-            theirs = [per[k][1] for per in drawn if k in per]
-            if mine and statistics.fmean(theirs) > 0:
-                ratios.append(statistics.fmean(mine) / statistics.fmean(theirs))
+        ratios = _repeat_ratios([s for _ in questions for s in by_question[rng.choice(questions)]])
         if ratios:
             draws.append(statistics.fmean(ratios))
     if not draws:

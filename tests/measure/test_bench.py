@@ -49,7 +49,6 @@ def test_repeats_average_speedups_per_repeat():
     assert s["m"]["code"]["speedup_std"] > 0
 
 
-
 def test_the_speedup_interval_spans_what_other_questions_would_give():
     ids = range(1, 9)
     qs = [Question(i, "code", ("x",)) for i in ids]
